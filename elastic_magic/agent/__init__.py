@@ -1,0 +1,1 @@
+"""The supervisor that lives in the kernel: rendezvous, workers, monitoring, restarts."""

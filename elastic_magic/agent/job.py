@@ -1,0 +1,115 @@
+"""A running job as the kernel sees it: the agent thread, its inbox and its events."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..events import Event, JobState
+from ..payload import Payload
+from ..result import JobResult
+from ..spec import JobSpec
+from .supervisor import Agent, StopCommand
+
+# Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
+# about 1000 messages/s, and each update may resend a widget's whole state.
+RENDER_INTERVAL = 0.1
+
+Renderer = Callable[[list[Event]], None]
+
+
+def new_run_id() -> str:
+    return f"em-{uuid.uuid4().hex[:12]}"
+
+
+class AgentError(RuntimeError):
+    """The agent itself failed (not the user's code); workers were stopped."""
+
+
+class Job:
+    """Handle on one elastic job. Commands are queued: safe from any thread."""
+
+    def __init__(self, spec: JobSpec, payload: Payload, run_id: str | None = None) -> None:
+        self.spec = spec
+        self.run_id = run_id or new_run_id()
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._agent = Agent(spec, payload, self.run_id, self.events.put, self._inbox)
+        self._done = threading.Event()
+        self.result: JobResult | None = None
+        self.error: BaseException | None = None
+        # Spawning from this long-lived thread matters: PR_SET_PDEATHSIG fires when the
+        # spawning *thread* exits.
+        self._thread = threading.Thread(
+            target=self._run, name=f"elastic-agent-{self.run_id}", daemon=True
+        )
+
+    def start(self) -> Job:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.result = self._agent.run()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def state(self) -> JobState:
+        return self._agent.state
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Ask the agent to stop every worker (SIGINT, then SIGTERM, then SIGKILL)."""
+        self._inbox.put(StopCommand(reason))
+
+    def wait(self, render: Renderer | None = None) -> JobResult:
+        """Block until the job ends, handing batched events to ``render``.
+
+        Ctrl-C (a kernel interrupt) stops the workers first, then raises KeyboardInterrupt.
+        """
+        interrupted = False
+        while True:
+            try:
+                finished = self._render_batch(render)
+            except KeyboardInterrupt:
+                if not interrupted:
+                    interrupted = True
+                    self.stop("interrupted")
+                continue  # keep waiting: the agent escalates to SIGKILL on its own
+            if finished:
+                break
+        self._thread.join()
+        if self.error is not None:
+            raise AgentError(f"the elastic agent failed: {self.error!r}") from self.error
+        if interrupted:
+            raise KeyboardInterrupt
+        assert self.result is not None
+        return self.result
+
+    def _render_batch(self, render: Renderer | None) -> bool:
+        """Render what arrived within one interval; True once the job has ended."""
+        started = time.monotonic()
+        batch: list[Event] = []
+        try:
+            batch.append(self.events.get(timeout=RENDER_INTERVAL))
+            while True:
+                batch.append(self.events.get_nowait())
+        except queue.Empty:
+            pass
+        if batch and render is not None:
+            render(batch)
+        finished = self.done and self.events.empty()
+        if batch and not finished:
+            time.sleep(max(0.0, RENDER_INTERVAL - (time.monotonic() - started)))
+        return finished
+

@@ -1,0 +1,114 @@
+"""Glue to torch's c10d rendezvous, and per-round worker stores.
+
+The rendezvous itself is torch's (DynamicRendezvousHandler over C10dRendezvousBackend, on a
+TCPStore hosted here). Worker process groups do NOT share that store: every round gets a
+fresh TCPStore, hosted by node rank 0's agent on an OS-assigned port, so a restarted group
+can never meet keys left by a dead one (the failure mode of torchrun's shared store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import Store, TCPStore
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+_WORKER_STORE_KEY = "elastic_magic/worker_store"
+_LOCAL_SIZE_PREFIX = "elastic_magic/local_world_size/"
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """This node's place in one completed rendezvous round."""
+
+    round: int
+    node_rank: int
+    nnodes: int
+    base_rank: int  # global rank of this node's local rank 0
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+class Rendezvous:
+    """One job's membership: torch's dynamic rendezvous plus per-round worker stores."""
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        host: str = "127.0.0.1",
+        min_nodes: int = 1,
+        max_nodes: int = 1,
+        join_timeout: float = 600.0,
+        last_call_timeout: float = 1.0,
+    ) -> None:
+        self.run_id = run_id
+        self.host = host
+        # Port 0: the OS picks a free port at bind time (never pick-then-bind).
+        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        backend = C10dRendezvousBackend(self.store, run_id)
+        self.handler = DynamicRendezvousHandler.from_backend(
+            run_id=run_id,
+            store=self.store,
+            backend=backend,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            local_addr=host,
+            timeout=RendezvousTimeout(
+                join=timedelta(seconds=join_timeout),
+                last_call=timedelta(seconds=last_call_timeout),
+            ),
+        )
+        self.rounds = 0
+        self._worker_store: TCPStore | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.store.port}"
+
+    def next_round(self, local_world_size: int) -> RoundInfo:
+        """Join the next round, then agree on ranks and on a fresh worker store."""
+        info = self.handler.next_rendezvous()
+        self.rounds += 1
+        round_store: Store = info.store  # torch prefixes it per round
+        node_rank, nnodes = info.rank, info.world_size
+        if node_rank == 0:
+            self._worker_store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+            round_store.set(_WORKER_STORE_KEY, f"{self.host}:{self._worker_store.port}")
+        else:
+            self._worker_store = None
+        addr, _, port = round_store.get(_WORKER_STORE_KEY).decode().rpartition(":")
+        # Ranks as torch assigns them: prefix sums of every node's local world size.
+        round_store.set(f"{_LOCAL_SIZE_PREFIX}{node_rank}", str(local_world_size))
+        sizes = [
+            int(v) for v in round_store.multi_get(
+                [f"{_LOCAL_SIZE_PREFIX}{r}" for r in range(nnodes)]
+            )
+        ]
+        return RoundInfo(
+            round=self.rounds,
+            node_rank=node_rank,
+            nnodes=nnodes,
+            base_rank=sum(sizes[:node_rank]),
+            world_size=sum(sizes),
+            master_addr=addr,
+            master_port=int(port),
+        )
+
+    def num_nodes_waiting(self) -> int:
+        return self.handler.num_nodes_waiting()
+
+    def close(self) -> None:
+        """Close the run id for good and stop hosting stores."""
+        try:
+            self.handler.shutdown()
+        finally:
+            self._worker_store = None
+            self.store = None  # type: ignore[assignment]

@@ -1,0 +1,347 @@
+"""The agent's loop, modelled on torch's SimpleElasticAgent but ours: it runs on a kernel
+thread (no signal handlers), emits the events renderers need, and gives every attempt a
+fresh store namespace so restarts always work."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import queue
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from ..events import (
+    EventSink,
+    JobFinished,
+    JobState,
+    RendezvousCompleted,
+    Restarting,
+    StateChanged,
+    WorkerFailed,
+    WorkersStarted,
+)
+from ..payload import Payload
+from ..protocol import new_secret
+from ..result import JobResult, RankFailure, Unpicklable
+from ..spec import JobSpec
+from . import workers as wk
+from .rendezvous import Rendezvous, RoundInfo
+from .workers import Worker, WorkerReport, WorkerState
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+
+
+def _is_installed() -> bool:
+    try:
+        importlib.metadata.distribution("elastic-magic")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+_INSTALLED = _is_installed()
+# A worker that exited without its channel closing (a forked grandchild holds the pipe)
+# is judged on its exit code after this long.
+_CHANNEL_CLOSE_GRACE = 1.0
+_EXIT_AFTER_RESULTS_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    reason: str = "stopped"
+
+
+class Agent:
+    """Supervises one job: rendezvous, start, monitor, restart, finish."""
+
+    def __init__(
+        self, spec: JobSpec, payload: Payload, run_id: str, emit: EventSink,
+        inbox: queue.Queue[Any],
+    ) -> None:
+        self.spec = spec
+        self.payload = payload
+        self.run_id = run_id
+        self.emit = emit
+        self.inbox = inbox
+        self.key = new_secret()
+        self.log_root = spec.log_dir / run_id
+        self.restart_count = 0
+        self.attempt = -1
+        self.world_size = 0
+        self.group: list[Worker] = []
+        self.failures: list[RankFailure] = []
+        self.stop_reason: str | None = None
+        self.state = JobState.RENDEZVOUS
+        self.started = time.time()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self) -> JobResult:
+        rendezvous: Rendezvous | None = None
+        final = JobState.FAILED
+        try:
+            self._set_state(JobState.RENDEZVOUS)
+            rendezvous = Rendezvous(self.run_id, join_timeout=self.spec.timeout)
+            while True:
+                if self._drain_inbox():
+                    final = JobState.STOPPED
+                    break
+                info = rendezvous.next_round(self.spec.nproc)
+                self.emit(RendezvousCompleted(
+                    info.round, info.node_rank, info.nnodes, info.world_size,
+                    info.master_addr, info.master_port,
+                ))
+                self._start_group(info)
+                final = self._monitor()
+                if final is not JobState.FAILED or self.restart_count >= self.spec.max_restarts:
+                    break
+                self.restart_count += 1
+                self._set_state(JobState.RESTARTING)
+                self.emit(Restarting(self.restart_count, self.spec.max_restarts, self.failures[0]))
+                self._set_state(JobState.RENDEZVOUS)
+        except BaseException:
+            final = JobState.FAILED
+            raise
+        finally:
+            wk.stop(self.group, wk.TEARDOWN_ESCALATION)
+            wk.join_threads(self.group)
+            if rendezvous is not None:
+                rendezvous.close()
+            result = self._result(final)
+            self._set_state(final)
+            self.emit(JobFinished(result))
+        return result
+
+    def _set_state(self, state: JobState) -> None:
+        if state is not self.state or state is JobState.RENDEZVOUS:
+            self.state = state
+            self.emit(StateChanged(state))
+
+    def _drain_inbox(self) -> bool:
+        """Handle queued items without waiting; True when a stop was requested."""
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return False
+            if self._handle(item):
+                return True
+
+    def _handle(self, item: Any) -> bool:
+        if isinstance(item, StopCommand):
+            self.stop_reason = item.reason
+            return True
+        if isinstance(item, WorkerReport) and item.attempt == self.attempt:
+            self._on_report(self.group[item.local_rank], item)
+        return False
+
+    # -- starting ------------------------------------------------------------------------
+
+    def _start_group(self, info: RoundInfo) -> None:
+        self.attempt += 1
+        self.world_size = info.world_size
+        self.failures = []
+        self._set_state(JobState.STARTING)
+        self.group = [
+            Worker(local_rank=i, global_rank=info.base_rank + i, attempt=self.attempt)
+            for i in range(self.spec.nproc)
+        ]
+        for worker in self.group:
+            env = self._worker_env(worker, info)
+            wk.spawn(worker, env=env, cwd=self.payload.cwd, key=self.key,
+                     log_root=self.log_root, inbox=self.inbox, emit=self.emit)
+            worker.send(("run", self.payload))
+        self.emit(WorkersStarted(
+            self.attempt, self.restart_count,
+            tuple(w.global_rank for w in self.group), tuple(w.pid for w in self.group),
+        ))
+
+    def _worker_env(self, worker: Worker, info: RoundInfo) -> dict[str, str]:
+        env = dict(os.environ)
+        if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
+            del env["MPLBACKEND"]  # the inline backend needs a kernel; workers have none
+        if "OMP_NUM_THREADS" not in os.environ and self.spec.nproc > 1:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun: workers sharing a machine
+        if not _INSTALLED:  # running from a source checkout: workers must find the package
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT,
+                                                              env.get("PYTHONPATH")]))
+        env["PYTHONUNBUFFERED"] = "1"  # lines reach the notebook as they are printed
+        assert worker.global_rank is not None
+        env.update({
+            "RANK": str(worker.global_rank),
+            "LOCAL_RANK": str(worker.local_rank),
+            "WORLD_SIZE": str(info.world_size),
+            "LOCAL_WORLD_SIZE": str(self.spec.nproc),
+            "GROUP_RANK": str(info.node_rank),
+            "GROUP_WORLD_SIZE": str(info.nnodes),
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(worker.global_rank),
+            "ROLE_WORLD_SIZE": str(info.world_size),
+            "MASTER_ADDR": info.master_addr,
+            "MASTER_PORT": str(info.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_ERROR_FILE": str(
+                self.log_root / f"attempt_{self.attempt}" / f"rank_{worker.global_rank}"
+                / "error.json"
+            ),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
+            ),
+        })
+        env.update(self.spec.env)
+        return env
+
+    # -- monitoring ----------------------------------------------------------------------
+
+    def _monitor(self) -> JobState:
+        """Wait until the group succeeds, fails or is stopped; leave no worker running."""
+        while True:
+            try:
+                item = self.inbox.get(timeout=self.spec.monitor_interval)
+            except queue.Empty:
+                item = None
+            if item is not None and (self._handle(item) or self._drain_inbox()):
+                return self._stop_group()
+            self._poll_exits()
+            if any(self._has_failed(w) for w in self.group):
+                self._teardown_failed_group()
+                return JobState.FAILED
+            if all(w.state is WorkerState.SUCCEEDED for w in self.group):
+                self._release_group()
+                return JobState.SUCCEEDED
+
+    def _on_report(self, worker: Worker, report: WorkerReport) -> None:
+        if report.kind == "running":
+            worker.running = True
+            if all(w.running for w in self.group):
+                self._set_state(JobState.RUNNING)
+        elif report.kind == "result":
+            worker.result = report.body
+            worker.state = WorkerState.SUCCEEDED
+        elif report.kind == "error":
+            worker.error = report.body
+            worker.state = WorkerState.FAILED
+        elif report.kind == "closed":
+            worker.channel_closed_at = report.time
+
+    def _poll_exits(self) -> None:
+        now = time.time()
+        for worker in self.group:
+            code = worker.proc.poll() if worker.proc else None
+            if code is None or worker.exited_at is not None:
+                continue
+            worker.exited_at = now
+            if code == 0 and worker.state is WorkerState.HEALTHY and worker.result is None:
+                # Exited cleanly without a result (os._exit(0) in the cell): success, no value.
+                worker.result = {"value": cloudpickle.dumps(None), "pulled": {}, "missing": []}
+                worker.state = WorkerState.SUCCEEDED
+
+    def _has_failed(self, worker: Worker) -> bool:
+        if worker.error is not None:
+            return True
+        code = worker.proc.poll() if worker.proc else None
+        if code is None or code == 0 or worker.exited_at is None:
+            return False
+        # Wait for its channel to close so an error report in flight is not missed.
+        return worker.channel_closed_at is not None or (
+            time.time() - worker.exited_at > _CHANNEL_CLOSE_GRACE
+        )
+
+    def _teardown_failed_group(self) -> None:
+        """Stop the survivors at once (no waiting for collective timeouts), then sort out
+        who failed on their own (before the teardown) and who was stopped by it."""
+        teardown_at = time.time()
+        self._set_state(JobState.STOPPING)
+        wk.stop(self.group, wk.TEARDOWN_ESCALATION)
+        wk.join_threads(self.group, timeout=2.0)
+        self._drain_inbox()
+        self._poll_exits()
+        failures = [
+            self._failure(w) for w in self.group
+            if (w.error is not None and w.error["time"] <= teardown_at)
+            or (w.error is None and w.exited_at is not None and w.exited_at <= teardown_at
+                and w.proc is not None and w.proc.returncode != 0)
+        ]
+        for worker in self.group:
+            worker.state = WorkerState.FAILED if worker.error else WorkerState.STOPPED
+        self.failures = sorted(failures, key=lambda f: f.time)
+        for failure in self.failures:
+            self.emit(WorkerFailed(failure))
+
+    def _failure(self, worker: Worker) -> RankFailure:
+        code = worker.proc.returncode if worker.proc else None
+        common = dict(
+            rank=worker.global_rank, local_rank=worker.local_rank, attempt=self.attempt,
+            pid=worker.pid, log_dir=str(worker.log_dir),
+        )
+        if worker.error is not None:
+            info = dict(worker.error)
+            return RankFailure(**common, **info)
+        when = worker.channel_closed_at or worker.exited_at or time.time()
+        if code is not None and code < 0:
+            return RankFailure(**common, time=when, signal=_signal_name(-code), exit_code=code)
+        return RankFailure(**common, time=when, exit_code=code)
+
+    def _stop_group(self) -> JobState:
+        """A stop request (Stop button, kernel interrupt): SIGINT, SIGTERM, then SIGKILL."""
+        self._set_state(JobState.STOPPING)
+        wk.stop(self.group, wk.INTERRUPT_ESCALATION)
+        wk.join_threads(self.group, timeout=2.0)
+        for worker in self.group:
+            if worker.state is not WorkerState.SUCCEEDED:
+                worker.state = WorkerState.STOPPED
+        return JobState.STOPPED
+
+    def _release_group(self) -> None:
+        """Every rank has its result: let the workers exit, then collect their output."""
+        for worker in self.group:
+            worker.send(("exit", None))
+        if not wk.wait_for_exit(self.group, _EXIT_AFTER_RESULTS_TIMEOUT):
+            wk.stop(self.group, wk.TEARDOWN_ESCALATION)
+        for worker in self.group:
+            worker.close_control()
+        wk.join_threads(self.group)
+
+    # -- the result ----------------------------------------------------------------------
+
+    def _result(self, state: JobState) -> JobResult:
+        result = JobResult(
+            run_id=self.run_id, state=state, world_size=self.world_size,
+            restarts=self.restart_count, max_restarts=self.spec.max_restarts,
+            duration=time.time() - self.started, log_dir=self.log_root,
+            failure=self.failures[0] if state is JobState.FAILED and self.failures else None,
+            failures=list(self.failures) if state is JobState.FAILED else [],
+            tails={w.global_rank: list(w.tail) for w in self.group},
+            stop_reason=self.stop_reason if state is JobState.STOPPED else None,
+        )
+        if state is JobState.SUCCEEDED:
+            for worker in self.group:
+                assert worker.result is not None
+                result.values[worker.global_rank] = _load(worker.result["value"])
+                for name, blob in worker.result["pulled"].items():
+                    result.pulled[name] = _load(blob)
+                result.missing_pulls += worker.result["missing"]
+        return result
+
+
+def _load(blob: bytes) -> Any:
+    try:
+        return cloudpickle.loads(blob)
+    except Exception as exc:  # e.g. a class the kernel cannot import
+        return Unpicklable("<value from worker>", f"{type(exc).__name__}: {exc}")
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -1,0 +1,174 @@
+"""Worker processes: spawn fresh interpreters, read their reports, stop them by group.
+
+Every function here runs on the agent thread, the only thread that polls or signals worker
+processes, so a PID is never signalled after it was reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from ..events import EventSink
+from ..protocol import Channel, ProtocolError
+from .output import StreamPump, log_folder, new_tail
+
+
+class WorkerState(str, Enum):
+    """torch's vocabulary for a worker (group)."""
+
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """A message from a worker (kind "running", "result", "error"), or its channel's EOF."""
+
+    attempt: int
+    local_rank: int
+    kind: str
+    body: Any
+    time: float
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    global_rank: int
+    attempt: int
+    state: WorkerState = WorkerState.INIT
+    proc: subprocess.Popen[bytes] | None = None
+    control: Channel | None = None
+    log_dir: Path | None = None
+    tail: deque[str] = field(default_factory=new_tail)
+    threads: list[threading.Thread] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    channel_closed_at: float | None = None
+    exited_at: float | None = None
+    running: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else -1
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def send(self, message: Any) -> bool:
+        """Send on the control pipe; False when the worker has already gone."""
+        if self.control is None:
+            return False
+        try:
+            self.control.send(message)
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def close_control(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
+
+def spawn(
+    worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, log_root: Path,
+    inbox: queue.Queue[Any], emit: EventSink,
+) -> None:
+    """Start ``python -m elastic_magic.worker`` in its own session, with pumps and a reader."""
+    control_r, control_w = os.pipe()
+    report_r, report_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        worker.proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_magic.worker", str(control_r), str(report_w),
+             str(os.getpid())],
+            pass_fds=(control_r, report_w),
+            stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+            env=env, cwd=cwd,
+            start_new_session=True,  # the kernel's Ctrl-C reaches workers only through us
+        )
+    finally:
+        for fd in (control_r, report_w, out_w, err_w):
+            os.close(fd)
+    worker.state = WorkerState.HEALTHY
+    worker.control = Channel(control_w, key)
+    os.write(control_w, key)
+    worker.log_dir = log_folder(log_root, worker.attempt, worker.global_rank)
+    for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
+        worker.threads.append(StreamPump(
+            fd, worker.log_dir / f"{stream}.log", rank=worker.global_rank, stream=stream,
+            attempt=worker.attempt, emit=emit, tail=worker.tail,
+        ))
+    worker.threads.append(threading.Thread(
+        target=_read_reports, args=(worker, Channel(report_r, key), inbox),
+        name=f"elastic-reports-rank{worker.global_rank}", daemon=True,
+    ))
+    for thread in worker.threads:
+        thread.start()
+
+
+def _read_reports(worker: Worker, channel: Channel, inbox: queue.Queue[Any]) -> None:
+    while True:
+        try:
+            kind, body = channel.recv()
+        except (EOFError, ProtocolError, OSError):
+            # EOF marks the moment the worker died (or exited): the failure's time.
+            inbox.put(WorkerReport(worker.attempt, worker.local_rank, "closed", None, time.time()))
+            channel.close()
+            return
+        inbox.put(WorkerReport(worker.attempt, worker.local_rank, kind, body, time.time()))
+
+
+# (signal, seconds to wait for exit before the next step)
+INTERRUPT_ESCALATION = ((signal.SIGINT, 3.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0))
+TEARDOWN_ESCALATION = ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0))
+
+
+def stop(workers: list[Worker], escalation: tuple[tuple[signal.Signals, float], ...]) -> None:
+    """Signal each live worker's process group, escalating until all have exited."""
+    for sig, grace in escalation:
+        live = [w for w in workers if w.alive()]
+        if not live:
+            break
+        for worker in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, sig)  # its own session: the group id is its PID
+        wait_for_exit(live, grace)
+    for worker in workers:
+        worker.close_control()
+
+
+def wait_for_exit(workers: list[Worker], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(w.alive() for w in workers):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def join_threads(workers: list[Worker], timeout: float = 5.0) -> None:
+    """Wait for pumps to drain (so no output is lost) and readers to finish."""
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        for thread in worker.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

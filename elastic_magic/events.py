@@ -1,0 +1,98 @@
+"""Typed, timestamped events emitted by the agent. Renderers consume them; the agent knows
+nothing about who listens."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .result import JobResult, RankFailure
+
+
+class JobState(str, Enum):
+    """What the job as a whole is doing (the dashboard's header)."""
+
+    RENDEZVOUS = "rendezvous"
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True)
+class StateChanged:
+    state: JobState
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class RendezvousCompleted:
+    round: int
+    node_rank: int
+    nnodes: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class WorkersStarted:
+    attempt: int
+    restart_count: int
+    ranks: tuple[int, ...]
+    pids: tuple[int, ...]
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class Output:
+    """Whole lines from one rank's stdout or stderr, in order."""
+
+    rank: int
+    stream: str  # "stdout" | "stderr"
+    lines: tuple[str, ...]
+    attempt: int
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    failure: RankFailure
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class Restarting:
+    restart_count: int  # the restart about to begin (1 for the first)
+    max_restarts: int
+    root_cause: RankFailure
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class JobFinished:
+    result: JobResult
+    time: float = field(default_factory=_now)
+
+
+Event = (
+    StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
+    | JobFinished
+)
+EventSink = Callable[[Event], None]

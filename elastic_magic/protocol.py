@@ -1,0 +1,89 @@
+"""Signed, length-prefixed messages between the agent and its workers.
+
+Every frame is ``len (8 bytes) | HMAC-SHA256 (32 bytes) | pickled body``. The MAC is
+checked before anything is unpickled, so a peer without the job's secret cannot make the
+other side run code. Used over pipes today; the same frames can cross a network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import pickle
+import secrets
+import struct
+from typing import Any
+
+KEY_BYTES = 32
+_HEADER = struct.Struct("!Q")
+_MAC_BYTES = hashlib.sha256().digest_size
+
+
+class ProtocolError(RuntimeError):
+    """A frame failed verification or the stream ended mid-frame."""
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def sign(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()
+
+
+def encode(key: bytes, message: Any) -> bytes:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + sign(key, body) + body
+
+
+def decode_body(key: bytes, mac: bytes, body: bytes) -> Any:
+    if not hmac.compare_digest(mac, sign(key, body)):
+        raise ProtocolError("message signature does not match the job's secret; refused")
+    return pickle.loads(body)
+
+
+def _read_exact(fd: int, size: int) -> bytes | None:
+    """``size`` bytes from ``fd``; None on a clean EOF before the first byte."""
+    chunks: list[bytes] = []
+    remaining = size
+    while remaining:
+        chunk = os.read(fd, min(remaining, 1 << 20))
+        if not chunk:
+            if remaining == size:
+                return None
+            raise ProtocolError("stream ended in the middle of a message")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+class Channel:
+    """One direction of a signed message stream over a file descriptor."""
+
+    def __init__(self, fd: int, key: bytes) -> None:
+        self.fd = fd
+        self.key = key
+
+    def send(self, message: Any) -> None:
+        data = memoryview(encode(self.key, message))
+        while data:
+            written = os.write(self.fd, data)
+            data = data[written:]
+
+    def recv(self) -> Any:
+        """The next message; raises EOFError when the other side has closed."""
+        header = _read_exact(self.fd, _HEADER.size)
+        if header is None:
+            raise EOFError
+        (length,) = _HEADER.unpack(header)
+        mac = _read_exact(self.fd, _MAC_BYTES)
+        body = _read_exact(self.fd, length) if length else b""
+        if mac is None or body is None:
+            raise ProtocolError("stream ended in the middle of a message")
+        return decode_body(self.key, mac, body)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)

@@ -1,0 +1,154 @@
+"""What a job returns: per-rank values, the root-cause failure, where the logs are."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .events import JobState
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank failed: an exception in user code, or an exit code / signal."""
+
+    rank: int
+    local_rank: int
+    attempt: int
+    pid: int
+    time: float
+    exc_type: str | None = None
+    message: str = ""
+    traceback: str = ""  # formatted, user frames only, cell line numbers
+    cell_line: int | None = None
+    source_line: str | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    log_dir: str | None = None
+
+    @property
+    def headline(self) -> str:
+        if self.exc_type:
+            where = f" (cell line {self.cell_line})" if self.cell_line else ""
+            return f"{self.exc_type}: {self.message}{where}".rstrip()
+        if self.signal:
+            return f"killed by {self.signal}"
+        return f"exited with code {self.exit_code}"
+
+    @property
+    def signature(self) -> tuple[Any, ...]:
+        """Failures with equal signatures are the same error on different ranks."""
+        return (self.exc_type, self.message, self.traceback, self.exit_code, self.signal)
+
+
+@dataclass(frozen=True)
+class Unpicklable:
+    """Stands in for a rank's value that could not be sent back to the kernel."""
+
+    repr: str
+    reason: str
+
+    def __repr__(self) -> str:
+        return f"<not transferable: {self.repr} ({self.reason})>"
+
+
+@dataclass
+class JobResult:
+    """The outcome of one elastic job."""
+
+    run_id: str
+    state: JobState
+    world_size: int
+    restarts: int
+    max_restarts: int
+    duration: float
+    log_dir: Path
+    values: dict[int, Any] = field(default_factory=dict)
+    failure: RankFailure | None = None  # root cause of the final failure
+    failures: list[RankFailure] = field(default_factory=list)  # that attempt's, root first
+    pulled: dict[str, Any] = field(default_factory=dict)
+    missing_pulls: list[str] = field(default_factory=list)
+    tails: dict[int, list[str]] = field(default_factory=dict)
+    stop_reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state is JobState.SUCCEEDED
+
+    @property
+    def value(self) -> Any:
+        """Rank 0's value (the cell's last expression)."""
+        return self.values.get(0)
+
+    def log_path(self, rank: int, stream: str = "stdout", attempt: int | None = None) -> Path:
+        """Full log of one rank; the last attempt by default."""
+        attempts = sorted(self.log_dir.glob("attempt_*"), key=lambda p: int(p.name[8:]))
+        folder = self.log_dir / f"attempt_{attempt}" if attempt is not None else attempts[-1]
+        return folder / f"rank_{rank}" / f"{stream}.log"
+
+    def summary(self) -> str:
+        parts = [
+            f"{self.state.value}",
+            f"world size {self.world_size}",
+            f"restarts {self.restarts}/{self.max_restarts}",
+            f"{self.duration:.1f}s",
+        ]
+        return ", ".join(parts)
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{r}: {v!r}" for r, v in sorted(self.values.items()))
+        return f"JobResult({self.summary()}, values={{{values}}})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))
+
+
+def group_failures(failures: list[RankFailure]) -> list[tuple[RankFailure, list[int]]]:
+    """Identical failures grouped: (first failure, ranks sharing it), earliest first."""
+    groups: dict[tuple[Any, ...], list[RankFailure]] = defaultdict(list)
+    for failure in sorted(failures, key=lambda f: f.time):
+        groups[failure.signature].append(failure)
+    return [(members[0], [f.rank for f in members]) for members in groups.values()]
+
+
+def describe_failure(result: JobResult) -> str:
+    """Root cause first, then other ranks' failures grouped; for people, not machines."""
+    root = result.failure
+    if root is None:
+        return f"job {result.run_id} {result.state.value}"
+    attempts = result.restarts + 1
+    lines = [
+        f"Rank {root.rank} failed first (attempt {attempts} of {result.max_restarts + 1}, "
+        f"restarts used {result.restarts}/{result.max_restarts}): {root.headline}",
+    ]
+    if root.source_line:
+        lines.append(f"    cell line {root.cell_line}: {root.source_line}")
+    if root.traceback:
+        lines += ["", root.traceback.rstrip()]
+    others = [(f, ranks) for f, ranks in group_failures(result.failures)]
+    for failure, ranks in others:
+        ranks = [r for r in ranks if r != root.rank]
+        if not ranks:
+            continue
+        same = failure.signature == root.signature
+        label = "the same error" if same else failure.headline
+        plural = "s" if len(ranks) > 1 else ""
+        lines.append(f"\nRank{plural} {', '.join(map(str, ranks))} also failed: {label}")
+        if not same and failure.traceback:
+            lines.append(failure.traceback.rstrip())
+    lines.append(f"\nLogs: {result.log_dir}")
+    return "\n".join(lines)
+
+
+class JobFailedError(RuntimeError):
+    """The job ended in failure after its restarts; ``.result`` holds the details."""
+
+    def __init__(self, result: JobResult) -> None:
+        super().__init__(describe_failure(result))
+        self.result = result
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of the kernel-side stack, which says nothing useful.
+        return [f"JobFailedError: {self.args[0]}"]

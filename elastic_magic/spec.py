@@ -1,0 +1,162 @@
+"""JobSpec: everything a launch needs, validated before anything starts."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BACKENDS = ("auto", "gloo", "nccl")
+NPROC_WORDS = ("auto", "cpu", "gpu")
+
+
+class SpecError(ValueError):
+    """A launch option is invalid. The message says what to change."""
+
+
+def default_log_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"elastic_magic-{os.getuid()}" / "logs"
+
+
+def cuda_device_count() -> int:
+    """GPUs visible to workers. The kernel may touch CUDA: workers are fresh interpreters."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_nproc(nproc: int | str | None, gpus: int) -> int:
+    """Workers on this machine: a number, or auto/cpu/gpu with torchrun's meaning.
+
+    ``None`` (no flag) means one worker per GPU, or 1 without GPUs.
+    """
+    if nproc is None:
+        return gpus or 1
+    if isinstance(nproc, str):
+        word = nproc.strip().lower()
+        if word == "gpu":
+            if not gpus:
+                raise SpecError(
+                    "--nproc gpu: no CUDA GPU is visible here. Use --nproc N (a number) or cpu."
+                )
+            return gpus
+        if word == "cpu":
+            return os.cpu_count() or 1
+        if word == "auto":
+            return gpus or os.cpu_count() or 1
+        try:
+            nproc = int(word)
+        except ValueError:
+            raise SpecError(
+                f"--nproc {nproc!r}: expected a whole number or one of {', '.join(NPROC_WORDS)}."
+            ) from None
+    if nproc < 1:
+        raise SpecError(f"--nproc {nproc}: a job needs at least 1 worker.")
+    return nproc
+
+
+def parse_env(items: list[str] | dict[str, str] | None) -> dict[str, str]:
+    """``["K=V", ...]`` (the repeatable --env flag) or a dict, checked."""
+    if not items:
+        return {}
+    pairs = items.items() if isinstance(items, dict) else (_split_env(i) for i in items)
+    env: dict[str, str] = {}
+    for key, value in pairs:
+        if not key or not (key[0].isalpha() or key[0] == "_") or not all(
+            c.isalnum() or c == "_" for c in key
+        ):
+            raise SpecError(f"--env {key}={value}: {key!r} is not a valid variable name.")
+        env[key] = str(value)
+    return env
+
+
+def _split_env(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SpecError(f"--env {item!r}: expected KEY=VALUE, for example --env NCCL_DEBUG=INFO.")
+    return key.strip(), value
+
+
+@dataclass
+class JobSpec:
+    """A validated launch request. Build it with :meth:`create`."""
+
+    nproc: int
+    backend: str
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    timeout: float = 300.0
+    init_process_group: bool = True
+    log_dir: Path = field(default_factory=default_log_dir)
+    env: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
+    pull: list[str] = field(default_factory=list)
+    gpus: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        nproc: int | str | None = None,
+        *,
+        backend: str = "auto",
+        max_restarts: int = 0,
+        monitor_interval: float = 0.1,
+        timeout: float = 300.0,
+        init_process_group: bool = True,
+        log_dir: str | os.PathLike[str] | None = None,
+        env: list[str] | dict[str, str] | None = None,
+        args: list[str] | None = None,
+        pull: list[str] | None = None,
+        gpus: int | None = None,
+    ) -> JobSpec:
+        gpus = cuda_device_count() if gpus is None else gpus
+        count = resolve_nproc(nproc, gpus)
+        backend = (backend or "auto").lower()
+        if backend not in BACKENDS:
+            raise SpecError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
+        if backend == "auto":
+            backend = "nccl" if gpus else "gloo"
+        if backend == "nccl":
+            if not gpus:
+                raise SpecError("--backend nccl needs CUDA GPUs and none is visible; use gloo.")
+            if count > gpus:
+                raise SpecError(
+                    f"--backend nccl runs one worker per GPU: {count} workers but {gpus} GPUs. "
+                    f"Use --nproc {gpus}, or --backend gloo."
+                )
+        if max_restarts < 0:
+            raise SpecError(f"--max-restarts {max_restarts}: must be 0 or more.")
+        if not monitor_interval > 0:
+            raise SpecError(f"--monitor-interval {monitor_interval}: must be above 0 seconds.")
+        if not timeout > 0:
+            raise SpecError(f"--timeout {timeout}: must be above 0 seconds.")
+        for name in pull or []:
+            if not name.isidentifier():
+                raise SpecError(f"--pull {name!r}: not a Python variable name.")
+        return cls(
+            nproc=count,
+            backend=backend,
+            max_restarts=max_restarts,
+            monitor_interval=monitor_interval,
+            timeout=timeout,
+            init_process_group=init_process_group,
+            log_dir=_usable_log_dir(log_dir),
+            env=parse_env(env),
+            args=list(args or []),
+            pull=list(pull or []),
+            gpus=gpus,
+        )
+
+
+def _usable_log_dir(log_dir: str | os.PathLike[str] | None) -> Path:
+    path = Path(log_dir).expanduser().resolve() if log_dir else default_log_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecError(
+            f"--log-dir {path}: cannot create it ({exc.strerror}). Pick a writable folder."
+        ) from None
+    if not os.access(path, os.W_OK):
+        raise SpecError(f"--log-dir {path}: not writable. Pick a writable folder.")
+    return path

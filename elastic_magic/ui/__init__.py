@@ -1,0 +1,1 @@
+"""Renderers: they consume agent events and never drive the agent."""

@@ -1,0 +1,1 @@
+"""The worker side: ``python -m elastic_magic.worker`` and the code it runs."""

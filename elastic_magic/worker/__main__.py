@@ -1,0 +1,76 @@
+"""Worker entrypoint: a fresh interpreter that runs payloads until told to exit.
+
+argv: CONTROL_FD REPORT_FD PARENT_PID. The agent first writes the job's secret on the
+control pipe, then signed messages: ("run", Payload) or ("exit", None). The control pipe is
+also the lifeline: EOF without an "exit" means the kernel is gone, and the worker ends its
+whole process group at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import sys
+import threading
+
+from elastic_magic.protocol import KEY_BYTES, Channel
+from elastic_magic.worker.runner import run_payload, shutdown_process_group
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL us when the agent thread that spawned us exits."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def read_secret(fd: int) -> bytes:
+    key = b""
+    while len(key) < KEY_BYTES:
+        chunk = os.read(fd, KEY_BYTES - len(key))
+        if not chunk:
+            os._exit(1)
+        key += chunk
+    return key
+
+
+def main() -> None:
+    control_fd, report_fd, parent_pid = (int(a) for a in sys.argv[1:4])
+    die_with_parent(parent_pid)
+    key = read_secret(control_fd)
+    control, report = Channel(control_fd, key), Channel(report_fd, key)
+    inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+    exiting = threading.Event()
+
+    def listen() -> None:
+        while True:
+            try:
+                message = control.recv()
+            except EOFError:
+                if not exiting.is_set():  # lifeline lost: the kernel is gone
+                    os.killpg(os.getpgrp(), signal.SIGKILL)
+                return
+            if message[0] == "exit":
+                exiting.set()
+            inbox.put(message)
+
+    threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
+    while True:
+        kind, body = inbox.get()
+        if kind == "exit":
+            break
+        if kind == "run":
+            run_payload(body, report)  # exits the process itself when the payload fails
+    shutdown_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    main()

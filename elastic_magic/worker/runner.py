@@ -1,0 +1,152 @@
+"""Runs one payload in a worker: set up like torchrun, execute, report result or error."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import linecache
+import os
+import sys
+import time
+import traceback
+import types
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from elastic_magic.payload import CELL_FILENAME, Payload
+from elastic_magic.protocol import Channel
+from elastic_magic.result import Unpicklable
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+
+
+def run_payload(payload: Payload, report: Channel) -> None:
+    """Run the payload and send ("result", ...) or ("error", ...); on error, exit."""
+    namespace: dict[str, Any] = {}
+    value = None
+    try:
+        namespace = _prepare(payload)
+        report.send(("running", {"time": time.time()}))
+        value = _execute(payload, namespace)
+    except SystemExit as exc:  # sys.exit(0) ends the cell successfully, as under torchrun
+        if exc.code not in (None, 0):
+            _fail(report, exc, exit_code=exc.code if isinstance(exc.code, int) else 1)
+    except BaseException as exc:  # user code may raise anything, KeyboardInterrupt included
+        _fail(report, exc, exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1)
+    report.send(("result", _result_message(payload, value, namespace)))
+
+
+def _prepare(payload: Payload) -> dict[str, Any]:
+    """torchrun's contract: kernel's cwd and sys.path, cell as __main__, device, group."""
+    os.chdir(payload.cwd)
+    sys.path[:] = payload.sys_path
+    sys.argv = list(payload.argv)
+    module = types.ModuleType("__main__")
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    namespace = module.__dict__
+    _set_device()
+    if payload.init_process_group:
+        _init_process_group(payload)
+    for name, module_name in payload.modules.items():
+        namespace[name] = importlib.import_module(module_name)
+    for name, blob in payload.globals.items():
+        namespace[name] = cloudpickle.loads(blob)
+    return namespace
+
+
+def _set_device() -> None:
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(local_rank)
+
+
+def _init_process_group(payload: Payload) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=payload.backend, timeout=timedelta(seconds=payload.timeout)
+        )
+
+
+def shutdown_process_group() -> None:
+    """Leave the process group cleanly if the payload (or we) created one."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _execute(payload: Payload, namespace: dict[str, Any]) -> Any:
+    if payload.function is not None:
+        fn, args, kwargs = cloudpickle.loads(payload.function)
+        return fn(*args, **kwargs)
+    source = payload.source or ""
+    linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
+    tree = ast.parse(source, filename=CELL_FILENAME)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):  # the cell's value, as in IPython
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, CELL_FILENAME, "exec"), namespace)
+    return eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None
+
+
+def _encode(value: Any) -> bytes:
+    try:
+        return cloudpickle.dumps(value)
+    except Exception as exc:
+        return cloudpickle.dumps(Unpicklable(repr(value)[:500], f"{type(exc).__name__}: {exc}"))
+
+
+def _result_message(payload: Payload, value: Any, namespace: dict[str, Any]) -> dict[str, Any]:
+    message: dict[str, Any] = {"value": _encode(value), "pulled": {}, "missing": []}
+    if int(os.environ.get("RANK", "0")) == 0:
+        for name in payload.pull:
+            if name in namespace:
+                message["pulled"][name] = _encode(namespace[name])
+            else:
+                message["missing"].append(name)
+    return message
+
+
+def _user_traceback(exc: BaseException) -> types.TracebackType | None:
+    """The traceback from the first frame that is not ours (the cell's, usually)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return tb or exc.__traceback__
+
+
+def describe_exception(exc: BaseException) -> dict[str, Any]:
+    tb = _user_traceback(exc)
+    text = "".join(traceback.TracebackException(type(exc), exc, tb).format())
+    text = text.replace(f'File "{CELL_FILENAME}", line', "Cell line")
+    cell_frames = [f for f in traceback.extract_tb(tb) if f.filename == CELL_FILENAME]
+    info: dict[str, Any] = {
+        "exc_type": type(exc).__qualname__,
+        "message": str(exc),
+        "traceback": text,
+    }
+    if cell_frames:
+        info["cell_line"] = cell_frames[-1].lineno
+        info["source_line"] = (cell_frames[-1].line or "").strip() or None
+    return info
+
+
+def _fail(report: Channel, exc: BaseException, exit_code: int) -> None:
+    info = describe_exception(exc)
+    info.update(time=time.time(), exit_code=exit_code)
+    sys.stderr.write(info["traceback"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        report.send(("error", info))
+    finally:
+        # Skip interpreter teardown: it can hang in collectives with peers already gone.
+        os._exit(exit_code)

@@ -1,0 +1,312 @@
+"""Real jobs through the Python API: real workers, real torch (gloo), real c10d rendezvous."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+from conftest import tagged_workers
+
+import elastic_magic as em
+from elastic_magic.events import (
+    JobFinished,
+    JobState,
+    RendezvousCompleted,
+    StateChanged,
+    WorkerFailed,
+    WorkersStarted,
+)
+from elastic_magic.result import Unpicklable
+
+ALLREDUCE = """
+import torch, torch.distributed as dist
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+t.item()
+"""
+
+
+def test_cell_runs_on_two_ranks_with_values(log_dir, recorder):
+    result = em.launch(ALLREDUCE, nproc=2, log_dir=log_dir, render=recorder)
+    assert result.ok and result.world_size == 2
+    assert result.values == {0: 3.0, 1: 3.0}
+    assert result.restarts == 0 and result.failure is None
+    states = [e.state for e in recorder.of(StateChanged)]
+    assert states[0] is JobState.RENDEZVOUS and states[-1] is JobState.SUCCEEDED
+    assert JobState.RUNNING in states
+    (rdzv,) = recorder.of(RendezvousCompleted)
+    assert rdzv.world_size == 2 and rdzv.nnodes == 1 and rdzv.master_addr == "127.0.0.1"
+    assert len(recorder.of(WorkersStarted)[0].pids) == 2
+    assert isinstance(recorder.events[-1], JobFinished)
+    assert all(a.time <= b.time for a, b in zip(recorder.events, recorder.events[1:])
+               if not hasattr(a, "lines") and not hasattr(b, "lines"))
+
+
+def test_function_target_with_arguments(log_dir):
+    def scaled_rank(factor, offset=0):
+        import torch.distributed as dist
+
+        return dist.get_rank() * factor + offset
+
+    result = em.launch(scaled_rank, args=(10,), kwargs={"offset": 1}, nproc=3,
+                       log_dir=log_dir, render=lambda events: None)
+    assert result.values == {0: 1, 1: 11, 2: 21}
+
+
+PROBE = """
+import json, os, sys
+base = set(json.loads(os.environ["PROBE_BASE"]))
+print("PROBE " + json.dumps({k: v for k, v in os.environ.items() if k not in base}))
+"""
+
+
+def _probe_envs(lines: list[str]) -> dict[int, dict[str, str]]:
+    envs = [json.loads(line.split("PROBE ", 1)[1]) for line in lines if "PROBE " in line]
+    return {int(env["RANK"]): env for env in envs}
+
+
+def test_torchrun_contract_matches_torchrun(tmp_path, log_dir, recorder):
+    """The same probe under torchrun --standalone and under elastic_magic."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PROBE_BASE"] = json.dumps([*env, "PROBE_BASE"])
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)], env=env, capture_output=True, text=True, timeout=120, check=True,
+    )
+    theirs = _probe_envs(torchrun.stdout.splitlines())
+    old = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        em.launch(PROBE, nproc=2, log_dir=log_dir, render=recorder, init_process_group=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    ours = {r: _probe_envs(recorder.lines(r))[r] for r in (0, 1)}
+    # torchrun's own agent setting leaks into its workers' env; it is no worker contract.
+    agent_only = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "_"}
+    ours_only = {"PYTHONUNBUFFERED"}  # we add it so lines arrive as printed
+    for rank in (0, 1):
+        assert set(theirs[rank]) - agent_only == set(ours[rank]) - ours_only
+        same_meaning = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
+                        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                        "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                        "OMP_NUM_THREADS"]
+        assert {k: ours[rank][k] for k in same_meaning} == {
+            k: theirs[rank][k] for k in same_meaning}
+        assert ours[rank]["MASTER_PORT"].isdigit()
+        assert ours[rank]["TORCHELASTIC_ERROR_FILE"].endswith(f"rank_{rank}/error.json")
+    assert ours[0]["TORCHELASTIC_RUN_ID"] == ours[1]["TORCHELASTIC_RUN_ID"]
+
+
+def test_cell_runs_as_main_with_kernel_cwd_path_and_argv(tmp_path, monkeypatch, log_dir):
+    (tmp_path / "localmod.py").write_text("def answer():\n    return 42\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cell = textwrap.dedent("""
+        import os, sys, localmod
+
+        class Point:
+            def __init__(self, x):
+                self.x = x
+
+        if __name__ == "__main__":
+            main_ran = True
+        (__name__, main_ran, os.getcwd(), sys.argv, localmod.answer(), Point(3).x)
+    """)
+    result = em.launch(cell, nproc=2, argv=["--lr", "0.1"], log_dir=log_dir,
+                       render=lambda e: None)
+    assert result.values[0] == ("__main__", True, str(tmp_path), ["<cell>", "--lr", "0.1"], 42, 3)
+
+
+def test_output_is_complete_ordered_and_logged(log_dir, recorder):
+    cell = textwrap.dedent("""
+        import sys, torch.distributed as dist
+        r = dist.get_rank()
+        for i in range(3000):
+            print(f"out {r} {i}")
+            if i % 100 == 0:
+                print(f"err {r} {i}", file=sys.stderr)
+        print("no newline at the end", end="")
+    """)
+    result = em.launch(cell, nproc=2, log_dir=log_dir, render=recorder)
+    for rank in (0, 1):
+        out = recorder.lines(rank)
+        assert out == [f"out {rank} {i}" for i in range(3000)] + ["no newline at the end"]
+        assert recorder.lines(rank, "stderr") == [f"err {rank} {i}" for i in range(0, 3000, 100)]
+        logged = result.log_path(rank).read_text().splitlines()
+        assert logged == out
+        assert result.log_path(rank, "stderr").read_text().count("err") == 30
+        assert result.tails[rank][-1] == "no newline at the end"
+    assert result.log_path(0).parent == log_dir / result.run_id / "attempt_0" / "rank_0"
+
+
+def test_root_cause_is_first_failure_with_cell_line(log_dir, recorder):
+    cell = textwrap.dedent("""
+        import torch.distributed as dist
+        dist.barrier()
+        if dist.get_rank() == 1:
+            value = {"a": 1}
+            value["missing"]
+        dist.barrier()
+    """)
+    with pytest.raises(em.JobFailedError) as err:
+        em.launch(cell, nproc=2, timeout=600, log_dir=log_dir, render=recorder)
+    result = err.value.result
+    assert result.state is JobState.FAILED
+    root = result.failure
+    assert root.rank == 1 and root.exc_type == "KeyError" and root.message == "'missing'"
+    assert root.cell_line == 6 and root.source_line == 'value["missing"]'
+    assert "Cell line 6" in root.traceback and "runner.py" not in root.traceback
+    # rank 0 was blocked in a collective: torn down by the agent, not reported as a failure
+    assert [f.rank for f in result.failures] == [1]
+    assert result.duration < 120, "the group must not wait for the collective timeout"
+    text = str(err.value)
+    assert text.startswith("Rank 1 failed first") and 'value["missing"]' in text
+    assert recorder.of(WorkerFailed)[0].failure == root
+
+
+def test_identical_failures_are_grouped(log_dir):
+    cell = "import torch.distributed as dist\ndist.barrier()\nraise RuntimeError('same everywhere')\n"
+    with pytest.raises(em.JobFailedError) as err:
+        em.launch(cell, nproc=3, log_dir=log_dir, render=lambda e: None)
+    result = err.value.result
+    assert {f.exc_type for f in result.failures} == {"RuntimeError"}
+    text = str(err.value)
+    assert text.count("Traceback (most recent call last)") == 1
+    # Ranks that raised before the teardown reached them are listed once, not repeated.
+    others = sorted(f.rank for f in result.failures if f.rank != result.failure.rank)
+    if others:
+        label = "Ranks" if len(others) > 1 else "Rank"
+        assert f"{label} {', '.join(map(str, others))} also failed: the same error" in text
+
+
+def test_failure_text_groups_by_signature():
+    from elastic_magic.result import JobResult, RankFailure, describe_failure
+
+    def failure(rank, when, message="boom"):
+        return RankFailure(rank=rank, local_rank=rank, attempt=0, pid=100 + rank, time=when,
+                           exc_type="ValueError", message=message,
+                           traceback=f"Traceback (most recent call last):\nValueError: {message}\n")
+
+    failures = [failure(2, 3.0), failure(0, 1.0), failure(1, 2.0), failure(3, 4.0, "other")]
+    result = JobResult(run_id="em-x", state=JobState.FAILED, world_size=4, restarts=0,
+                       max_restarts=0, duration=1.0, log_dir=__import__("pathlib").Path("/l"),
+                       failure=failures[1], failures=failures)
+    text = describe_failure(result)
+    assert text.startswith("Rank 0 failed first")
+    assert "Ranks 1, 2 also failed: the same error" in text
+    assert "Rank 3 also failed: ValueError: other" in text
+    assert text.count("Traceback (most recent call last):\nValueError: boom") == 1
+
+
+def test_exit_code_and_signal_failures(log_dir):
+    cell = "import os, torch.distributed as dist\nif dist.get_rank() == 1:\n    os._exit(3)\n"
+    with pytest.raises(em.JobFailedError) as err:
+        em.launch(cell, nproc=2, log_dir=log_dir, render=lambda e: None)
+    assert err.value.result.failure.exit_code == 3
+    assert "exited with code 3" in str(err.value)
+
+    cell = ("import os, signal, torch.distributed as dist\ndist.barrier()\n"
+            "if dist.get_rank() == 0:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "dist.barrier()\n")
+    with pytest.raises(em.JobFailedError) as err:
+        em.launch(cell, nproc=2, log_dir=log_dir, render=lambda e: None)
+    root = err.value.result.failure
+    assert root.rank == 0 and root.signal == "SIGKILL"
+    assert "killed by SIGKILL" in str(err.value)
+
+
+RESTART_CELL = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    print(f"attempt {attempt} allreduce {t.item()}")
+    dist.barrier()  # both ranks have printed before one of them crashes
+    if attempt < CYCLES and dist.get_rank() == attempt % dist.get_world_size():
+        raise RuntimeError(f"crash in attempt {attempt}")
+    dist.barrier()
+    attempt
+""")
+
+
+def test_twenty_crash_and_restart_cycles_all_succeed(log_dir, recorder):
+    """torchrun's stock restarts fail about half the time here (shared store keys)."""
+    cycles = 20
+    result = em.launch(RESTART_CELL, namespace={"CYCLES": cycles}, nproc=2,
+                       max_restarts=cycles, log_dir=log_dir, render=recorder)
+    assert result.ok and result.restarts == cycles
+    assert result.values == {0: cycles, 1: cycles}
+    for attempt in range(cycles + 1):
+        for rank in (0, 1):
+            assert f"attempt {attempt} allreduce 3.0" in recorder.lines(rank)
+    started = recorder.of(WorkersStarted)
+    assert [e.restart_count for e in started] == list(range(cycles + 1))
+    ports = {e.master_port for e in recorder.of(RendezvousCompleted)}
+    assert len(ports) == cycles + 1, "every attempt gets a fresh worker store"
+
+
+def test_restarts_exhausted_reports_last_attempt(log_dir):
+    with pytest.raises(em.JobFailedError) as err:
+        em.launch(RESTART_CELL, namespace={"CYCLES": 5}, nproc=2, max_restarts=1,
+                  log_dir=log_dir, render=lambda e: None)
+    result = err.value.result
+    assert result.restarts == 1 and result.failure.message == "crash in attempt 1"
+    assert result.failure.attempt == 1 and result.failure.rank == 1
+    assert "attempt 2 of 2" in str(err.value)
+
+
+def test_stop_while_running_ends_every_worker(log_dir, recorder):
+    spec = em.JobSpec.create(2, log_dir=log_dir)
+    from elastic_magic.launch import build_payload
+
+    job = em.Job(spec, build_payload("import time\nprint('up')\ntime.sleep(600)", spec))
+    job.start()
+    seen_running = threading.Event()
+
+    def watch(events):
+        recorder(events)
+        if any(getattr(e, "state", None) is JobState.RUNNING for e in events):
+            seen_running.set()
+            job.stop("test")
+
+    result = job.wait(watch)
+    assert seen_running.is_set()
+    assert result.state is JobState.STOPPED and result.stop_reason == "test"
+    assert not tagged_workers()
+
+
+def test_values_that_cannot_travel_and_pulled_variables(log_dir):
+    cell = "import threading, torch.distributed as dist\nmodel = {'w': dist.get_rank()}\nthreading.Lock()\n"
+    result = em.launch(cell, nproc=2, pull=["model", "nope"], log_dir=log_dir,
+                       render=lambda e: None)
+    assert isinstance(result.values[0], Unpicklable) and "lock" in result.values[0].reason
+    assert result.pulled == {"model": {"w": 0}} and result.missing_pulls == ["nope"]
+
+
+def test_no_init_leaves_process_group_to_the_cell(log_dir):
+    cell = textwrap.dedent("""
+        import torch.distributed as dist
+        before = dist.is_initialized()
+        dist.init_process_group("gloo")
+        (before, dist.get_world_size())
+    """)
+    result = em.launch(cell, nproc=2, init_process_group=False, log_dir=log_dir,
+                       render=lambda e: None)
+    assert result.values == {0: (False, 2), 1: (False, 2)}
+
+
+def test_env_flag_reaches_workers(log_dir):
+    result = em.launch("import os\nos.environ['MY_FLAG'], os.environ['OMP_NUM_THREADS']",
+                       nproc=1, env=["MY_FLAG=on", "OMP_NUM_THREADS=3"], log_dir=log_dir,
+                       render=lambda e: None)
+    assert result.values[0] == ("on", "3")

@@ -1,0 +1,68 @@
+import os
+
+import pytest
+
+from elastic_magic.spec import JobSpec, SpecError, parse_env, resolve_nproc
+
+
+def test_nproc_numbers_and_words():
+    assert resolve_nproc(3, gpus=0) == 3
+    assert resolve_nproc("4", gpus=0) == 4
+    assert resolve_nproc("cpu", gpus=0) == os.cpu_count()
+    assert resolve_nproc("auto", gpus=0) == os.cpu_count()
+    assert resolve_nproc("auto", gpus=8) == 8
+    assert resolve_nproc("gpu", gpus=2) == 2
+    assert resolve_nproc(None, gpus=0) == 1
+    assert resolve_nproc(None, gpus=4) == 4
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [(0, "at least 1"), ("-2", "at least 1"), ("many", "whole number"), ("gpu", "no CUDA")],
+)
+def test_bad_nproc_says_what_to_do(value, fragment):
+    with pytest.raises(SpecError, match=fragment):
+        resolve_nproc(value, gpus=0)
+
+
+def test_backend_resolution_and_errors(tmp_path):
+    assert JobSpec.create(2, gpus=0, log_dir=tmp_path).backend == "gloo"
+    assert JobSpec.create(2, gpus=2, log_dir=tmp_path).backend == "nccl"
+    with pytest.raises(SpecError, match="use gloo"):
+        JobSpec.create(2, backend="nccl", gpus=0, log_dir=tmp_path)
+    with pytest.raises(SpecError, match="--nproc 2, or --backend gloo"):
+        JobSpec.create(4, backend="nccl", gpus=2, log_dir=tmp_path)
+    with pytest.raises(SpecError, match="choose one of"):
+        JobSpec.create(2, backend="mpi", gpus=0, log_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"max_restarts": -1}, "0 or more"),
+        ({"monitor_interval": 0}, "above 0"),
+        ({"timeout": -5}, "above 0"),
+        ({"pull": ["not a name"]}, "not a Python variable name"),
+    ],
+)
+def test_bad_values(tmp_path, kwargs, fragment):
+    with pytest.raises(SpecError, match=fragment):
+        JobSpec.create(1, gpus=0, log_dir=tmp_path, **kwargs)
+
+
+def test_env_parsing():
+    assert parse_env(["A=1", "B_2=x=y", "C="]) == {"A": "1", "B_2": "x=y", "C": ""}
+    assert parse_env({"K": 5}) == {"K": "5"}
+    with pytest.raises(SpecError, match="KEY=VALUE"):
+        parse_env(["NOEQUALS"])
+    with pytest.raises(SpecError, match="not a valid variable name"):
+        parse_env(["1BAD=x"])
+
+
+def test_log_dir_must_be_creatable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SpecError, match="cannot create it"):
+        JobSpec.create(1, gpus=0, log_dir=blocker / "logs")
+    spec = JobSpec.create(1, gpus=0, log_dir=tmp_path / "new" / "logs")
+    assert spec.log_dir.is_dir()
