@@ -4,20 +4,38 @@
 
     %%elastic --nproc 2 --max-restarts 1
     ...torchrun-style code...
+
+The public names are imported on first use, so a worker process (which imports
+``elastic_magic.worker``) does not pay for the agent's imports.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .agent.job import AgentError, Job
-from .events import JobState
-from .launch import launch
-from .payload import PayloadError
-from .result import JobFailedError, JobResult, RankFailure
-from .spec import JobSpec, SpecError
+if TYPE_CHECKING:
+    from .agent.job import AgentError, Job
+    from .events import JobState
+    from .api import launch
+    from .payload import PayloadError
+    from .result import JobFailedError, JobResult, RankFailure
+    from .spec import JobSpec, SpecError
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "AgentError": ".agent.job",
+    "Job": ".agent.job",
+    "JobFailedError": ".result",
+    "JobResult": ".result",
+    "JobSpec": ".spec",
+    "JobState": ".events",
+    "PayloadError": ".payload",
+    "RankFailure": ".result",
+    "SpecError": ".spec",
+    "launch": ".api",
+}
 
 __all__ = [
     "AgentError",
@@ -35,6 +53,12 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module 'elastic_magic' has no attribute {name!r}")
+
+
 def load_ipython_extension(ipython: Any) -> None:
     from .magics import ElasticMagics
 
@@ -42,5 +66,4 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    magics = ipython.magics_manager.magics
-    magics["cell"].pop("elastic", None)
+    ipython.magics_manager.magics["cell"].pop("elastic", None)

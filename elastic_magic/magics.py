@@ -11,7 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .agent.job import Job
 from .events import JobState
-from .launch import build_payload
+from .api import build_payload
 from .payload import PayloadError, uses_ipython_syntax
 from .result import JobFailedError, JobResult
 from .spec import JobSpec, SpecError
@@ -62,7 +62,10 @@ class ElasticMagics(Magics):
             dist.all_reduce(t)
             t.item()
         """
-        opts = parse_argstring(self.elastic, line)
+        try:
+            opts = parse_argstring(self.elastic, line)
+        except ValueError as exc:  # shlex: unbalanced quotes in the flags
+            raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
         spec = self._spec(opts)
         payload = self._payload(cell, spec)
         job = Job(spec, payload).start()

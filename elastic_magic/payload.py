@@ -75,7 +75,10 @@ def _syntax_message(exc: SyntaxError) -> str:
 
 def uses_ipython_syntax(source: str) -> bool:
     """True when IPython's transformer turned magics or ``!`` escapes into get_ipython()."""
-    tree = ast.parse(source)
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False  # reported, with its line, when the payload is built
     return any(
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)

@@ -1,0 +1,105 @@
+"""Interrupts and kernel death in a real Jupyter kernel: no worker may survive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+from conftest import tagged_workers, wait_until_no_workers
+from jupyter_client.manager import start_new_kernel
+
+LONG_CELL = """%%elastic --nproc 2 --max-restarts 1
+import os, time, torch.distributed as dist
+if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == 0 and dist.get_rank() == CRASH_RANK:
+    raise RuntimeError("crash before the long run")
+print("working", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def kernel():
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        execute(kc, "%load_ext elastic_magic\nimport torch")
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+def execute(kc, code: str, trigger: str | None = None, action: Callable[[], None] | None = None,
+            timeout: float = 120) -> tuple[dict, str]:
+    """Run ``code``; call ``action`` once ``trigger`` appears in the output."""
+    msg_id = kc.execute(code)
+    text = ""
+    fired = False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            text += content["text"]
+        elif kind == "error":
+            text += f"{content['ename']}: {content['evalue']}\n"
+        if trigger is not None and not fired and trigger in text:
+            fired = True
+            action()
+        if kind == "status" and content["execution_state"] == "idle":
+            break
+    reply = kc.get_shell_msg(timeout=timeout)
+    return reply["content"], text
+
+
+@pytest.mark.parametrize(
+    ("phase", "crash_rank", "trigger"),
+    [
+        ("starting", -1, "[elastic] rendezvous round 1"),  # workers still importing torch
+        ("running", -1, "[rank 1] working"),
+        ("restarting", 1, "[elastic] restarting the group"),
+    ],
+)
+def test_interrupt_stops_every_worker(kernel, phase, crash_rank, trigger):
+    km, kc = kernel
+    execute(kc, f"CRASH_RANK = {crash_rank}")
+    reply, text = execute(kc, LONG_CELL, trigger=trigger, action=km.interrupt_kernel)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", text
+    assert not tagged_workers(), f"workers survived an interrupt while {phase}"
+    reply, text = execute(kc, "print('kernel still usable')")  # the kernel carries on
+    assert reply["status"] == "ok" and "still usable" in text
+
+
+def test_interrupt_right_after_start(kernel):
+    km, kc = kernel
+    execute(kc, "CRASH_RANK = -1")
+    msg_id = kc.execute(LONG_CELL)
+    time.sleep(0.2)  # rendezvous or spawning, whichever the machine is at
+    km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert not tagged_workers()
+
+
+@pytest.mark.parametrize("how", ["killed", "shut down"])
+def test_workers_die_with_the_kernel(kernel, how):
+    km, kc = kernel
+    execute(kc, "CRASH_RANK = -1")
+    kc.execute(LONG_CELL)
+    deadline = time.monotonic() + 60
+    while len(tagged_workers()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = tagged_workers()
+    assert len(workers) == 2
+    if how == "killed":
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+    else:
+        km.shutdown_kernel(now=False)
+    left = wait_until_no_workers(timeout=5.0)
+    assert not left, f"workers outlived the kernel ({how}): {[p.pid for p in left]}"
