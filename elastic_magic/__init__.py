@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .agent.job import AgentError, Job
-    from .events import JobState
     from .api import launch
+    from .events import JobState
     from .payload import PayloadError
     from .result import JobFailedError, JobResult, RankFailure
     from .spec import JobSpec, SpecError

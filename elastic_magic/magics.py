@@ -10,8 +10,8 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .agent.job import Job
-from .events import JobState
 from .api import build_payload
+from .events import JobState
 from .payload import PayloadError, uses_ipython_syntax
 from .result import JobFailedError, JobResult
 from .spec import JobSpec, SpecError
