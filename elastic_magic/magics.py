@@ -1,25 +1,38 @@
-"""``%%elastic``: parse flags, build the payload, run the job, put results in the kernel."""
+"""``%%elastic`` runs a cell as a job; ``%elastic`` manages jobs (jobs, status, stop, logs)."""
 
 from __future__ import annotations
 
 import shlex
+import threading
+from collections import deque
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .agent.job import Job
+from .agent.job import Job, Renderer
 from .api import build_payload
 from .events import JobState
-from .payload import PayloadError, uses_ipython_syntax
+from .payload import Payload, PayloadError, uses_ipython_syntax
 from .result import JobFailedError, JobResult
 from .spec import JobSpec, SpecError
 from .ui.text import TextRenderer
 
+_SUBCOMMANDS = """\
+%elastic jobs                     list this kernel's jobs
+%elastic status [JOB]             state, world size, restarts, worker PIDs
+%elastic stop [JOB]               stop a job's workers (SIGINT, SIGTERM, SIGKILL)
+%elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
+JOB is a number from `%elastic jobs` or a run id; the default is the latest job."""
+
 
 @magics_class
 class ElasticMagics(Magics):
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.jobs: dict[int, Job] = {}
+
     @magic_arguments()
     @argument("--nproc", default=None,
               help="workers on this machine: N, auto, cpu or gpu "
@@ -40,9 +53,15 @@ class ElasticMagics(Magics):
               help="set an environment variable in the workers (repeatable)")
     @argument("--args", default="", help='the cell\'s sys.argv[1:], as one string: "--lr 0.1"')
     @argument("-o", "--out", default=None, metavar="NAME",
-              help="store the JobResult in this kernel variable (also on failure)")
+              help="store the JobResult in this kernel variable (also on failure); "
+                   "with --bg, the Job handle")
     @argument("--pull", default="", metavar="NAMES",
               help="after success, copy these variables (comma-separated) from rank 0")
+    @argument("--bg", action="store_true",
+              help="run in the background and return a Job handle at once; "
+                   "see %%elastic jobs/status/stop/logs")
+    @argument("--text", action="store_true",
+              help="plain-text output even where widgets render (no dashboard)")
     @cell_magic
     def elastic(self, line: str, cell: str) -> Any:
         """Run the cell as an elastic distributed PyTorch job on local worker processes.
@@ -50,7 +69,9 @@ class ElasticMagics(Magics):
         Each worker is a fresh Python interpreter with torchrun's environment (RANK,
         LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); the process group is initialised for
         the cell unless --no-init. Kernel variables the cell reads are sent to every
-        worker. Each rank's output appears with a [rank N] prefix; the cell's last
+        worker. In a notebook a live dashboard shows the job (state, world size, restarts,
+        every rank's output, a Stop button) and leaves a static record when the cell ends;
+        elsewhere each rank's output appears with a [rank N] prefix. The cell's last
         expression is each rank's value (JobResult.values). A failed rank stops the whole
         group at once; with --max-restarts the group starts again.
 
@@ -67,20 +88,48 @@ class ElasticMagics(Magics):
         except ValueError as exc:  # shlex: unbalanced quotes in the flags
             raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
         spec = self._spec(opts)
-        payload = self._payload(cell, spec)
-        job = Job(spec, payload).start()
+        job = Job(spec, self._payload(cell, spec)).start()
+        self.jobs[len(self.jobs) + 1] = job
+        view = self._view(job, opts.text)
+        if opts.bg:
+            if opts.out:
+                self.shell.user_ns[opts.out] = job
+            threading.Thread(target=self._follow, args=(job, view), daemon=True,
+                             name=f"elastic-view-{job.run_id}").start()
+            return job
         try:
-            result = job.wait(TextRenderer())
+            result = job.wait(view)
         finally:
-            # On interrupt too, the user gets the record of what ran.
+            # On interrupt too: the record of what ran, and the result if there is one.
+            self._finish_view(view)
             if opts.out and job.result is not None:
                 self.shell.user_ns[opts.out] = job.result
         return self._deliver(result)
 
+    @line_magic("elastic")
+    def elastic_command(self, line: str) -> None:
+        """Manage elastic jobs of this kernel.
+
+        %elastic jobs | status [JOB] | stop [JOB] | logs RANK [JOB] [-n N] [--stderr]
+        """
+        words = shlex.split(line)
+        if not words or words[0] not in ("jobs", "status", "stop", "logs"):
+            raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")
+        command, rest = words[0], words[1:]
+        if command == "jobs":
+            self._print_jobs()
+        elif command == "status":
+            self._print_status(self._job(rest))
+        elif command == "stop":
+            self._stop(self._job(rest))
+        else:
+            self._print_logs(rest)
+
+    # -- %%elastic helpers ---------------------------------------------------------------
+
     def _spec(self, opts: Any) -> JobSpec:
-        for name in (opts.out,):
-            if name is not None and not name.isidentifier():
-                raise UsageError(f"-o/--out {name!r}: not a Python variable name.")
+        if opts.out is not None and not opts.out.isidentifier():
+            raise UsageError(f"-o/--out {opts.out!r}: not a Python variable name.")
         try:
             argv = shlex.split(opts.args)
         except ValueError as exc:
@@ -96,7 +145,7 @@ class ElasticMagics(Magics):
         except SpecError as exc:
             raise UsageError(f"%%elastic: {exc}") from None
 
-    def _payload(self, cell: str, spec: JobSpec) -> Any:
+    def _payload(self, cell: str, spec: JobSpec) -> Payload:
         if uses_ipython_syntax(self.shell.transform_cell(cell)):
             raise UsageError(
                 "%%elastic: IPython syntax (%magics, !shell, ?help) cannot run in workers, "
@@ -106,6 +155,29 @@ class ElasticMagics(Magics):
             return build_payload(cell, spec, namespace=self.shell.user_ns)
         except PayloadError as exc:
             raise UsageError(f"%%elastic: {exc}") from None
+
+    def _view(self, job: Job, text: bool) -> Renderer:
+        """The live dashboard where a frontend renders widgets, else plain text."""
+        if not text and getattr(self.shell, "kernel", None) is not None:
+            from .ui.dashboard import LiveView
+
+            return LiveView(job)
+        return TextRenderer()
+
+    @staticmethod
+    def _finish_view(view: Renderer) -> None:
+        finish = getattr(view, "finish", None)
+        if finish is not None:
+            finish()
+
+    def _follow(self, job: Job, view: Renderer) -> None:
+        """Background jobs: keep the view fed until the job ends, then pull variables."""
+        try:
+            result = job.wait(view)
+        finally:
+            self._finish_view(view)
+        if result.ok:
+            self.shell.user_ns.update(result.pulled)
 
     def _deliver(self, result: JobResult) -> JobResult | None:
         if result.state is JobState.FAILED:
@@ -118,3 +190,70 @@ class ElasticMagics(Magics):
             )
         # Like IPython's own cells: show a value only when the cell produced one.
         return result if any(v is not None for v in result.values.values()) else None
+
+    # -- %elastic helpers ----------------------------------------------------------------
+
+    def _job(self, words: list[str]) -> Job:
+        if not self.jobs:
+            raise UsageError("%elastic: no job has run in this kernel yet.")
+        if not words:
+            return self.jobs[max(self.jobs)]
+        key = words[0]
+        if key.isdigit() and int(key) in self.jobs:
+            return self.jobs[int(key)]
+        for job in self.jobs.values():
+            if job.run_id == key:
+                return job
+        raise UsageError(f"%elastic: no job {key!r}; `%elastic jobs` lists them.")
+
+    def _print_jobs(self) -> None:
+        if not self.jobs:
+            print("no elastic jobs in this kernel yet")
+            return
+        for number, job in self.jobs.items():
+            s = job.status()
+            print(f"{number:>3}  {job.run_id}  {s['state']:<10} world size {s['world_size']}  "
+                  f"restarts {s['restarts']}  {s['elapsed']}")
+
+    def _print_status(self, job: Job) -> None:
+        status = job.status()
+        for key, value in status.items():
+            print(f"{key:>10}: {value}")
+        if job.result is not None and job.result.failure is not None:
+            print(f"root cause: rank {job.result.failure.rank}: {job.result.failure.headline}")
+
+    def _stop(self, job: Job) -> None:
+        if job.done:
+            print(f"{job.run_id} has already ended ({job.state.value})")
+            return
+        job.stop("%elastic stop")
+        if job.wait_done(timeout=30):
+            print(f"{job.run_id} stopped; its workers have exited")
+        else:
+            print(f"{job.run_id} is still stopping")
+
+    def _print_logs(self, words: list[str]) -> None:
+        lines, stream, rest = 40, "stdout", []
+        it = iter(words)
+        for word in it:
+            if word == "--stderr":
+                stream = "stderr"
+            elif word == "-n":
+                value = next(it, "")
+                if not value.isdigit():
+                    raise UsageError("%elastic logs: -n takes a number of lines.")
+                lines = int(value)
+            else:
+                rest.append(word)
+        if not rest or not rest[0].isdigit():
+            raise UsageError(f"%elastic logs: which rank? For example `%elastic logs 0`.\n"
+                             f"{_SUBCOMMANDS}")
+        rank, job = int(rest[0]), self._job(rest[1:])
+        attempts = sorted(job.log_dir.glob("attempt_*"), key=lambda p: int(p.name[8:]))
+        path = attempts[-1] / f"rank_{rank}" / f"{stream}.log" if attempts else None
+        if path is None or not path.exists():
+            raise UsageError(f"%elastic logs: no {stream} log for rank {rank} of {job.run_id}.")
+        with open(path, errors="replace") as f:
+            tail = deque(f, maxlen=lines)
+        print(f"==> {path} <==")
+        print("".join(tail), end="")

@@ -110,7 +110,7 @@ def group_failures(failures: list[RankFailure]) -> list[tuple[RankFailure, list[
     groups: dict[tuple[Any, ...], list[RankFailure]] = defaultdict(list)
     for failure in sorted(failures, key=lambda f: f.time):
         groups[failure.signature].append(failure)
-    return [(members[0], [f.rank for f in members]) for members in groups.values()]
+    return [(members[0], sorted(f.rank for f in members)) for members in groups.values()]
 
 
 def describe_failure(result: JobResult) -> str:

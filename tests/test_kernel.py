@@ -103,3 +103,69 @@ def test_workers_die_with_the_kernel(kernel, how):
         km.shutdown_kernel(now=False)
     left = wait_until_no_workers(timeout=5.0)
     assert not left, f"workers outlived the kernel ({how}): {[p.pid for p in left]}"
+
+
+def collect(kc, code: str, timeout: float = 180) -> tuple[dict, list[dict], float]:
+    """Run ``code``; every IOPub message it caused, and how long it took."""
+    started = time.monotonic()
+    msg_id = kc.execute(code)
+    msgs = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        msgs.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    return kc.get_shell_msg(timeout=timeout)["content"], msgs, time.monotonic() - started
+
+
+def test_high_volume_output_reaches_logs_whole_and_frontend_batched(kernel, tmp_path):
+    _km, kc = kernel
+    ranks, per_rank = 4, 25_000  # 100k lines in total
+    cell = (f"%%elastic --nproc {ranks} --log-dir {tmp_path} -o big\n"
+            "import torch.distributed as dist\n"
+            "r = dist.get_rank()\n"
+            f"for i in range({per_rank}):\n"
+            "    print(f'rank {r} line {i}')\n")
+    reply, msgs, seconds = collect(kc, cell)
+    assert reply["status"] == "ok"
+    kinds = [m["msg_type"] for m in msgs]
+    # Lines go to the dashboard, not as stream messages, and at a few updates per second.
+    assert "stream" not in kinds
+    updates = kinds.count("comm_msg")
+    assert 1 <= updates <= 4 * seconds + 10, (updates, seconds)
+    assert len(msgs) <= updates + 15
+    final = [m for m in msgs if m["msg_type"] == "update_display_data"][-1]["content"]["data"]
+    assert "succeeded · world size 4" in final["text/plain"]
+    assert f"{per_rank + 1 - 150} earlier lines in the log" not in final["text/plain"]
+    assert f"{per_rank - 150} earlier lines in the log" in final["text/plain"]
+    (run_dir,) = tmp_path.iterdir()
+    for rank in range(ranks):
+        logged = (run_dir / "attempt_0" / f"rank_{rank}" / "stdout.log").read_text()
+        assert logged.splitlines() == [f"rank {rank} line {i}" for i in range(per_rank)]
+
+
+def test_background_job_is_managed_with_line_magics(kernel):
+    _km, kc = kernel
+    reply, text = execute(kc, "%%elastic --bg --nproc 2 -o handle\n"
+                              "import time\nprint('bg up', flush=True)\ntime.sleep(600)\n")
+    assert reply["status"] == "ok"  # returned at once, the job running behind it
+    deadline = time.monotonic() + 60
+    logs = ""
+    while "bg up" not in logs and time.monotonic() < deadline:
+        time.sleep(0.3)
+        _, logs = execute(kc, "%elastic logs 1")
+    assert "[rank" not in logs and "bg up" in logs
+    _, jobs = execute(kc, "%elastic jobs")
+    assert "  1  em-" in jobs and "world size 2" in jobs
+    _, status = execute(kc, "%elastic status 1")
+    assert "state: running" in status and "pids: {0: " in status
+    assert len(tagged_workers()) == 2
+    _, stopped = execute(kc, "%elastic stop")
+    assert "stopped; its workers have exited" in stopped
+    assert not tagged_workers()
+    _, state = execute(kc, "print(handle.state.value, handle.result.stop_reason)")
+    assert "stopped %elastic stop" in state
+    reply, text = execute(kc, "%elastic logs 7")
+    assert reply["status"] == "error" and "no stdout log for rank 7" in text

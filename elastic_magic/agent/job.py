@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..events import Event, JobState
@@ -68,6 +69,30 @@ class Job:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def log_dir(self) -> Path:
+        return self._agent.log_root
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot for people: state, size, restarts, elapsed, live worker PIDs."""
+        agent = self._agent
+        return {
+            "run_id": self.run_id,
+            "state": agent.state.value,
+            "world_size": agent.world_size,
+            "restarts": f"{agent.restart_count}/{self.spec.max_restarts}",
+            "elapsed": f"{time.time() - agent.started:.1f}s",
+            "pids": {w.global_rank: w.pid for w in agent.group if not w.reaped()},
+            "log_dir": str(self.log_dir),
+        }
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until the job has ended (without rendering); False on timeout."""
+        return self._done.wait(timeout)
+
+    def __repr__(self) -> str:
+        return f"<elastic Job {self.run_id}: {self.state.value}>"
+
     def stop(self, reason: str = "stopped") -> None:
         """Ask the agent to stop every worker (SIGINT, then SIGTERM, then SIGKILL)."""
         self._inbox.put(StopCommand(reason))
@@ -106,8 +131,8 @@ class Job:
                 batch.append(self.events.get_nowait())
         except queue.Empty:
             pass
-        if batch and render is not None:
-            render(batch)
+        if render is not None:
+            render(batch)  # an empty batch is a tick: throttled renderers flush on it
         finished = self.done and self.events.empty()
         if batch and not finished:
             time.sleep(max(0.0, RENDER_INTERVAL - (time.monotonic() - started)))

@@ -69,6 +69,10 @@ class Worker:
     def pid(self) -> int:
         return self.proc.pid if self.proc else -1
 
+    def reaped(self) -> bool:
+        """Known to have exited; no system call, so safe from any thread."""
+        return self.proc is None or self.proc.returncode is not None
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

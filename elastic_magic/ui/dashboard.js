@@ -1,0 +1,134 @@
+// Live dashboard of one elastic job (anywidget). State comes from the kernel a few times a
+// second; the only messages back are commands ({command: "stop"}), which the kernel queues
+// for the agent.
+
+const h = (tag, attrs = {}, ...children) => {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  node.append(...children);
+  return node;
+};
+
+const FINAL = new Set(["succeeded", "failed", "stopped"]);
+
+function elapsed(header) {
+  if (!header.started_at) return "-";
+  const end = header.finished_at ?? Date.now() / 1000;
+  const s = Math.max(0, end - header.started_at);
+  return s < 60 ? `${s.toFixed(1)}s` : `${Math.floor(s / 60)}m ${Math.floor(s % 60)}s`;
+}
+
+function render({ model, el }) {
+  el.classList.add("em-dash");
+  let active = "all";
+  let stopping = false;
+
+  const badge = h("span", { class: "em-badge", "data-em": "state" });
+  const stats = h("span", { class: "em-stats" });
+  const clock = h("span", { class: "em-clock", "data-em": "elapsed" });
+  const stop = h("button", { class: "em-stop", "data-em": "stop" }, "Stop");
+  const scaleSlot = h("span", { class: "em-scale", "data-em": "scale" }); // resize controls
+  const header = h("div", { class: "em-header" }, badge, stats, clock,
+                   h("span", { class: "em-controls" }, scaleSlot, stop));
+  const failure = h("div", { class: "em-failure", "data-em": "failure" });
+  const tabs = h("div", { class: "em-tabs", role: "tablist" });
+  const note = h("div", { class: "em-note", "data-em": "note" });
+  const pane = h("pre", { class: "em-lines", "data-em": "lines" });
+  const timeline = h("ol", { class: "em-timeline", "data-em": "timeline" });
+  const details = h("details", { class: "em-timeline-box" },
+                    h("summary", {}, "Timeline"), timeline);
+  el.append(header, failure, tabs, note, pane, details);
+
+  stop.addEventListener("click", () => {
+    stopping = true;
+    model.send({ command: "stop" });
+    drawHeader();
+  });
+
+  function drawHeader() {
+    const hd = model.get("header");
+    badge.textContent = hd.state;
+    badge.dataset.state = hd.state;
+    const nodes = `${hd.nnodes} node${hd.nnodes === 1 ? "" : "s"}`;
+    stats.replaceChildren(
+      h("span", { "data-em": "world-size" }, `world size ${hd.world_size}`),
+      ` · ${nodes} · `,
+      h("span", { "data-em": "restarts" }, `restarts ${hd.restarts}/${hd.max_restarts}`),
+      ` · round ${hd.round}`,
+    );
+    clock.textContent = elapsed(hd);
+    const canStop = model.get("controls").stop && !FINAL.has(hd.state);
+    stop.disabled = !canStop || stopping;
+    stop.textContent = stopping && !FINAL.has(hd.state) ? "Stopping…" : "Stop";
+  }
+
+  function drawFailure() {
+    const f = model.get("failure");
+    if (!f || f.rank === undefined) {
+      failure.replaceChildren();
+      failure.hidden = true;
+      return;
+    }
+    failure.hidden = false;
+    const others = (f.others || []).map((o) =>
+      h("div", {}, `Rank${o.ranks.length > 1 ? "s" : ""} ${o.ranks.join(", ")} also failed: ${o.text}`));
+    failure.replaceChildren(
+      h("div", { class: "em-failure-title" }, `Root cause: rank ${f.rank} (attempt ${f.attempt}): ${f.headline}`),
+      h("pre", {}, f.traceback || ""),
+      ...others,
+    );
+  }
+
+  function drawTabs() {
+    const ranks = model.get("ranks");
+    if (active !== "all" && !ranks.includes(Number(active))) active = "all";
+    const make = (key, label) => {
+      const tab = h("button", { class: "em-tab", role: "tab", "data-em": `tab-${key}` }, label);
+      if (String(active) === String(key)) tab.classList.add("em-active");
+      tab.addEventListener("click", () => { active = key; drawTabs(); drawLines(); });
+      return tab;
+    };
+    tabs.replaceChildren(make("all", "All ranks"), ...ranks.map((r) => make(String(r), `Rank ${r}`)));
+  }
+
+  function drawLines() {
+    const atBottom = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 24;
+    const rows = [];
+    if (active === "all") {
+      for (const [rank, stream, text] of model.get("merged")) {
+        rows.push(h("span", { class: `em-${stream}` }, h("span", { class: "em-prefix" }, `[${rank}] `), text, "\n"));
+      }
+      note.textContent = "";
+    } else {
+      for (const [stream, text] of model.get("lines")[active] || []) {
+        rows.push(h("span", { class: `em-${stream}` }, text, "\n"));
+      }
+      const hidden = model.get("hidden")[active] || 0;
+      const log = (model.get("logs")[active] || {}).stdout || "";
+      note.textContent = hidden ? `${hidden} earlier lines not shown · full log: ${log}` : `full log: ${log}`;
+    }
+    pane.replaceChildren(...rows);
+    if (atBottom) pane.scrollTop = pane.scrollHeight;
+  }
+
+  function drawTimeline() {
+    timeline.replaceChildren(...model.get("timeline").map((e) =>
+      h("li", { "data-kind": e.kind },
+        h("span", { class: "em-time" }, new Date(e.time * 1000).toLocaleTimeString()), " ",
+        h("b", {}, e.kind), ` ${e.text}`)));
+  }
+
+  function drawAll() { drawHeader(); drawFailure(); drawTabs(); drawLines(); drawTimeline(); }
+  model.on("change:header", drawHeader);
+  model.on("change:controls", drawHeader);
+  model.on("change:failure", drawFailure);
+  model.on("change:ranks", () => { drawTabs(); drawLines(); });
+  model.on("change:lines", drawLines);
+  model.on("change:merged", drawLines);
+  model.on("change:timeline", drawTimeline);
+  drawAll();
+  const timer = setInterval(() => { clock.textContent = elapsed(model.get("header")); }, 500);
+  return () => clearInterval(timer);
+}
+
+export default { render };

@@ -1,0 +1,74 @@
+"""The live dashboard widget (anywidget: one widget for Lab, Notebook 7 and VS Code) and
+the view that feeds it from a job's events."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import anywidget
+import traitlets
+from IPython.display import display
+
+from ..events import Event
+from .record import record_bundle
+from .state import DashboardState
+
+# At most this many state messages per second reach the frontend.
+SYNC_INTERVAL = 0.25
+
+
+class Dashboard(anywidget.AnyWidget):
+    _esm = Path(__file__).with_name("dashboard.js")
+    _css = Path(__file__).with_name("dashboard.css")
+
+    header = traitlets.Dict().tag(sync=True)
+    ranks = traitlets.List().tag(sync=True)
+    lines = traitlets.Dict().tag(sync=True)  # "rank" -> [[stream, text], ...], bounded
+    merged = traitlets.List().tag(sync=True)  # [[rank, stream, text], ...], bounded
+    hidden = traitlets.Dict().tag(sync=True)  # "rank" -> lines only in the log
+    logs = traitlets.Dict().tag(sync=True)  # "rank" -> {"stdout": path, "stderr": path}
+    timeline = traitlets.List().tag(sync=True)
+    failure = traitlets.Dict().tag(sync=True)
+    controls = traitlets.Dict().tag(sync=True)  # which controls are live
+
+
+class LiveView:
+    """Shows a Dashboard for a job, throttled; at the end swaps it for the static record."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.state = DashboardState(job.run_id, str(job.log_dir), job.spec.max_restarts)
+        self.widget = Dashboard(controls={"stop": True}, **self.state.traits())
+        # Comm messages may arrive on a kernel subshell while the cell runs: only enqueue.
+        self.widget.on_msg(self._on_message)
+        self._handle = display(self.widget, display_id=True)
+        self._dirty = False
+        self._synced_at = 0.0
+
+    def _on_message(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
+        if content.get("command") == "stop":
+            self.job.stop("stop button")
+
+    def __call__(self, events: list[Event]) -> None:
+        for event in events:
+            self.state.apply(event)
+        self._dirty = self._dirty or bool(events)
+        due = time.monotonic() - self._synced_at >= SYNC_INTERVAL
+        if self._dirty and (due or self.state.final):
+            self.sync()
+
+    def sync(self) -> None:
+        with self.widget.hold_sync():  # one message for all changed traits
+            for name, value in self.state.traits().items():
+                if getattr(self.widget, name) != value:
+                    setattr(self.widget, name, value)
+        self._dirty = False
+        self._synced_at = time.monotonic()
+
+    def finish(self) -> None:
+        """Replace the live widget with a record that needs no kernel and no widget state."""
+        if self._handle is not None:
+            self._handle.update(record_bundle(self.state), raw=True)
+        self.widget.close()

@@ -1,0 +1,142 @@
+"""What a dashboard shows, derived from agent events; no widget code here, so the live
+widget and the static record share one source of truth."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..events import (
+    Event,
+    JobFinished,
+    JobState,
+    Output,
+    RendezvousCompleted,
+    Restarting,
+    StateChanged,
+    WorkerFailed,
+    WorkersStarted,
+)
+from ..result import JobResult, RankFailure, group_failures
+
+RANK_LINES = 150  # per rank, in the browser; the full output is in the logs
+MERGED_LINES = 300
+
+
+@dataclass
+class DashboardState:
+    run_id: str
+    log_dir: str
+    max_restarts: int
+    header: dict[str, Any] = field(default_factory=dict)
+    lines: dict[int, deque[tuple[str, str]]] = field(default_factory=dict)
+    merged: deque[tuple[int, str, str]] = field(default_factory=lambda: deque(maxlen=MERGED_LINES))
+    counts: dict[int, int] = field(default_factory=dict)  # lines seen per rank, this attempt
+    attempt: int = 0
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    failure: dict[str, Any] = field(default_factory=dict)
+    result: JobResult | None = None
+
+    def __post_init__(self) -> None:
+        self.header = {
+            "run_id": self.run_id, "state": JobState.RENDEZVOUS.value, "world_size": 0,
+            "nnodes": 0, "round": 0, "restarts": 0, "max_restarts": self.max_restarts,
+            "started_at": None, "finished_at": None, "log_dir": self.log_dir,
+        }
+
+    @property
+    def final(self) -> bool:
+        return JobState(self.header["state"]).is_final
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, Output):
+            self._output(event)
+        elif isinstance(event, StateChanged):
+            self.header["state"] = event.state.value
+            if self.header["started_at"] is None:
+                self.header["started_at"] = event.time
+            if event.state.is_final:
+                self.header["finished_at"] = event.time
+        elif isinstance(event, RendezvousCompleted):
+            self.header.update(world_size=event.world_size, nnodes=event.nnodes,
+                               round=event.round)
+            self._note(event.time, "rendezvous",
+                       f"round {event.round}: world size {event.world_size}, "
+                       f"{event.nnodes} node{'s' if event.nnodes > 1 else ''}")
+        elif isinstance(event, WorkersStarted):
+            self.attempt = event.attempt
+            self.lines = {rank: deque(maxlen=RANK_LINES) for rank in event.ranks}
+            self.merged.clear()
+            self.counts = dict.fromkeys(event.ranks, 0)
+            self.header["restarts"] = event.restart_count
+            self._note(event.time, "start",
+                       f"attempt {event.attempt}: started ranks "
+                       f"{', '.join(map(str, event.ranks))} (pids "
+                       f"{', '.join(map(str, event.pids))})")
+        elif isinstance(event, WorkerFailed):
+            self._note(event.time, "failure",
+                       f"rank {event.failure.rank} failed: {event.failure.headline}")
+        elif isinstance(event, Restarting):
+            self._note(event.time, "restart",
+                       f"restart {event.restart_count}/{event.max_restarts} after rank "
+                       f"{event.root_cause.rank}: {event.root_cause.headline}")
+        elif isinstance(event, JobFinished):
+            self._finished(event)
+
+    def _output(self, event: Output) -> None:
+        if event.attempt != self.attempt or event.rank not in self.lines:
+            return
+        for line in event.lines:
+            self.lines[event.rank].append((event.stream, line))
+            self.merged.append((event.rank, event.stream, line))
+        self.counts[event.rank] += len(event.lines)
+
+    def _note(self, when: float, kind: str, text: str) -> None:
+        self.timeline.append({"time": when, "kind": kind, "text": text})
+
+    def _finished(self, event: JobFinished) -> None:
+        result = self.result = event.result
+        self.header["restarts"] = result.restarts
+        text = result.summary()
+        if result.stop_reason:
+            text += f" ({result.stop_reason})"
+        self._note(event.time, result.state.value, text)
+        if result.failure is not None:
+            self.failure = failure_view(result.failure, result.failures)
+
+    def hidden(self) -> dict[int, int]:
+        """Lines of this attempt no longer in the browser, per rank (they are in the logs)."""
+        return {r: self.counts[r] - len(self.lines[r]) for r in self.lines}
+
+    def log_paths(self) -> dict[int, dict[str, str]]:
+        folder = f"{self.log_dir}/attempt_{self.attempt}"
+        return {r: {s: f"{folder}/rank_{r}/{s}.log" for s in ("stdout", "stderr")}
+                for r in self.lines}
+
+    def traits(self) -> dict[str, Any]:
+        """The widget's synced state (JSON-friendly; rank keys as strings)."""
+        return {
+            "header": dict(self.header),
+            "ranks": sorted(self.lines),
+            "lines": {str(r): [list(x) for x in lines] for r, lines in self.lines.items()},
+            "merged": [list(x) for x in self.merged],
+            "hidden": {str(r): n for r, n in self.hidden().items()},
+            "logs": {str(r): p for r, p in self.log_paths().items()},
+            "timeline": list(self.timeline),
+            "failure": dict(self.failure),
+        }
+
+
+def failure_view(root: RankFailure, failures: list[RankFailure]) -> dict[str, Any]:
+    others = []
+    for failure, ranks in group_failures(failures):
+        ranks = [r for r in ranks if r != root.rank]
+        if ranks:
+            same = failure.signature == root.signature
+            others.append({"ranks": ranks, "text": "the same error" if same else failure.headline})
+    return {
+        "rank": root.rank, "headline": root.headline, "traceback": root.traceback,
+        "cell_line": root.cell_line, "source_line": root.source_line,
+        "attempt": root.attempt, "others": others,
+    }

@@ -1,0 +1,109 @@
+"""The dashboard's state, driven by real jobs and asserted from Python (traitlets)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from elastic_magic.agent.job import Job
+from elastic_magic.api import build_payload
+from elastic_magic.spec import JobSpec
+from elastic_magic.ui.dashboard import Dashboard, LiveView
+from elastic_magic.ui.record import record_bundle
+from elastic_magic.ui.state import MERGED_LINES, RANK_LINES
+
+FLAKY = textwrap.dedent("""
+    import os, sys, torch.distributed as dist
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank = dist.get_rank()
+    for i in range(400):
+        print(f"rank {rank} attempt {attempt} line {i}")
+    print(f"warning from {rank}", file=sys.stderr)
+    dist.barrier()
+    if attempt == 0 and rank == 1:
+        raise ValueError("first attempt breaks")
+    rank
+""")
+
+
+def run_with_view(cell: str, log_dir, **spec_args):
+    spec = JobSpec.create(log_dir=log_dir, **spec_args)
+    job = Job(spec, build_payload(cell, spec)).start()
+    view = LiveView(job)
+    try:
+        job.wait(view)
+    finally:
+        view.finish()
+    return job, view
+
+
+def test_widget_state_follows_a_job_with_a_restart(log_dir):
+    _job, view = run_with_view(FLAKY, log_dir, nproc=2, max_restarts=1)
+    w: Dashboard = view.widget
+    assert w.header["state"] == "succeeded" and w.header["world_size"] == 2
+    assert w.header["nnodes"] == 1 and w.header["restarts"] == 1
+    assert w.header["max_restarts"] == 1 and w.header["round"] == 2
+    assert w.header["finished_at"] >= w.header["started_at"]
+    assert w.ranks == [0, 1]
+    for rank in (0, 1):
+        lines = w.lines[str(rank)]
+        assert len(lines) == RANK_LINES  # bounded in the browser...
+        assert w.hidden[str(rank)] == 401 - RANK_LINES  # ...the rest counted, in the log
+        # stdout and stderr are separate pipes: order within each stream only
+        assert ["stderr", f"warning from {rank}"] in lines
+        stdout = [text for stream, text in lines if stream == "stdout"]
+        assert stdout[-1] == f"rank {rank} attempt 1 line 399"  # the latest attempt
+        assert w.logs[str(rank)]["stdout"].endswith(f"attempt_1/rank_{rank}/stdout.log")
+    assert len(w.merged) == MERGED_LINES
+    assert all(text.startswith(f"rank {r} attempt 1") or text == f"warning from {r}"
+               for r, _, text in w.merged)
+    kinds = [e["kind"] for e in w.timeline]
+    assert kinds == ["rendezvous", "start", "failure", "restart", "rendezvous", "start",
+                     "succeeded"]
+    assert "rank 1 failed: ValueError: first attempt breaks" in w.timeline[2]["text"]
+    assert w.failure == {}  # the job recovered: no root cause to show
+    record = record_bundle(view.state)
+    assert "succeeded · world size 2 · 1 node · restarts 1/1" in record["text/plain"]
+    assert "[rank 1] warning from 1" in record["text/plain"]
+    assert "<script" not in record["text/html"] and "Rank 0" in record["text/html"]
+
+
+def test_failure_is_shown_with_root_cause(log_dir):
+    cell = "import torch.distributed as dist\ndist.barrier()\nif dist.get_rank() == 0:\n    1 / 0\n"
+    _job, view = run_with_view(cell, log_dir, nproc=2)
+    w = view.widget
+    assert w.header["state"] == "failed"
+    assert w.failure["rank"] == 0 and w.failure["headline"].startswith("ZeroDivisionError")
+    assert "Cell line 4" in w.failure["traceback"]
+    html = record_bundle(view.state)["text/html"]
+    assert "Root cause: rank 0" in html and "ZeroDivisionError" in html
+
+
+def test_stop_message_from_the_frontend_stops_the_job(log_dir):
+    spec = JobSpec.create(2, log_dir=log_dir)
+    job = Job(spec, build_payload("import time\nprint('up', flush=True)\ntime.sleep(600)",
+                                  spec)).start()
+    view = LiveView(job)
+    sent = []
+
+    def render(events):
+        view(events)
+        if not sent and any(line[2] == "up" for line in view.widget.merged) and len(
+                {line[0] for line in view.widget.merged}) == 2:
+            sent.append(True)
+            # what the Stop button sends; on a subshell thread in JupyterLab >= 4.4
+            view.widget._handle_custom_msg({"command": "stop"}, [])
+
+    result = job.wait(render)
+    view.finish()
+    assert sent and result.state.value == "stopped" and result.stop_reason == "stop button"
+    assert view.widget.header["state"] == "stopped"
+
+
+@pytest.mark.parametrize("text", [True, False])
+def test_record_renders_without_widget_state(log_dir, text):
+    _job, view = run_with_view("print('hello')", log_dir, nproc=1)
+    bundle = record_bundle(view.state)
+    assert set(bundle) == {"text/plain", "text/html"}
+    assert "hello" in bundle["text/plain" if text else "text/html"]
