@@ -11,7 +11,7 @@ import pytest
 from conftest import tagged_workers, wait_until_no_workers
 from jupyter_client.manager import start_new_kernel
 
-LONG_CELL = """%%elastic --nproc 2 --max-restarts 1
+LONG_CELL = """%%elastic --nproc 2 --max-restarts 1 --text
 import os, time, torch.distributed as dist
 if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == 0 and dist.get_rank() == CRASH_RANK:
     raise RuntimeError("crash before the long run")

@@ -39,9 +39,16 @@ function render({ model, el }) {
                     h("summary", {}, "Timeline"), timeline);
   el.append(header, failure, tabs, note, pane, details);
 
+  // Commands are idempotent; resend until the job reacts, in case one was queued behind
+  // the running cell (a kernel without subshells, or a message routed to the main shell).
+  let resend = null;
   stop.addEventListener("click", () => {
     stopping = true;
     model.send({ command: "stop" });
+    resend = resend ?? setInterval(() => {
+      if (FINAL.has(model.get("header").state)) clearInterval(resend);
+      else model.send({ command: "stop" });
+    }, 2000);
     drawHeader();
   });
 
@@ -128,7 +135,7 @@ function render({ model, el }) {
   model.on("change:timeline", drawTimeline);
   drawAll();
   const timer = setInterval(() => { clock.textContent = elapsed(model.get("header")); }, 500);
-  return () => clearInterval(timer);
+  return () => { clearInterval(timer); if (resend) clearInterval(resend); };
 }
 
 export default { render };

@@ -3,6 +3,7 @@ the view that feeds it from a job's events."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,16 @@ class Dashboard(anywidget.AnyWidget):
     timeline = traitlets.List().tag(sync=True)
     failure = traitlets.Dict().tag(sync=True)
     controls = traitlets.Dict().tag(sync=True)  # which controls are live
+
+
+def _keep_commands_on_subshells(widget: Dashboard) -> None:
+    """ipykernel >= 7 routes a comm's incoming messages to the subshell that last published
+    on it. Our syncs come from the cell's own (main) shell, so a Stop click would wait behind
+    the running cell; forgetting that route lets the frontend's subshell take it."""
+    comm = getattr(widget, "comm", None)
+    if comm is not None and "_reply_subshell_id" in vars(comm):
+        with contextlib.suppress(AttributeError):
+            del comm._reply_subshell_id
 
 
 class LiveView:
@@ -64,6 +75,7 @@ class LiveView:
             for name, value in self.state.traits().items():
                 if getattr(self.widget, name) != value:
                     setattr(self.widget, name, value)
+        _keep_commands_on_subshells(self.widget)
         self._dirty = False
         self._synced_at = time.monotonic()
 

@@ -1,0 +1,129 @@
+"""The dashboard in a real browser: JupyterLab on loopback, Debian's Chromium driven by
+Playwright (through its executable path; no browser download)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest import tagged_workers, wait_until_no_workers
+from playwright.sync_api import expect, sync_playwright
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+
+CELLS = [
+    "%load_ext elastic_magic",
+    "%%elastic --nproc 2\nimport torch.distributed as dist\n"
+    "print(f'hello from rank {dist.get_rank()}')",
+    "%%elastic --nproc 2\nimport sys, time, torch.distributed as dist\n"
+    "print(f'long job rank {dist.get_rank()} ready', flush=True)\n"
+    "print(f'a warning on rank {dist.get_rank()}', file=sys.stderr, flush=True)\n"
+    "time.sleep(600)",
+]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab on 127.0.0.1 with a private config, runtime and settings directory."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, tmp_path / "dashboard.ipynb")
+    runtime = tmp_path / "runtime"
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(runtime),
+               JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
+    log = open(tmp_path / "lab.log", "w")  # noqa: SIM115 (closed below, after the server)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+         "--ServerApp.ip=127.0.0.1", "--ServerApp.port=0", f"--ServerApp.root_dir={tmp_path}",
+         "--LabApp.news_url=None",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+    )
+    try:
+        info = None
+        deadline = time.monotonic() + 60
+        while info is None and time.monotonic() < deadline:
+            assert server.poll() is None, (tmp_path / "lab.log").read_text()
+            files = list(runtime.glob("jpserver-*.json")) if runtime.exists() else []
+            if files:
+                info = json.loads(files[0].read_text())
+            time.sleep(0.2)
+        assert info, "JupyterLab did not start"
+        yield f"http://127.0.0.1:{info['port']}/lab/tree/dashboard.ipynb?token={info['token']}"
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)  # our own server, by its process group
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def run_cell(page, index: int) -> None:
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
+    assert Path(CHROMIUM).exists(), "install Debian's chromium (apt-get install -y chromium)"
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync"],
+        )
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        try:
+            page.goto(lab)
+            expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(3, timeout=60_000)
+            expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+                   ).to_have_count(1, timeout=60_000)
+            run_cell(page, 0)
+            run_cell(page, 1)
+            # A finished cell keeps the static record: world size 2, both ranks' output.
+            record = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".elastic-record")
+            expect(record).to_contain_text("succeeded", timeout=90_000)
+            expect(record).to_contain_text("world size 2")
+            expect(record).to_contain_text("hello from rank 0")
+            expect(record).to_contain_text("hello from rank 1")
+
+            run_cell(page, 2)
+            dash = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".em-dash")
+            expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=90_000)
+            expect(dash.locator("[data-em=world-size]")).to_have_text("world size 2")
+            lines = dash.locator("[data-em=lines]")
+            expect(lines).to_contain_text("long job rank 0 ready", timeout=30_000)
+            expect(lines).to_contain_text("long job rank 1 ready")
+            dash.locator("[data-em=tab-1]").click()
+            expect(lines).to_contain_text("long job rank 1 ready")
+            expect(lines.locator(".em-stderr")).to_contain_text("a warning on rank 1")
+            expect(lines).not_to_contain_text("rank 0 ready")
+            assert len(tagged_workers()) == 2
+            dash.screenshot(path=str(ARTIFACTS / "dashboard.png"))
+
+            # Stop while the cell is still running: the click travels on a kernel subshell.
+            dash.locator("[data-em=stop]").click()
+            record = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".elastic-record")
+            expect(record).to_contain_text("stopped", timeout=60_000)
+            assert not wait_until_no_workers(timeout=5.0)
+            page.screenshot(path=str(ARTIFACTS / "notebook-after-stop.png"))
+        finally:
+            browser.close()
