@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .payload import PayloadError
     from .result import JobFailedError, JobResult, RankFailure
     from .spec import JobSpec, SpecError
+    from .state import ElasticSampler, State
 
 __version__ = "0.1.0"
 
@@ -34,11 +35,14 @@ _EXPORTS = {
     "PayloadError": ".payload",
     "RankFailure": ".result",
     "SpecError": ".spec",
+    "ElasticSampler": ".state",
+    "State": ".state",
     "launch": ".api",
 }
 
 __all__ = [
     "AgentError",
+    "ElasticSampler",
     "Job",
     "JobFailedError",
     "JobResult",
@@ -47,6 +51,7 @@ __all__ = [
     "PayloadError",
     "RankFailure",
     "SpecError",
+    "State",
     "launch",
     "load_ipython_extension",
     "unload_ipython_extension",

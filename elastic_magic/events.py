@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .result import JobResult, RankFailure
@@ -20,6 +20,7 @@ class JobState(str, Enum):
     STARTING = "starting"
     RUNNING = "running"
     RESTARTING = "restarting"
+    RESIZING = "resizing"
     STOPPING = "stopping"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -86,6 +87,34 @@ class Restarting:
 
 
 @dataclass(frozen=True)
+class Committed:
+    """The agent holds a new snapshot of the elastic State."""
+
+    step: Any
+    world_size: int
+    nbytes: int
+    origin: str = "commit"  # or "checkpoint": loaded from --checkpoint-dir at start
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class ResizeRequested:
+    target: int  # workers on this machine
+    graceful: bool  # applied at the next commit, else at once
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class MembershipChanged:
+    """A group with a different number of workers on this machine is about to form
+    (a membership change: it does not count as a restart)."""
+
+    old_nproc: int
+    new_nproc: int
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class JobFinished:
     result: JobResult
     time: float = field(default_factory=_now)
@@ -93,6 +122,6 @@ class JobFinished:
 
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
-    | JobFinished
+    | Committed | ResizeRequested | MembershipChanged | JobFinished
 )
 EventSink = Callable[[Event], None]

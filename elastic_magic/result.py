@@ -72,6 +72,9 @@ class JobResult:
     missing_pulls: list[str] = field(default_factory=list)
     tails: dict[int, list[str]] = field(default_factory=dict)
     stop_reason: str | None = None
+    resizes: int = 0
+    commit: dict[str, Any] | None = None  # the last committed State: step, time, world size
+    snapshot: bytes | None = field(default=None, repr=False)  # State.load() takes it
 
     @property
     def ok(self) -> bool:

@@ -93,6 +93,17 @@ class JobSpec:
     args: list[str] = field(default_factory=list)
     pull: list[str] = field(default_factory=list)
     gpus: int = 0
+    min_nproc: int = 1
+    max_nproc: int = 1
+    checkpoint_dir: Path | None = None
+
+    def check_scale(self, nproc: int) -> None:
+        """A resize target must lie within the job's bounds."""
+        if not self.min_nproc <= nproc <= self.max_nproc:
+            raise SpecError(
+                f"scale {nproc}: this job runs between {self.min_nproc} and {self.max_nproc} "
+                f"workers; start it with --min-nproc/--max-nproc to allow {nproc}."
+            )
 
     @classmethod
     def create(
@@ -109,6 +120,9 @@ class JobSpec:
         args: list[str] | None = None,
         pull: list[str] | None = None,
         gpus: int | None = None,
+        min_nproc: int | None = None,
+        max_nproc: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
     ) -> JobSpec:
         gpus = cuda_device_count() if gpus is None else gpus
         count = resolve_nproc(nproc, gpus)
@@ -131,6 +145,16 @@ class JobSpec:
             raise SpecError(f"--monitor-interval {monitor_interval}: must be above 0 seconds.")
         if not timeout > 0:
             raise SpecError(f"--timeout {timeout}: must be above 0 seconds.")
+        low = count if min_nproc is None else min_nproc
+        high = count if max_nproc is None else max_nproc
+        if not 1 <= low <= count <= high:
+            raise SpecError(
+                f"--min-nproc {low} / --max-nproc {high}: need 1 <= min <= nproc ({count}) "
+                "<= max."
+            )
+        if backend == "nccl" and high > gpus:
+            raise SpecError(f"--max-nproc {high}: nccl needs a GPU per worker and there are "
+                            f"{gpus}. Use --max-nproc {gpus}.")
         for name in pull or []:
             if not name.isidentifier():
                 raise SpecError(f"--pull {name!r}: not a Python variable name.")
@@ -141,22 +165,26 @@ class JobSpec:
             monitor_interval=monitor_interval,
             timeout=timeout,
             init_process_group=init_process_group,
-            log_dir=_usable_log_dir(log_dir),
+            log_dir=_usable_dir(log_dir or default_log_dir(), "--log-dir"),
             env=parse_env(env),
             args=list(args or []),
             pull=list(pull or []),
             gpus=gpus,
+            min_nproc=low,
+            max_nproc=high,
+            checkpoint_dir=_usable_dir(checkpoint_dir, "--checkpoint-dir")
+            if checkpoint_dir else None,
         )
 
 
-def _usable_log_dir(log_dir: str | os.PathLike[str] | None) -> Path:
-    path = Path(log_dir).expanduser().resolve() if log_dir else default_log_dir()
+def _usable_dir(folder: str | os.PathLike[str], flag: str) -> Path:
+    path = Path(folder).expanduser().resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SpecError(
-            f"--log-dir {path}: cannot create it ({exc.strerror}). Pick a writable folder."
+            f"{flag} {path}: cannot create it ({exc.strerror}). Pick a writable folder."
         ) from None
     if not os.access(path, os.W_OK):
-        raise SpecError(f"--log-dir {path}: not writable. Pick a writable folder.")
+        raise SpecError(f"{flag} {path}: not writable. Pick a writable folder.")
     return path

@@ -14,7 +14,7 @@ from ..events import Event, JobState
 from ..payload import Payload
 from ..result import JobResult
 from ..spec import JobSpec
-from .supervisor import Agent, StopCommand
+from .supervisor import Agent, ScaleCommand, StopCommand
 
 # Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
 # about 1000 messages/s, and each update may resend a widget's whole state.
@@ -92,6 +92,31 @@ class Job:
 
     def __repr__(self) -> str:
         return f"<elastic Job {self.run_id}: {self.state.value}>"
+
+    def scale(self, nproc: int, immediate: bool = False) -> None:
+        """Resize to ``nproc`` workers on this machine. With an elastic State in the cell the
+        resize happens at the next ``commit()`` (no step lost or repeated) unless
+        ``immediate``; a job without State is resized at once. Raises SpecError outside the
+        job's --min-nproc/--max-nproc bounds."""
+        self.spec.check_scale(nproc)
+        self._inbox.put(ScaleCommand(nproc, immediate))
+
+    @property
+    def last_commit(self) -> dict[str, Any] | None:
+        """Step, time and world size of the snapshot the agent holds (None before one)."""
+        meta = self._agent.snapshots.meta
+        return dict(meta) if meta else None
+
+    def wait_for_commit(self, step: int, timeout: float | None = None) -> bool:
+        """Block until a snapshot of ``step`` or later is committed; False if the job ended
+        first or the timeout passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done and (deadline is None or time.monotonic() < deadline):
+            commit = self.last_commit
+            if commit is not None and commit.get("step") is not None and commit["step"] >= step:
+                return True
+            time.sleep(0.05)
+        return False
 
     def stop(self, reason: str = "stopped") -> None:
         """Ask the agent to stop every worker (SIGINT, then SIGTERM, then SIGKILL)."""

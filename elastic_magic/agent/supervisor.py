@@ -15,10 +15,13 @@ from typing import Any
 import cloudpickle
 
 from ..events import (
+    Committed,
     EventSink,
     JobFinished,
     JobState,
+    MembershipChanged,
     RendezvousCompleted,
+    ResizeRequested,
     Restarting,
     StateChanged,
     WorkerFailed,
@@ -30,6 +33,7 @@ from ..result import JobResult, RankFailure, Unpicklable
 from ..spec import JobSpec
 from . import workers as wk
 from .rendezvous import Rendezvous, RoundInfo
+from .snapshots import SnapshotStore
 from .workers import Worker, WorkerReport, WorkerState
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
@@ -55,6 +59,12 @@ class StopCommand:
     reason: str = "stopped"
 
 
+@dataclass(frozen=True)
+class ScaleCommand:
+    nproc: int
+    immediate: bool = False
+
+
 class Agent:
     """Supervises one job: rendezvous, start, monitor, restart, finish."""
 
@@ -77,6 +87,11 @@ class Agent:
         self.stop_reason: str | None = None
         self.state = JobState.RENDEZVOUS
         self.started = time.time()
+        self.nproc = spec.nproc  # workers on this machine; changed by resizes
+        self.pending_resize: int | None = None
+        self.resizes = 0
+        self.uses_state = False  # a worker asked for the elastic State
+        self.snapshots = SnapshotStore(spec.checkpoint_dir)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -85,18 +100,26 @@ class Agent:
         final = JobState.FAILED
         try:
             self._set_state(JobState.RENDEZVOUS)
+            if self.snapshots.load_checkpoint():
+                meta = self.snapshots.meta or {}
+                self.emit(Committed(meta.get("step"), meta.get("world_size", 0),
+                                    len(self.snapshots.blob or b""), origin="checkpoint"))
             rendezvous = Rendezvous(self.run_id, join_timeout=self.spec.timeout)
             while True:
-                if self._drain_inbox():
+                if self._drain_inbox() == "stop":
                     final = JobState.STOPPED
                     break
-                info = rendezvous.next_round(self.spec.nproc)
+                self._apply_pending_resize()
+                info = rendezvous.next_round(self.nproc)
                 self.emit(RendezvousCompleted(
                     info.round, info.node_rank, info.nnodes, info.world_size,
                     info.master_addr, info.master_port,
                 ))
                 self._start_group(info)
                 final = self._monitor()
+                if final is JobState.RESIZING:  # a membership change, not a restart
+                    self._set_state(JobState.RENDEZVOUS)
+                    continue
                 if final is not JobState.FAILED or self.restart_count >= self.spec.max_restarts:
                     break
                 self.restart_count += 1
@@ -121,23 +144,45 @@ class Agent:
             self.state = state
             self.emit(StateChanged(state))
 
-    def _drain_inbox(self) -> bool:
-        """Handle queued items without waiting; True when a stop was requested."""
+    def _drain_inbox(self) -> str | None:
+        """Handle queued items without waiting; "stop" or "resize" when one must act."""
+        action = None
         while True:
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
-                return False
-            if self._handle(item):
-                return True
+                return action
+            action = self._handle(item) or action
+            if action == "stop":
+                return action
 
-    def _handle(self, item: Any) -> bool:
+    def _handle(self, item: Any) -> str | None:
         if isinstance(item, StopCommand):
             self.stop_reason = item.reason
-            return True
+            return "stop"
+        if isinstance(item, ScaleCommand):
+            return self._request_resize(item)
         if isinstance(item, WorkerReport) and item.attempt == self.attempt:
             self._on_report(self.group[item.local_rank], item)
-        return False
+        return None
+
+    # -- resizing ------------------------------------------------------------------------
+
+    def _request_resize(self, command: ScaleCommand) -> str | None:
+        if command.nproc == self.nproc and self.pending_resize is None:
+            return None
+        self.pending_resize = command.nproc
+        graceful = self.uses_state and not command.immediate and self.state is JobState.RUNNING
+        self.emit(ResizeRequested(command.nproc, graceful))
+        # With a State, the next commit applies it (no step lost); otherwise now.
+        return None if graceful else "resize"
+
+    def _apply_pending_resize(self) -> None:
+        if self.pending_resize is not None and self.pending_resize != self.nproc:
+            old, self.nproc = self.nproc, self.pending_resize
+            self.resizes += 1
+            self.emit(MembershipChanged(old, self.nproc))
+        self.pending_resize = None
 
     # -- starting ------------------------------------------------------------------------
 
@@ -148,7 +193,7 @@ class Agent:
         self._set_state(JobState.STARTING)
         self.group = [
             Worker(local_rank=i, global_rank=info.base_rank + i, attempt=self.attempt)
-            for i in range(self.spec.nproc)
+            for i in range(self.nproc)
         ]
         for worker in self.group:
             env = self._worker_env(worker, info)
@@ -164,7 +209,7 @@ class Agent:
         env = dict(os.environ)
         if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
             del env["MPLBACKEND"]  # the inline backend needs a kernel; workers have none
-        if "OMP_NUM_THREADS" not in os.environ and self.spec.nproc > 1:
+        if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: workers sharing a machine
         if not _INSTALLED:  # running from a source checkout: workers must find the package
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT,
@@ -175,7 +220,7 @@ class Agent:
             "RANK": str(worker.global_rank),
             "LOCAL_RANK": str(worker.local_rank),
             "WORLD_SIZE": str(info.world_size),
-            "LOCAL_WORLD_SIZE": str(self.spec.nproc),
+            "LOCAL_WORLD_SIZE": str(self.nproc),
             "GROUP_RANK": str(info.node_rank),
             "GROUP_WORLD_SIZE": str(info.nnodes),
             "ROLE_NAME": "default",
@@ -207,8 +252,11 @@ class Agent:
                 item = self.inbox.get(timeout=self.spec.monitor_interval)
             except queue.Empty:
                 item = None
-            if item is not None and (self._handle(item) or self._drain_inbox()):
+            action = (self._handle(item) if item is not None else None) or self._drain_inbox()
+            if action == "stop":
                 return self._stop_group()
+            if action == "resize":
+                return self._resize_group_now()
             self._poll_exits()
             if any(self._has_failed(w) for w in self.group):
                 self._teardown_failed_group()
@@ -216,6 +264,10 @@ class Agent:
             if all(w.state is WorkerState.SUCCEEDED for w in self.group):
                 self._release_group()
                 return JobState.SUCCEEDED
+            if all(w.resized for w in self.group):  # every rank left at the commit
+                self._set_state(JobState.RESIZING)
+                self._release_group()
+                return JobState.RESIZING
 
     def _on_report(self, worker: Worker, report: WorkerReport) -> None:
         if report.kind == "running":
@@ -230,6 +282,25 @@ class Agent:
             worker.state = WorkerState.FAILED
         elif report.kind == "closed":
             worker.channel_closed_at = report.time
+        elif report.kind == "state_get":
+            self.uses_state = True
+            worker.send(("reply", {"request_id": report.body["request_id"], "value": {
+                "snapshot": self.snapshots.blob, "commit_id": self.snapshots.commit_id}}))
+        elif report.kind == "commit":
+            self._commit(worker, report.body)
+        elif report.kind == "resized":
+            worker.resized = True
+            worker.state = WorkerState.STOPPED
+
+    def _commit(self, worker: Worker, body: dict[str, Any]) -> None:
+        blob = body["snapshot"]
+        self.snapshots.commit(blob, {"step": body["step"], "time": body["time"],
+                                     "world_size": self.world_size})
+        self.emit(Committed(body["step"], self.world_size, len(blob)))
+        resize = self.pending_resize is not None and self.pending_resize != self.nproc
+        if resize:
+            self._set_state(JobState.RESIZING)
+        worker.send(("reply", {"request_id": body["request_id"], "value": {"resize": resize}}))
 
     def _poll_exits(self) -> None:
         now = time.time()
@@ -238,7 +309,8 @@ class Agent:
             if code is None or worker.exited_at is not None:
                 continue
             worker.exited_at = now
-            if code == 0 and worker.state is WorkerState.HEALTHY and worker.result is None:
+            if code == 0 and worker.state is WorkerState.HEALTHY and worker.result is None \
+                    and not worker.resized:
                 # Exited cleanly without a result (os._exit(0) in the cell): success, no value.
                 worker.result = {"value": cloudpickle.dumps(None), "pulled": {}, "missing": []}
                 worker.state = WorkerState.SUCCEEDED
@@ -299,6 +371,15 @@ class Agent:
                 worker.state = WorkerState.STOPPED
         return JobState.STOPPED
 
+    def _resize_group_now(self) -> JobState:
+        """An immediate resize: stop the group; the next one resumes from the last commit."""
+        self._set_state(JobState.RESIZING)
+        wk.stop(self.group, wk.TEARDOWN_ESCALATION)
+        wk.join_threads(self.group, timeout=2.0)
+        for worker in self.group:
+            worker.state = WorkerState.STOPPED
+        return JobState.RESIZING
+
     def _release_group(self) -> None:
         """Every rank has its result: let the workers exit, then collect their output."""
         for worker in self.group:
@@ -320,6 +401,9 @@ class Agent:
             failures=list(self.failures) if state is JobState.FAILED else [],
             tails={w.global_rank: list(w.tail) for w in self.group},
             stop_reason=self.stop_reason if state is JobState.STOPPED else None,
+            resizes=self.resizes,
+            commit=dict(self.snapshots.meta) if self.snapshots.meta else None,
+            snapshot=self.snapshots.blob,
         )
         if state is JobState.SUCCEEDED:
             for worker in self.group:

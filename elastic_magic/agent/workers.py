@@ -64,6 +64,7 @@ class Worker:
     channel_closed_at: float | None = None
     exited_at: float | None = None
     running: bool = False
+    resized: bool = False  # left at a commit that applied a resize
 
     @property
     def pid(self) -> int:

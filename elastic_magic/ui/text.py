@@ -6,10 +6,13 @@ import sys
 from typing import TextIO
 
 from ..events import (
+    Committed,
     Event,
     JobFinished,
+    MembershipChanged,
     Output,
     RendezvousCompleted,
+    ResizeRequested,
     Restarting,
     WorkerFailed,
     WorkersStarted,
@@ -59,6 +62,13 @@ class TextRenderer:
             text = f"rank {event.failure.rank} failed: {event.failure.headline}"
         elif isinstance(event, Restarting):
             text = f"restarting the group ({event.restart_count}/{event.max_restarts})"
+        elif isinstance(event, ResizeRequested):
+            when = "at the next commit" if event.graceful else "now"
+            text = f"resize to {event.target} workers requested ({when})"
+        elif isinstance(event, MembershipChanged):
+            text = f"resizing: {event.old_nproc} -> {event.new_nproc} workers"
+        elif isinstance(event, Committed) and event.origin == "checkpoint":
+            text = f"resuming from the checkpoint of step {event.step}"
         elif isinstance(event, JobFinished):
             result = event.result
             text = f"{result.summary()}; logs: {result.log_dir}"

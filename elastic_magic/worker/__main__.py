@@ -16,6 +16,7 @@ import sys
 import threading
 
 from elastic_magic.protocol import KEY_BYTES, Channel
+from elastic_magic.worker import client as agent_client
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
 
 PR_SET_PDEATHSIG = 1
@@ -45,6 +46,8 @@ def main() -> None:
     die_with_parent(parent_pid)
     key = read_secret(control_fd)
     control, report = Channel(control_fd, key), Channel(report_fd, key)
+    client = agent_client.AgentClient(report)
+    agent_client.install(client)
     inbox: queue.Queue[tuple[str, object]] = queue.Queue()
     exiting = threading.Event()
 
@@ -56,6 +59,9 @@ def main() -> None:
                 if not exiting.is_set():  # lifeline lost: the kernel is gone
                     os.killpg(os.getpgrp(), signal.SIGKILL)
                 return
+            if message[0] == "reply":
+                client.deliver(message[1])
+                continue
             if message[0] == "exit":
                 exiting.set()
             inbox.put(message)
@@ -66,7 +72,7 @@ def main() -> None:
         if kind == "exit":
             break
         if kind == "run":
-            run_payload(body, report)  # exits the process itself when the payload fails
+            run_payload(body, client)  # exits the process itself when the payload fails
     shutdown_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -18,26 +18,32 @@ from typing import Any
 import cloudpickle
 
 from elastic_magic.payload import CELL_FILENAME, Payload
-from elastic_magic.protocol import Channel
 from elastic_magic.result import Unpicklable
+from elastic_magic.state import ResizeExit
+from elastic_magic.worker.client import AgentClient
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
 
 
-def run_payload(payload: Payload, report: Channel) -> None:
+def run_payload(payload: Payload, report: AgentClient) -> None:
     """Run the payload and send ("result", ...) or ("error", ...); on error, exit."""
     namespace: dict[str, Any] = {}
     value = None
     try:
         namespace = _prepare(payload)
-        report.send(("running", {"time": time.time()}))
+        report.send("running", {"time": time.time()})
         value = _execute(payload, namespace)
+    except ResizeExit as exc:  # a resize was applied at a commit: leave cleanly
+        report.send("resized", {"step": exc.step, "time": time.time()})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except SystemExit as exc:  # sys.exit(0) ends the cell successfully, as under torchrun
         if exc.code not in (None, 0):
             _fail(report, exc, exit_code=exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # user code may raise anything, KeyboardInterrupt included
         _fail(report, exc, exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1)
-    report.send(("result", _result_message(payload, value, namespace)))
+    report.send("result", _result_message(payload, value, namespace))
 
 
 def _prepare(payload: Payload) -> dict[str, Any]:
@@ -139,14 +145,14 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
     return info
 
 
-def _fail(report: Channel, exc: BaseException, exit_code: int) -> None:
+def _fail(report: AgentClient, exc: BaseException, exit_code: int) -> None:
     info = describe_exception(exc)
     info.update(time=time.time(), exit_code=exit_code)
     sys.stderr.write(info["traceback"])
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        report.send(("error", info))
+        report.send("error", info)
     finally:
         # Skip interpreter teardown: it can hang in collectives with peers already gone.
         os._exit(exit_code)

@@ -1,0 +1,216 @@
+"""Elastic state: what a training must carry across restarts and resizes.
+
+    state = elastic_magic.State(model=model, optimizer=opt, sampler=sampler, step=0)
+    for indices in sampler:          # resumes where the last commit left off
+        ...one training step...
+        state.step += 1
+        state.commit()               # snapshot to the agent; a pending resize applies here
+
+Snapshots live in the agent (kernel memory, and with ``--checkpoint-dir`` on disk), so a
+restarted or resized group starts from the last commit, whatever its new world size. Rank 0
+builds the snapshot after every rank has finished the step; model and optimizer states are
+identical across ranks under DDP, and the sampler's position is global.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+_STATEFUL = ("model", "optimizer", "scheduler", "sampler")
+
+
+class ResizeExit(BaseException):
+    """Raised in every rank by a commit that applies a pending resize. The worker leaves
+    cleanly and the agent starts the new group from this commit. A BaseException, so user
+    code's ``except Exception`` does not swallow it."""
+
+    def __init__(self, step: Any) -> None:
+        super().__init__(f"resizing after the commit of step {step}")
+        self.step = step
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _unwrap(model: Any) -> Any:
+    return getattr(model, "module", model)  # DDP/FSDP-style wrappers keep the model here
+
+
+class State:
+    """Model, optimizer, LR scheduler, sampler position, RNG states and plain values."""
+
+    def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
+                 sampler: Any = None, **values: Any) -> None:
+        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                   "sampler": sampler}
+        object.__setattr__(self, "_objects", {k: v for k, v in objects.items()
+                                               if v is not None})
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "_commits", 0)
+        object.__setattr__(self, "restored_step", None)
+        self.restore()
+
+    # plain values read and written as attributes: state.step, state.epoch
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"State has no value {name!r}; pass it as State({name}=...)"
+                                 ) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _STATEFUL or name.startswith("_") or name == "restored_step":
+            object.__setattr__(self, name, value)
+        else:
+            self._values[name] = value
+
+    @property
+    def step(self) -> Any:
+        return self._values.get("step", self._commits)
+
+    @step.setter
+    def step(self, value: Any) -> None:
+        self._values["step"] = value
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        import torch
+
+        data: dict[str, Any] = {"values": dict(self._values), "commits": self._commits}
+        for name, obj in self._objects.items():
+            data[name] = (_unwrap(obj) if name == "model" else obj).state_dict()
+        data["rng"] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        try:
+            import numpy
+
+            data["rng"]["numpy"] = numpy.random.get_state()
+        except ImportError:
+            pass
+        buffer = io.BytesIO()
+        torch.save(data, buffer)
+        return buffer.getvalue()
+
+    def load(self, blob: bytes) -> None:
+        import torch
+
+        data = torch.load(io.BytesIO(blob), weights_only=False, map_location="cpu")
+        self._values.update(data["values"])
+        object.__setattr__(self, "_commits", data["commits"])
+        for name, obj in self._objects.items():
+            if name in data:
+                (_unwrap(obj) if name == "model" else obj).load_state_dict(data[name])
+        random.setstate(data["rng"]["python"])
+        torch.set_rng_state(data["rng"]["torch"])
+        if "numpy" in data["rng"]:
+            import numpy
+
+            numpy.random.set_state(data["rng"]["numpy"])
+
+    def restore(self) -> bool:
+        """Load the agent's latest snapshot on every rank; True when there was one."""
+        from elastic_magic.worker.client import current
+
+        client = current()
+        if client is None:
+            return False
+        reply = client.request("state_get", {})
+        dist = _dist()
+        if dist is not None:  # every rank must start from the same commit
+            ids = [None] * dist.get_world_size()
+            dist.all_gather_object(ids, reply["commit_id"])
+            if len(set(ids)) != 1:
+                raise RuntimeError(f"ranks received different snapshots: {ids}")
+        if reply["snapshot"] is None:
+            return False
+        self.load(reply["snapshot"])
+        object.__setattr__(self, "restored_step", self.step)
+        return True
+
+    def commit(self) -> None:
+        """Snapshot this step in the agent. Call it on every rank after the step; if a
+        resize is pending, every rank then leaves and the job goes on at the new size."""
+        from elastic_magic.worker.client import current
+
+        object.__setattr__(self, "_commits", self._commits + 1)
+        client, dist = current(), _dist()
+        if dist is not None:
+            dist.barrier()  # every rank has finished the step
+        resize = False
+        if client is not None and (dist is None or dist.get_rank() == 0):
+            started = time.time()
+            blob = self.snapshot()
+            reply = client.request("commit", {"snapshot": blob, "step": self.step,
+                                              "time": started})
+            resize = reply["resize"]
+        if dist is not None:
+            flag = [resize]
+            dist.broadcast_object_list(flag, src=0)
+            resize = flag[0]
+        if resize:
+            raise ResizeExit(self.step)
+
+
+class ElasticSampler:
+    """Deterministic, resumable batches whose order does not depend on the world size.
+
+    Each epoch is one permutation of ``range(length)`` (seeded by ``seed + epoch``), cut
+    into global batches of ``global_batch_size``; rank r of w takes the r-th of w equal
+    slices of each global batch. Iterating yields this rank's indices for the remaining
+    global batches of the epoch; ``state_dict`` records (epoch, position), so a group of
+    any size resumes at the next global batch. The last incomplete batch is dropped.
+    """
+
+    def __init__(self, length: int, global_batch_size: int, *, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        if global_batch_size < 1 or length < global_batch_size:
+            raise ValueError(f"global_batch_size {global_batch_size} must be between 1 and "
+                             f"the dataset length {length}")
+        self.length = length
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0  # global batches of this epoch already handed out
+
+    def __len__(self) -> int:
+        return self.length // self.global_batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def _order(self) -> list[int]:
+        import torch
+
+        if not self.shuffle:
+            return list(range(self.length))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.length, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        dist = _dist()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+        if self.global_batch_size % world:
+            raise ValueError(
+                f"global batch {self.global_batch_size} cannot be split evenly across "
+                f"{world} ranks; pick a global batch size divisible by every world size")
+        local = self.global_batch_size // world
+        order = self._order()
+        while self.position < len(self):
+            start = self.position * self.global_batch_size + rank * local
+            self.position += 1  # counted when handed out; a commit after the step keeps it
+            yield order[start:start + local]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]

@@ -1,0 +1,181 @@
+"""Elasticity acceptance: one deterministic training run (a) uninterrupted on 2 workers,
+(b) with a worker killed mid-training and restarted, (c) resized 2 -> 3 -> 1 while it
+trains. (b) and (c) must end with the parameters of (a), every step committed once."""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import elastic_magic as em
+from elastic_magic.agent.job import Job
+from elastic_magic.api import build_payload
+from elastic_magic.events import Committed, MembershipChanged, ResizeRequested
+from elastic_magic.spec import JobSpec, SpecError
+
+# Fixed global batch of 12 (divisible by 1, 2 and 3 ranks), fixed seeds, 2 epochs of 20.
+TRAIN = textwrap.dedent("""
+    import os, signal, time, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import elastic_magic
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randn(240, 8, generator=g)
+    target = torch.sin(data.sum(1, keepdim=True))
+    sampler = elastic_magic.ElasticSampler(len(data), 12, seed=0)
+    state = elastic_magic.State(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
+                                step=0, epoch=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    print(f"START step {state.step} world {world}", flush=True)
+    for epoch in range(state.epoch, 2):
+        sampler.set_epoch(epoch)
+        for idx in sampler:
+            if (state.step == KILL_AT and rank == 1
+                    and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(data[idx]), target[idx])
+            loss.backward()
+            opt.step()
+            sched.step()
+            state.step += 1
+            if rank == 0:
+                print(f"DONE step {state.step} world {world}", flush=True)
+            time.sleep(PAUSE)
+            state.commit()
+        state.epoch = epoch + 1
+    [p.detach().clone() for p in model.module.parameters()]
+""")
+STEPS = 40
+
+
+def train(log_dir, recorder, *, nproc=2, kill_at=-1, resizes=(), **spec_args):
+    pause = 0.05 if resizes else 0.0
+    spec = JobSpec.create(nproc, log_dir=log_dir, **spec_args)
+    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": kill_at, "PAUSE": pause})
+    job = Job(spec, payload).start()
+
+    def drive():
+        for at_step, size in resizes:
+            job.wait_for_commit(at_step, timeout=120)
+            job.scale(size)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    result = job.wait(recorder)
+    driver.join(timeout=5)
+    assert result.ok, result
+    return result
+
+
+def done_steps(recorder) -> list[int]:
+    return [int(line.split()[2]) for line in recorder.lines(0) if line.startswith("DONE")]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    from conftest import Recorder
+
+    recorder = Recorder()
+    result = train(tmp_path_factory.mktemp("logs"), recorder)
+    assert done_steps(recorder) == list(range(1, STEPS + 1))
+    return result.values[0]
+
+
+def assert_same_parameters(params, expected, atol):
+    assert len(params) == len(expected)
+    for got, want in zip(params, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
+def committed_steps(recorder) -> list[int]:
+    return [e.step for e in recorder.of(Committed)]
+
+
+def test_killed_worker_resumes_from_last_commit(baseline, log_dir, recorder):
+    result = train(log_dir, recorder, kill_at=7, max_restarts=1)
+    assert result.restarts == 1 and result.failures == []
+    # The restarted group started from the commit of step 7, the one before the kill.
+    assert "START step 7 world 2" in recorder.lines(0)
+    assert done_steps(recorder) == list(range(1, STEPS + 1))  # none twice, none skipped
+    assert committed_steps(recorder) == list(range(1, STEPS + 1))
+    assert_same_parameters(result.values[0], baseline, atol=0)  # same size: bit for bit
+
+
+def test_resize_two_three_one_matches_uninterrupted(baseline, log_dir, recorder):
+    result = train(log_dir, recorder, resizes=((5, 3), (18, 1)), min_nproc=1, max_nproc=3)
+    assert result.restarts == 0 and result.resizes == 2
+    worlds = [int(line.split()[4]) for line in recorder.lines(0) if line.startswith("DONE")]
+    assert worlds[0] == 2 and 3 in worlds and worlds[-1] == 1
+    assert worlds == sorted(worlds, key=[2, 3, 1].index), "sizes went 2, then 3, then 1"
+    assert done_steps(recorder) == list(range(1, STEPS + 1))  # no step run twice or lost
+    assert committed_steps(recorder) == list(range(1, STEPS + 1))
+    requested = recorder.of(ResizeRequested)
+    assert [r.target for r in requested] == [3, 1] and all(r.graceful for r in requested)
+    changes = [(m.old_nproc, m.new_nproc) for m in recorder.of(MembershipChanged)]
+    assert changes == [(2, 3), (3, 1)]
+    # Different world sizes sum the same global batch in another order: float rounding.
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+
+
+def test_immediate_resize_without_state_restarts_the_cell(log_dir, recorder):
+    spec = JobSpec.create(1, log_dir=log_dir, max_nproc=2)
+    cell = ("import time, torch.distributed as dist\n"
+            "print('size', dist.get_world_size(), flush=True)\n"
+            "if dist.get_world_size() == 1:\n    time.sleep(600)\n")
+    job = Job(spec, build_payload(cell, spec)).start()
+
+    def drive():
+        while not any("size 1" in line for line in recorder.lines(0)):
+            threading.Event().wait(0.05)
+        job.scale(2)
+
+    threading.Thread(target=drive, daemon=True).start()
+    result = job.wait(recorder)
+    assert result.ok and result.world_size == 2 and result.restarts == 0
+    assert [r.graceful for r in recorder.of(ResizeRequested)] == [False]
+
+
+def test_scale_outside_bounds_is_refused(log_dir):
+    spec = JobSpec.create(2, log_dir=log_dir, min_nproc=2, max_nproc=3)
+    job = Job(spec, build_payload("x = 1", spec))
+    with pytest.raises(SpecError, match="between 2 and 3 workers"):
+        job.scale(4)
+    with pytest.raises(SpecError, match="--min-nproc/--max-nproc"):
+        job.scale(1)
+
+
+def test_checkpoint_dir_survives_the_job(tmp_path, log_dir, recorder):
+    ckpt = tmp_path / "ckpt"
+    first = train(log_dir, recorder, checkpoint_dir=ckpt)
+    assert (ckpt / "snapshot.pt").exists() and first.commit["step"] == STEPS
+    assert not list(ckpt.glob(".snapshot*"))  # no half-written temporary left
+    from conftest import Recorder
+
+    again = Recorder()
+    second = train(log_dir, again, checkpoint_dir=ckpt)
+    assert "START step 40 world 2" in again.lines(0)  # resumed, nothing left to train
+    assert done_steps(again) == []
+    assert_same_parameters(second.values[0], first.values[0], atol=0)
+
+
+def test_state_outside_a_job_keeps_working():
+    model = torch.nn.Linear(2, 1)
+    state = em.State(model=model, step=0)
+    state.step += 1
+    state.commit()  # nothing to send it to: still a plain object
+    blob = state.snapshot()
+    other = em.State(model=torch.nn.Linear(2, 1), step=0)
+    other.load(blob)
+    assert other.step == 1
+    torch.testing.assert_close(other._objects["model"].weight, model.weight)
+    with pytest.raises(AttributeError, match="State has no value 'epochs'"):
+        _ = state.epochs
