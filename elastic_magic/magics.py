@@ -23,6 +23,7 @@ _SUBCOMMANDS = """\
 %elastic jobs                     list this kernel's jobs
 %elastic status [JOB]             state, world size, restarts, worker PIDs
 %elastic stop [JOB]               stop a job's workers (SIGINT, SIGTERM, SIGKILL)
+%elastic scale N [JOB] [--now]    resize to N workers (at the next commit, or --now)
 %elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
 JOB is a number from `%elastic jobs` or a run id; the default is the latest job."""
 
@@ -57,6 +58,13 @@ class ElasticMagics(Magics):
                    "with --bg, the Job handle")
     @argument("--pull", default="", metavar="NAMES",
               help="after success, copy these variables (comma-separated) from rank 0")
+    @argument("--min-nproc", type=int, default=None,
+              help="fewest workers a resize may leave (default: --nproc)")
+    @argument("--max-nproc", type=int, default=None,
+              help="most workers a resize may start (default: --nproc)")
+    @argument("--checkpoint-dir", default=None,
+              help="also keep the last committed elastic State here (atomic writes); "
+                   "a job started with a checkpoint in it resumes from it")
     @argument("--bg", action="store_true",
               help="run in the background and return a Job handle at once; "
                    "see %%elastic jobs/status/stop/logs")
@@ -74,6 +82,12 @@ class ElasticMagics(Magics):
         elsewhere each rank's output appears with a [rank N] prefix. The cell's last
         expression is each rank's value (JobResult.values). A failed rank stops the whole
         group at once; with --max-restarts the group starts again.
+
+        Resizing: start with --min-nproc/--max-nproc, then `%elastic scale N` (or the
+        dashboard's Resize). A cell that keeps an elastic_magic.State resizes at its next
+        state.commit() and resumes from it (`%elastic scale N --now` applies it at once,
+        from the last commit); a cell without State restarts at the new size. A resize is
+        a membership change: it does not count as a restart.
 
         Example::
 
@@ -110,10 +124,11 @@ class ElasticMagics(Magics):
     def elastic_command(self, line: str) -> None:
         """Manage elastic jobs of this kernel.
 
-        %elastic jobs | status [JOB] | stop [JOB] | logs RANK [JOB] [-n N] [--stderr]
+        %elastic jobs | status [JOB] | stop [JOB] | scale N [JOB] [--now]
+        %elastic logs RANK [JOB] [-n N] [--stderr]
         """
         words = shlex.split(line)
-        if not words or words[0] not in ("jobs", "status", "stop", "logs"):
+        if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs"):
             raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")
         command, rest = words[0], words[1:]
         if command == "jobs":
@@ -122,6 +137,8 @@ class ElasticMagics(Magics):
             self._print_status(self._job(rest))
         elif command == "stop":
             self._stop(self._job(rest))
+        elif command == "scale":
+            self._scale(rest)
         else:
             self._print_logs(rest)
 
@@ -140,7 +157,8 @@ class ElasticMagics(Magics):
                 opts.nproc, backend=opts.backend, max_restarts=opts.max_restarts,
                 monitor_interval=opts.monitor_interval, timeout=opts.timeout,
                 init_process_group=not opts.no_init, log_dir=opts.log_dir, env=opts.env,
-                args=argv, pull=pull,
+                args=argv, pull=pull, min_nproc=opts.min_nproc, max_nproc=opts.max_nproc,
+                checkpoint_dir=opts.checkpoint_dir,
             )
         except SpecError as exc:
             raise UsageError(f"%%elastic: {exc}") from None
@@ -231,6 +249,20 @@ class ElasticMagics(Magics):
             print(f"{job.run_id} stopped; its workers have exited")
         else:
             print(f"{job.run_id} is still stopping")
+
+    def _scale(self, words: list[str]) -> None:
+        immediate = "--now" in words
+        words = [w for w in words if w != "--now"]
+        if not words or not words[0].isdigit():
+            raise UsageError("%elastic scale: how many workers? For example `%elastic scale 4`.")
+        job = self._job(words[1:])
+        if job.done:
+            raise UsageError(f"%elastic scale: {job.run_id} has already ended.")
+        try:
+            job.scale(int(words[0]), immediate=immediate)
+        except SpecError as exc:
+            raise UsageError(f"%elastic {exc}") from None
+        print(f"{job.run_id}: resize to {words[0]} workers requested")
 
     def _print_logs(self, words: list[str]) -> None:
         lines, stream, rest = 40, "stdout", []

@@ -24,7 +24,7 @@ CELLS = [
     "%load_ext elastic_magic",
     "%%elastic --nproc 2\nimport torch.distributed as dist\n"
     "print(f'hello from rank {dist.get_rank()}')",
-    "%%elastic --nproc 2\nimport sys, time, torch.distributed as dist\n"
+    "%%elastic --nproc 2 --max-nproc 3\nimport sys, time, torch.distributed as dist\n"
     "print(f'long job rank {dist.get_rank()} ready', flush=True)\n"
     "print(f'a warning on rank {dist.get_rank()}', file=sys.stderr, flush=True)\n"
     "time.sleep(600)",
@@ -118,6 +118,19 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
             expect(lines).not_to_contain_text("rank 0 ready")
             assert len(tagged_workers()) == 2
             dash.screenshot(path=str(ARTIFACTS / "dashboard.png"))
+
+            # Resize from the dashboard: no State in this cell, so it restarts at 3 workers.
+            dash.locator("[data-em=scale-input]").fill("3")
+            dash.locator("[data-em=scale-button]").click()
+            expect(dash.locator("[data-em=world-size]")).to_have_text("world size 3",
+                                                                     timeout=60_000)
+            expect(dash.locator("[data-em=tab-2]")).to_be_visible()
+            expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
+            expect(dash.locator("[data-em=restarts]")).to_have_text("restarts 0/0")
+            deadline = time.monotonic() + 30
+            while len(tagged_workers()) != 3 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert len(tagged_workers()) == 3
 
             # Stop while the cell is still running: the click travels on a kernel subshell.
             dash.locator("[data-em=stop]").click()

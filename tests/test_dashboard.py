@@ -107,3 +107,47 @@ def test_record_renders_without_widget_state(log_dir, text):
     bundle = record_bundle(view.state)
     assert set(bundle) == {"text/plain", "text/html"}
     assert "hello" in bundle["text/plain" if text else "text/html"]
+
+
+RESIZABLE = textwrap.dedent("""
+    import time, torch, torch.distributed as dist
+    import elastic_magic
+    model = torch.nn.Linear(2, 1)
+    state = elastic_magic.State(model=model, step=0)
+    while state.step < 12:
+        time.sleep(0.1)
+        state.step += 1
+        state.commit()
+    dist.get_world_size()
+""")
+
+
+def test_resize_from_the_dashboard_shows_pending_and_last_commit(log_dir):
+    spec = JobSpec.create(2, log_dir=log_dir, min_nproc=1, max_nproc=3)
+    job = Job(spec, build_payload(RESIZABLE, spec)).start()
+    view = LiveView(job)
+    seen = {"pending": None, "asked": False}
+
+    def render(events):
+        view(events)
+        header = view.widget.header
+        if not seen["asked"] and (header.get("last_commit") or {}).get("step", 0) >= 3:
+            seen["asked"] = True
+            view.widget._handle_custom_msg({"command": "scale", "nproc": 9}, [])
+            assert "between 1 and 3 workers" in view.widget.controls["error"]
+            view.widget._handle_custom_msg({"command": "scale", "nproc": 3}, [])
+            assert view.widget.controls["error"] == ""
+        if view.state.header["pending_resize"]:  # may last less than one widget sync
+            seen["pending"] = view.state.header["pending_resize"]
+
+    result = job.wait(render)
+    view.finish()
+    assert result.ok and result.values == {0: 3, 1: 3, 2: 3} and result.resizes == 1
+    w = view.widget
+    assert seen["pending"] == 3 and w.header["pending_resize"] is None
+    assert w.header["world_size"] == 3 and w.header["last_commit"]["step"] == 12
+    assert w.header["last_commit"]["world_size"] == 3
+    assert w.controls["scale"] == {"min": 1, "max": 3}
+    kinds = [e["kind"] for e in w.timeline]
+    assert "resize" in kinds and "membership" in kinds and "restart" not in kinds
+    assert "last commit: step 12 at world size 3" in record_bundle(view.state)["text/plain"]

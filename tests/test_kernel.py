@@ -169,3 +169,24 @@ def test_background_job_is_managed_with_line_magics(kernel):
     assert "stopped %elastic stop" in state
     reply, text = execute(kc, "%elastic logs 7")
     assert reply["status"] == "error" and "no stdout log for rank 7" in text
+
+
+def test_scale_a_background_job_from_a_line_magic(kernel):
+    _km, kc = kernel
+    reply, _ = execute(kc, "%%elastic --bg --nproc 2 --max-nproc 3 -o resizable\n"
+                           "import time, torch, torch.distributed as dist, elastic_magic\n"
+                           "state = elastic_magic.State(step=0)\n"
+                           "while state.step < 40:\n"
+                           "    time.sleep(0.1)\n"
+                           "    state.step += 1\n"
+                           "    state.commit()\n"
+                           "dist.get_world_size()\n")
+    assert reply["status"] == "ok"
+    execute(kc, "resizable.wait_for_commit(3, timeout=60)")
+    reply, text = execute(kc, "%elastic scale 5")
+    assert reply["status"] == "error" and "between 2 and 3 workers" in text
+    reply, text = execute(kc, "%elastic scale 3")
+    assert reply["status"] == "ok" and "resize to 3 workers requested" in text
+    _, text = execute(kc, "resizable.wait_done(120)\n"
+                          "print(resizable.result.values, resizable.result.resizes)")
+    assert "{0: 3, 1: 3, 2: 3} 1" in text

@@ -27,7 +27,11 @@ function render({ model, el }) {
   const stats = h("span", { class: "em-stats" });
   const clock = h("span", { class: "em-clock", "data-em": "elapsed" });
   const stop = h("button", { class: "em-stop", "data-em": "stop" }, "Stop");
-  const scaleSlot = h("span", { class: "em-scale", "data-em": "scale" }); // resize controls
+  const scaleInput = h("input", { type: "number", class: "em-scale-input", "data-em": "scale-input" });
+  const scaleButton = h("button", { class: "em-scale-button", "data-em": "scale-button" }, "Resize");
+  const scaleSlot = h("span", { class: "em-scale", "data-em": "scale" }, scaleInput, scaleButton);
+  const commitLine = h("div", { class: "em-commit", "data-em": "commit" });
+  const scaleError = h("div", { class: "em-scale-error", "data-em": "scale-error" });
   const header = h("div", { class: "em-header" }, badge, stats, clock,
                    h("span", { class: "em-controls" }, scaleSlot, stop));
   const failure = h("div", { class: "em-failure", "data-em": "failure" });
@@ -37,7 +41,10 @@ function render({ model, el }) {
   const timeline = h("ol", { class: "em-timeline", "data-em": "timeline" });
   const details = h("details", { class: "em-timeline-box" },
                     h("summary", {}, "Timeline"), timeline);
-  el.append(header, failure, tabs, note, pane, details);
+  el.append(header, commitLine, scaleError, failure, tabs, note, pane, details);
+  scaleButton.addEventListener("click", () => {
+    model.send({ command: "scale", nproc: Number(scaleInput.value) });
+  });
 
   // Commands are idempotent; resend until the job reacts, in case one was queued behind
   // the running cell (a kernel without subshells, or a message routed to the main shell).
@@ -64,9 +71,28 @@ function render({ model, el }) {
       ` · round ${hd.round}`,
     );
     clock.textContent = elapsed(hd);
-    const canStop = model.get("controls").stop && !FINAL.has(hd.state);
+    const controls = model.get("controls");
+    const canStop = controls.stop && !FINAL.has(hd.state);
     stop.disabled = !canStop || stopping;
     stop.textContent = stopping && !FINAL.has(hd.state) ? "Stopping…" : "Stop";
+    const bounds = controls.scale;
+    scaleSlot.hidden = !bounds || bounds.min === bounds.max;
+    if (bounds) {
+      scaleInput.min = bounds.min;
+      scaleInput.max = bounds.max;
+      if (!scaleInput.value) scaleInput.value = hd.world_size || bounds.min;
+    }
+    scaleInput.disabled = scaleButton.disabled = FINAL.has(hd.state);
+    scaleError.textContent = controls.error || "";
+    const parts = [];
+    if (hd.pending_resize) parts.push(`resize to ${hd.pending_resize} workers pending`);
+    const c = hd.last_commit;
+    if (c) {
+      const when = new Date(c.time * 1000).toLocaleTimeString();
+      parts.push(`last commit: step ${c.step} at world size ${c.world_size}, ${when}`);
+    }
+    commitLine.textContent = parts.join(" · ");
+    commitLine.hidden = parts.length === 0;
   }
 
   function drawFailure() {

@@ -13,6 +13,7 @@ import traitlets
 from IPython.display import display
 
 from ..events import Event
+from ..spec import SpecError
 from .record import record_bundle
 from .state import DashboardState
 
@@ -51,7 +52,9 @@ class LiveView:
     def __init__(self, job: Any) -> None:
         self.job = job
         self.state = DashboardState(job.run_id, str(job.log_dir), job.spec.max_restarts)
-        self.widget = Dashboard(controls={"stop": True}, **self.state.traits())
+        spec = job.spec
+        self.widget = Dashboard(controls={"stop": True, "scale": {
+            "min": spec.min_nproc, "max": spec.max_nproc}}, **self.state.traits())
         # Comm messages may arrive on a kernel subshell while the cell runs: only enqueue.
         self.widget.on_msg(self._on_message)
         self._handle = display(self.widget, display_id=True)
@@ -59,8 +62,17 @@ class LiveView:
         self._synced_at = 0.0
 
     def _on_message(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
-        if content.get("command") == "stop":
+        command = content.get("command")
+        if command == "stop":
             self.job.stop("stop button")
+        elif command == "scale":
+            try:
+                self.job.scale(int(content["nproc"]), immediate=bool(content.get("now")))
+                error = ""
+            except (SpecError, ValueError, KeyError) as exc:
+                error = str(exc)
+            # Widget state, not print: output from a comm callback may be lost.
+            self.widget.controls = {**self.widget.controls, "error": error}
 
     def __call__(self, events: list[Event]) -> None:
         for event in events:

@@ -23,8 +23,13 @@ def _elapsed(header: dict[str, Any]) -> str:
 def summary_line(state: DashboardState) -> str:
     h = state.header
     nodes = f"{h['nnodes']} node{'s' if h['nnodes'] != 1 else ''}"
-    return (f"{h['state']} · world size {h['world_size']} · {nodes} · restarts "
+    text = (f"{h['state']} · world size {h['world_size']} · {nodes} · restarts "
             f"{h['restarts']}/{h['max_restarts']} · round {h['round']} · {_elapsed(h)}")
+    commit = h.get("last_commit")
+    if commit:
+        text += (f" · last commit: step {commit['step']} at world size "
+                 f"{commit['world_size']}, {_clock(commit['time'])}")
+    return text
 
 
 def record_text(state: DashboardState) -> str:

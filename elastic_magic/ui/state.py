@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..events import (
+    Committed,
     Event,
     JobFinished,
     JobState,
+    MembershipChanged,
     Output,
     RendezvousCompleted,
+    ResizeRequested,
     Restarting,
     StateChanged,
     WorkerFailed,
@@ -43,6 +46,7 @@ class DashboardState:
             "run_id": self.run_id, "state": JobState.RENDEZVOUS.value, "world_size": 0,
             "nnodes": 0, "round": 0, "restarts": 0, "max_restarts": self.max_restarts,
             "started_at": None, "finished_at": None, "log_dir": self.log_dir,
+            "pending_resize": None, "last_commit": None,
         }
 
     @property
@@ -81,6 +85,20 @@ class DashboardState:
             self._note(event.time, "restart",
                        f"restart {event.restart_count}/{event.max_restarts} after rank "
                        f"{event.root_cause.rank}: {event.root_cause.headline}")
+        elif isinstance(event, Committed):
+            self.header["last_commit"] = {"step": event.step, "time": event.time,
+                                          "world_size": event.world_size,
+                                          "nbytes": event.nbytes}
+            if event.origin == "checkpoint":
+                self._note(event.time, "checkpoint", f"resuming from step {event.step}")
+        elif isinstance(event, ResizeRequested):
+            self.header["pending_resize"] = event.target
+            when = "at the next commit" if event.graceful else "now"
+            self._note(event.time, "resize", f"to {event.target} workers requested ({when})")
+        elif isinstance(event, MembershipChanged):
+            self.header["pending_resize"] = None
+            self._note(event.time, "membership",
+                       f"{event.old_nproc} -> {event.new_nproc} workers (not a restart)")
         elif isinstance(event, JobFinished):
             self._finished(event)
 
@@ -98,6 +116,7 @@ class DashboardState:
     def _finished(self, event: JobFinished) -> None:
         result = self.result = event.result
         self.header["restarts"] = result.restarts
+        self.header["pending_resize"] = None
         text = result.summary()
         if result.stop_reason:
             text += f" ({result.stop_reason})"
