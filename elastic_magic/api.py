@@ -43,6 +43,9 @@ def launch(
     env: dict[str, str] | list[str] | None = None,
     argv: list[str] | None = None,
     pull: list[str] | None = None,
+    min_nproc: int | None = None,
+    max_nproc: int | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
     render: Renderer | None = None,
     check: bool = True,
 ) -> JobResult:
@@ -57,7 +60,8 @@ def launch(
     spec = JobSpec.create(
         nproc, backend=backend, max_restarts=max_restarts, monitor_interval=monitor_interval,
         timeout=timeout, init_process_group=init_process_group, log_dir=log_dir, env=env,
-        args=argv, pull=pull,
+        args=argv, pull=pull, min_nproc=min_nproc, max_nproc=max_nproc,
+        checkpoint_dir=checkpoint_dir,
     )
     payload = build_payload(target, spec, args=args, kwargs=kwargs, namespace=namespace)
     result = Job(spec, payload).start().wait(render or TextRenderer())

@@ -46,3 +46,15 @@ def test_quickstart_trains_and_recovers(tmp_path):
     html = [o.data["text/html"] for c in nb.cells for o in c.get("outputs", [])
             if "data" in o and "text/html" in o.data]
     assert len(html) == 2 and all("elastic-record" in h for h in html)
+
+
+def test_elastic_training_recovers_and_resizes(tmp_path):
+    nb = nbformat.read(NOTEBOOKS / "02_elastic_training.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    assert "starting at step 30 with world size 2" in text  # the restart resumed
+    assert "same parameters as the uninterrupted run, bit for bit" in text
+    assert "resize to 3 workers requested" in text and "resize to 1 workers requested" in text
+    assert "succeeded, world size 1, restarts 0/0" in text and "resizes: 2" in text
+    assert "same parameters as the uninterrupted run\n" in text

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..events import EventSink
-from ..protocol import Channel, ProtocolError
+from ..protocol import Channel, ProtocolError, widen_pipe
 from .output import StreamPump, log_folder, new_tail
 
 
@@ -102,6 +102,8 @@ def spawn(
     report_r, report_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    for fd in (control_w, report_w):  # snapshots travel on these
+        widen_pipe(fd)
     try:
         worker.proc = subprocess.Popen(
             [sys.executable, "-m", "elastic_magic.worker", str(control_r), str(report_w),

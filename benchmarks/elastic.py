@@ -1,0 +1,220 @@
+"""Resize latency and commit cost, each beside what a torchrun user does instead.
+
+Resize: from the request to every rank of the new group running user code again.
+- elastic_magic: ``job.scale(3)`` on a running 2-worker job with an elastic State (applied
+  at the next commit; steps take ~50 ms), and ``job.scale(3, immediate=True)``;
+- torchrun: stop the 2-worker torchrun (SIGTERM) and start a 3-worker one that loads the
+  last ``torch.save`` checkpoint, the usual way to change the size of a torchrun job.
+
+Commit: one ``state.commit()`` of a ~100 MB model (25M float32 parameters) on 2 ranks,
+against ``torch.save`` of the same state_dict to a file (with fsync), timed in the same
+worker. With --checkpoint-dir the agent also writes the snapshot to disk.
+
+Usage: python benchmarks/elastic.py [--repeat 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import elastic_magic
+from elastic_magic.agent.job import Job
+from elastic_magic.api import build_payload
+from elastic_magic.events import Output
+from elastic_magic.spec import JobSpec
+
+RESIZE_CELL = textwrap.dedent("""
+    import time, torch, torch.distributed as dist, elastic_magic
+    model = torch.nn.Linear(64, 64)
+    state = elastic_magic.State(model=model, step=0)
+    dist.barrier()
+    print(f"READY {time.time()} {dist.get_world_size()}", flush=True)
+    while state.step < 100000:
+        time.sleep(0.05)
+        state.step += 1
+        state.commit()
+""")
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    model = torch.nn.Linear(64, 64)
+    ckpt = sys.argv[1]
+    if os.path.exists(ckpt):
+        model.load_state_dict(torch.load(ckpt))
+    dist.barrier()
+    print(f"READY {time.time()} {dist.get_world_size()}", flush=True)
+    while True:
+        time.sleep(0.05)
+        if dist.get_rank() == 0:
+            torch.save(model.state_dict(), ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
+        dist.barrier()
+""")
+
+COMMIT_CELL = textwrap.dedent("""
+    import os, tempfile, time, torch, torch.distributed as dist, elastic_magic
+    model = torch.nn.Linear(5000, 5000)  # 25M float32 parameters: 100 MB
+    state = elastic_magic.State(model=model, step=0)
+    ours, theirs = [], []
+    for _ in range(REPEAT):
+        state.step += 1
+        t = time.perf_counter(); state.commit(); ours.append(time.perf_counter() - t)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            path = os.path.join(tempfile.gettempdir(), "em-bench-ckpt.pt")
+            t = time.perf_counter()
+            with open(path, "wb") as f:
+                torch.save(model.state_dict(), f); f.flush(); os.fsync(f.fileno())
+            theirs.append(time.perf_counter() - t)
+            os.remove(path)
+        dist.barrier()
+    (ours, theirs)
+""")
+
+
+def ready_times(events: list, size: int) -> list[float]:
+    stamps = []
+    for event in events:
+        if isinstance(event, Output):
+            for line in event.lines:
+                if line.startswith("READY") and line.endswith(f" {size}"):
+                    stamps.append(float(line.split()[1]))
+    return stamps
+
+
+def elastic_resize(immediate: bool) -> float:
+    spec = JobSpec.create(2, min_nproc=1, max_nproc=3)
+    job = Job(spec, build_payload(RESIZE_CELL, spec)).start()
+    events: list = []
+    requested: list[float] = []
+
+    def drive():
+        job.wait_for_commit(5, timeout=120)
+        requested.append(time.time())
+        job.scale(3, immediate=immediate)
+        while len(ready_times(list(events), 3)) < 3 and not job.done:
+            time.sleep(0.02)
+        job.stop("benchmark done")
+
+    threading.Thread(target=drive, daemon=True).start()
+    job.wait(events.extend)
+    return max(ready_times(events, 3)) - requested[0]
+
+
+def torchrun_resize() -> float:
+    folder = Path(tempfile.mkdtemp(prefix="em-bench-"))
+    script, ckpt = folder / "train.py", folder / "ckpt.pt"
+    script.write_text(TORCHRUN_SCRIPT)
+
+    def start(n: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={n}", str(script), str(ckpt)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            start_new_session=True)
+
+    def wait_ready(proc: subprocess.Popen[str], n: int) -> float:
+        lines: queue.Queue[str] = queue.Queue()
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line)
+
+        threading.Thread(target=read, daemon=True).start()
+        stamps: list[float] = []
+        while len(stamps) < n:
+            line = lines.get(timeout=60)  # queue.Empty: torchrun hung; counted as a failure
+            if line.startswith("READY"):
+                stamps.append(float(line.split()[1]))
+        return max(stamps)
+
+    first = start(2)
+    second = None
+    try:
+        wait_ready(first, 2)
+        time.sleep(0.5)  # a few checkpoints written
+        requested = time.time()
+        os.killpg(first.pid, signal.SIGTERM)
+        first.wait()
+        second = start(3)
+        return wait_ready(second, 3) - requested
+    except queue.Empty:
+        return float("nan")
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def commit_cost(repeat: int, checkpoint_dir: str | None) -> tuple[list[float], list[float]]:
+    result = elastic_magic.launch(COMMIT_CELL, nproc=2, namespace={"REPEAT": repeat},
+                                  checkpoint_dir=checkpoint_dir, render=lambda e: None)
+    return result.values[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    opts = parser.parse_args()
+
+    runs: dict[str, list[float]] = {"resize_graceful": [], "resize_immediate": [],
+                                    "torchrun_relaunch": []}
+    for _ in range(opts.repeat):
+        runs["resize_graceful"].append(elastic_resize(immediate=False))
+        runs["resize_immediate"].append(elastic_resize(immediate=True))
+        runs["torchrun_relaunch"].append(torchrun_resize())
+    ours_mem, save = commit_cost(opts.repeat + 1, None)
+    ckpt_dir = tempfile.mkdtemp(prefix="em-bench-ckpt-")
+    ours_disk, _ = commit_cost(opts.repeat + 1, ckpt_dir)
+    # the first commit includes allocator warm-up on both sides: drop it
+    runs.update(commit_memory=ours_mem[1:], commit_with_disk=ours_disk[1:],
+                torch_save_fsync=save[1:])
+    failed = sum(math.isnan(v) for v in runs["torchrun_relaunch"])
+    runs["torchrun_relaunch"] = [v for v in runs["torchrun_relaunch"] if not math.isnan(v)]
+    median = {name: statistics.median(values) for name, values in runs.items()}
+    report = {
+        "cpus": os.cpu_count(), "repeat": opts.repeat, "seconds": runs, "median_s": median,
+        "torchrun_relaunch_hung": failed,
+        "ratio_resize_graceful_vs_torchrun": median["resize_graceful"]
+        / median["torchrun_relaunch"],
+        "ratio_resize_immediate_vs_torchrun": median["resize_immediate"]
+        / median["torchrun_relaunch"],
+        "ratio_commit_memory_vs_torch_save": median["commit_memory"]
+        / median["torch_save_fsync"],
+        "ratio_commit_disk_vs_torch_save": median["commit_with_disk"]
+        / median["torch_save_fsync"],
+    }
+    print(f"resize 2 -> 3 workers, request to every new rank running user code "
+          f"(median of {opts.repeat})")
+    for name in ("resize_graceful", "resize_immediate", "torchrun_relaunch"):
+        print(f"  {name:18s} {median[name]:6.2f} s")
+    print(f"  torchrun relaunches that hung (60 s without every rank up): {failed}")
+    print("commit of a 100 MB state on 2 ranks (median)")
+    for name in ("commit_memory", "commit_with_disk", "torch_save_fsync"):
+        print(f"  {name:18s} {median[name]:6.3f} s")
+    for key, value in report.items():
+        if key.startswith("ratio"):
+            print(f"  {key} = {value:.2f}x")
+    if opts.json:
+        opts.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
