@@ -14,6 +14,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from .agent.job import Job, Renderer
 from .api import build_payload
 from .events import JobState
+from .logs import rank_log
 from .payload import Payload, PayloadError, uses_ipython_syntax
 from .result import JobFailedError, JobResult
 from .spec import JobSpec, SpecError
@@ -281,8 +282,7 @@ class ElasticMagics(Magics):
             raise UsageError(f"%elastic logs: which rank? For example `%elastic logs 0`.\n"
                              f"{_SUBCOMMANDS}")
         rank, job = int(rest[0]), self._job(rest[1:])
-        attempts = sorted(job.log_dir.glob("attempt_*"), key=lambda p: int(p.name[8:]))
-        path = attempts[-1] / f"rank_{rank}" / f"{stream}.log" if attempts else None
+        path = rank_log(job.log_dir, rank, stream)
         if path is None or not path.exists():
             raise UsageError(f"%elastic logs: no {stream} log for rank {rank} of {job.run_id}.")
         with open(path, errors="replace") as f:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import JobState
+from .logs import rank_log
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,10 @@ class JobResult:
         """Rank 0's value (the cell's last expression)."""
         return self.values.get(0)
 
-    def log_path(self, rank: int, stream: str = "stdout", attempt: int | None = None) -> Path:
+    def log_path(self, rank: int, stream: str = "stdout",
+                 attempt: int | None = None) -> Path | None:
         """Full log of one rank; the last attempt by default."""
-        attempts = sorted(self.log_dir.glob("attempt_*"), key=lambda p: int(p.name[8:]))
-        folder = self.log_dir / f"attempt_{attempt}" if attempt is not None else attempts[-1]
-        return folder / f"rank_{rank}" / f"{stream}.log"
+        return rank_log(self.log_dir, rank, stream, attempt)
 
     def summary(self) -> str:
         parts = [

@@ -14,11 +14,12 @@ from elastic_magic.ui.record import record_bundle
 from elastic_magic.ui.state import MERGED_LINES, RANK_LINES
 
 FLAKY = textwrap.dedent("""
-    import os, sys, torch.distributed as dist
+    import os, sys, time, torch.distributed as dist
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     rank = dist.get_rank()
     for i in range(400):
         print(f"rank {rank} attempt {attempt} line {i}")
+    time.sleep(0.5)  # stdout and stderr are separate pipes: let stdout drain first
     print(f"warning from {rank}", file=sys.stderr)
     dist.barrier()
     if attempt == 0 and rank == 1:

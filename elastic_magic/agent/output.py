@@ -8,6 +8,7 @@ from collections import deque
 from pathlib import Path
 
 from ..events import EventSink, Output
+from ..logs import rank_dir
 
 TAIL_LINES = 200
 _CHUNK = 1 << 16
@@ -59,6 +60,6 @@ def new_tail() -> deque[str]:
 
 
 def log_folder(log_root: Path, attempt: int, rank: int) -> Path:
-    folder = log_root / f"attempt_{attempt}" / f"rank_{rank}"
+    folder = rank_dir(log_root, attempt, rank)
     folder.mkdir(parents=True, exist_ok=True)
     return folder

@@ -27,6 +27,7 @@ from ..events import (
     WorkerFailed,
     WorkersStarted,
 )
+from ..logs import rank_dir
 from ..payload import Payload
 from ..protocol import new_secret
 from ..result import JobResult, RankFailure, Unpicklable
@@ -233,8 +234,7 @@ class Agent:
             "TORCHELASTIC_RUN_ID": self.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_ERROR_FILE": str(
-                self.log_root / f"attempt_{self.attempt}" / f"rank_{worker.global_rank}"
-                / "error.json"
+                rank_dir(self.log_root, self.attempt, worker.global_rank) / "error.json"
             ),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..events import (
@@ -21,6 +22,7 @@ from ..events import (
     WorkerFailed,
     WorkersStarted,
 )
+from ..logs import rank_dir
 from ..result import JobResult, RankFailure, group_failures
 
 RANK_LINES = 150  # per rank, in the browser; the full output is in the logs
@@ -129,9 +131,8 @@ class DashboardState:
         return {r: self.counts[r] - len(self.lines[r]) for r in self.lines}
 
     def log_paths(self) -> dict[int, dict[str, str]]:
-        folder = f"{self.log_dir}/attempt_{self.attempt}"
-        return {r: {s: f"{folder}/rank_{r}/{s}.log" for s in ("stdout", "stderr")}
-                for r in self.lines}
+        return {r: {s: str(rank_dir(Path(self.log_dir), self.attempt, r) / f"{s}.log")
+                    for s in ("stdout", "stderr")} for r in self.lines}
 
     def traits(self) -> dict[str, Any]:
         """The widget's synced state (JSON-friendly; rank keys as strings)."""
