@@ -53,8 +53,15 @@ def execute(kc, code: str, trigger: str | None = None, action: Callable[[], None
             action()
         if kind == "status" and content["execution_state"] == "idle":
             break
-    reply = kc.get_shell_msg(timeout=timeout)
-    return reply["content"], text
+    return _reply_to(kc, msg_id, timeout), text
+
+
+def _reply_to(kc, msg_id: str, timeout: float) -> dict:
+    """The shell reply to ``msg_id`` (replies to earlier requests are skipped)."""
+    while True:
+        reply = kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]
 
 
 @pytest.mark.parametrize(
@@ -70,6 +77,7 @@ def test_interrupt_stops_every_worker(kernel, phase, crash_rank, trigger):
     execute(kc, f"CRASH_RANK = {crash_rank}")
     reply, text = execute(kc, LONG_CELL, trigger=trigger, action=km.interrupt_kernel)
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", text
+    assert "[elastic] stopped" in text
     assert not tagged_workers(), f"workers survived an interrupt while {phase}"
     reply, text = execute(kc, "print('kernel still usable')")  # the kernel carries on
     assert reply["status"] == "ok" and "still usable" in text
@@ -117,7 +125,7 @@ def collect(kc, code: str, timeout: float = 180) -> tuple[dict, list[dict], floa
         msgs.append(msg)
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
-    return kc.get_shell_msg(timeout=timeout)["content"], msgs, time.monotonic() - started
+    return _reply_to(kc, msg_id, timeout), msgs, time.monotonic() - started
 
 
 def test_high_volume_output_reaches_logs_whole_and_frontend_batched(kernel, tmp_path):
