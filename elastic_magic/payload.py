@@ -47,9 +47,6 @@ class Payload:
     backend: str = "gloo"
     timeout: float = 300.0
 
-    @property
-    def label(self) -> str:
-        return "cell" if self.source is not None else "function"
 
 
 def referenced_names(source: str) -> set[str]:

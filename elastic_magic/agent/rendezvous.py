@@ -102,9 +102,6 @@ class Rendezvous:
             master_port=int(port),
         )
 
-    def num_nodes_waiting(self) -> int:
-        return self.handler.num_nodes_waiting()
-
     def close(self) -> None:
         """Close the run id for good and stop hosting stores."""
         try:
