@@ -88,6 +88,8 @@ class State:
         for name, obj in self._objects.items():
             data[name] = (_unwrap(obj) if name == "model" else obj).state_dict()
         data["rng"] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            data["rng"]["cuda"] = torch.cuda.get_rng_state()  # this rank's device (dropout)
         try:
             import numpy
 
@@ -109,6 +111,8 @@ class State:
                 (_unwrap(obj) if name == "model" else obj).load_state_dict(data[name])
         random.setstate(data["rng"]["python"])
         torch.set_rng_state(data["rng"]["torch"])
+        if "cuda" in data["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(data["rng"]["cuda"])
         if "numpy" in data["rng"]:
             import numpy
 

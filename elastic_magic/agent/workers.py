@@ -104,6 +104,10 @@ def spawn(
     err_r, err_w = os.pipe()
     for fd in (control_w, report_w):  # snapshots travel on these
         widen_pipe(fd)
+    # The key goes into the pipe before the child exists: a child that dies at once (a
+    # kernel interrupt can reach it before it leaves the kernel's process group) must show
+    # up as a failed worker, not as a broken pipe in the agent.
+    os.write(control_w, key)
     try:
         worker.proc = subprocess.Popen(
             [sys.executable, "-m", "elastic_magic.worker", str(control_r), str(report_w),
@@ -118,7 +122,6 @@ def spawn(
             os.close(fd)
     worker.state = WorkerState.HEALTHY
     worker.control = Channel(control_w, key)
-    os.write(control_w, key)
     worker.log_dir = log_folder(log_root, worker.attempt, worker.global_rank)
     for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
         worker.threads.append(StreamPump(
