@@ -8,11 +8,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 from conftest import tagged_workers
 
 import elastic_magic as em
+from elastic_magic.api import build_payload
 from elastic_magic.events import (
     JobFinished,
     JobState,
@@ -45,6 +47,31 @@ def test_cell_runs_on_two_ranks_with_values(log_dir, recorder):
     assert isinstance(recorder.events[-1], JobFinished)
     times = [e.time for e in recorder.events]
     assert times == sorted(times) or any(hasattr(e, "lines") for e in recorder.events)
+
+
+def test_standalone_job_listens_on_loopback_only(log_dir):
+    """The rendezvous store and the per-round worker store bind 127.0.0.1, never every
+    interface (torch's default for a store given only a port)."""
+    import psutil
+
+    def listening_ports():
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
+                if c.status == psutil.CONN_LISTEN}
+
+    before = listening_ports()
+    spec = em.JobSpec.create(2, log_dir=log_dir)
+    job = em.Job(spec, build_payload("import time\ntime.sleep(3)\n", spec, namespace={}))
+    job.start()
+    try:
+        deadline = time.monotonic() + 60
+        while job.state is not JobState.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        opened = listening_ports() - before
+    finally:
+        job.stop()
+        job.wait()
+    assert len(opened) >= 2, opened  # the rendezvous store and this round's worker store
+    assert {ip for ip, _ in opened} == {"127.0.0.1"}, opened
 
 
 def test_function_target_with_arguments(log_dir):

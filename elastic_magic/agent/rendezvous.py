@@ -8,6 +8,7 @@ can never meet keys left by a dead one (the failure mode of torchrun's shared st
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,6 +21,33 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 _WORKER_STORE_KEY = "elastic_magic/worker_store"
 _LOCAL_SIZE_PREFIX = "elastic_magic/local_world_size/"
+
+
+def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
+    """A TCPStore server listening on ``host`` only. Given a bare port, torch listens on
+    every interface; a socket we bind ourselves keeps a standalone job on loopback.
+    Port 0: the OS picks a free port at bind time (never pick-then-bind)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        bound_port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # The store owns the descriptor from here on and closes it when it is destroyed.
+    return TCPStore(host, bound_port, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+
+
+class _Handler(DynamicRendezvousHandler):
+    """torch's handler, except that the store it hosts for agents on node rank 0 (unused
+    here: each round gets its own worker store) listens on our host only."""
+
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> TCPStore:
+        return hosted_store(master_addr, master_port)
 
 
 @dataclass(frozen=True)
@@ -50,11 +78,9 @@ class Rendezvous:
     ) -> None:
         self.run_id = run_id
         self.host = host
-        # Port 0: the OS picks a free port at bind time (never pick-then-bind).
-        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=60))
+        self.store = hosted_store(host)
         backend = C10dRendezvousBackend(self.store, run_id)
-        self.handler = DynamicRendezvousHandler.from_backend(
+        self.handler = _Handler.from_backend(
             run_id=run_id,
             store=self.store,
             backend=backend,
@@ -80,7 +106,7 @@ class Rendezvous:
         round_store: Store = info.store  # torch prefixes it per round
         node_rank, nnodes = info.rank, info.world_size
         if node_rank == 0:
-            self._worker_store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+            self._worker_store = hosted_store(self.host)
             round_store.set(_WORKER_STORE_KEY, f"{self.host}:{self._worker_store.port}")
         else:
             self._worker_store = None
