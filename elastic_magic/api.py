@@ -46,6 +46,8 @@ def launch(
     min_nproc: int | None = None,
     max_nproc: int | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
+    nnodes: int | str | None = None,
+    rdzv_endpoint: str | None = None,
     render: Renderer | None = None,
     check: bool = True,
 ) -> JobResult:
@@ -61,7 +63,7 @@ def launch(
         nproc, backend=backend, max_restarts=max_restarts, monitor_interval=monitor_interval,
         timeout=timeout, init_process_group=init_process_group, log_dir=log_dir, env=env,
         args=argv, pull=pull, min_nproc=min_nproc, max_nproc=max_nproc,
-        checkpoint_dir=checkpoint_dir,
+        checkpoint_dir=checkpoint_dir, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
     )
     payload = build_payload(target, spec, args=args, kwargs=kwargs, namespace=namespace)
     result = Job(spec, payload).start().wait(render or TextRenderer())

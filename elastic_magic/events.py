@@ -115,6 +115,25 @@ class MembershipChanged:
 
 
 @dataclass(frozen=True)
+class AcceptingNodes:
+    """A multi-node job: other machines join with ``command``."""
+
+    endpoint: str
+    command: str
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class NodeConnected:
+    """A machine connected to (or left) this job's hub."""
+
+    peer: str
+    nproc: int
+    connected: bool
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class JobFinished:
     result: JobResult
     time: float = field(default_factory=_now)
@@ -122,6 +141,7 @@ class JobFinished:
 
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
-    | Committed | ResizeRequested | MembershipChanged | JobFinished
+    | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
+    | JobFinished
 )
 EventSink = Callable[[Event], None]

@@ -66,6 +66,12 @@ class ElasticMagics(Magics):
     @argument("--checkpoint-dir", default=None,
               help="also keep the last committed elastic State here (atomic writes); "
                    "a job started with a checkpoint in it resumes from it")
+    @argument("--nnodes", default=None, metavar="N|MIN:MAX",
+              help="machines in the job, as torchrun's --nnodes (default 1). Others join "
+                   "with the `elastic-magic join` command the cell prints")
+    @argument("--rdzv-endpoint", default=None, metavar="HOST[:PORT]",
+              help="with --nnodes: this machine's address as the others reach it (the "
+                   "rendezvous listens there only; default 127.0.0.1, a port the OS picks)")
     @argument("--bg", action="store_true",
               help="run in the background and return a Job handle at once; "
                    "see %%elastic jobs/status/stop/logs")
@@ -89,6 +95,11 @@ class ElasticMagics(Magics):
         state.commit() and resumes from it (`%elastic scale N --now` applies it at once,
         from the last commit); a cell without State restarts at the new size. A resize is
         a membership change: it does not count as a restart.
+
+        Several machines: `--nnodes 1:4 --rdzv-endpoint 10.0.0.5:29400` prints
+        `elastic-magic join 10.0.0.5:29400 --token ...`; run it on each other machine. A
+        machine that joins or leaves, or a resize here, makes every machine re-rendezvous
+        (torch's waiting-node mechanism); their ranks' output shows here.
 
         Example::
 
@@ -159,7 +170,8 @@ class ElasticMagics(Magics):
                 monitor_interval=opts.monitor_interval, timeout=opts.timeout,
                 init_process_group=not opts.no_init, log_dir=opts.log_dir, env=opts.env,
                 args=argv, pull=pull, min_nproc=opts.min_nproc, max_nproc=opts.max_nproc,
-                checkpoint_dir=opts.checkpoint_dir,
+                checkpoint_dir=opts.checkpoint_dir, nnodes=opts.nnodes,
+                rdzv_endpoint=opts.rdzv_endpoint,
             )
         except SpecError as exc:
             raise UsageError(f"%%elastic: {exc}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,46 @@ def _split_env(item: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+def parse_nnodes(nnodes: int | str | None) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` machines, as torchrun's --nnodes."""
+    if nnodes is None:
+        return 1, 1
+    text = str(nnodes).strip()
+    low_text, sep, high_text = text.partition(":")
+    try:
+        low = int(low_text)
+        high = int(high_text) if sep else low
+    except ValueError:
+        raise SpecError(f"--nnodes {text!r}: expected N or MIN:MAX, for example 1:4.") from None
+    if not 1 <= low <= high:
+        raise SpecError(f"--nnodes {text}: need 1 <= MIN <= MAX, for example 1:4.")
+    return low, high
+
+
+def parse_endpoint(endpoint: str | None) -> tuple[str, int]:
+    """``HOST[:PORT]``: the address other machines reach this one at (the stores listen
+    there only). No port, or 0: the OS picks one."""
+    if not endpoint:
+        return "127.0.0.1", 0
+    host, sep, port_text = endpoint.strip().rpartition(":")
+    if not sep or not port_text.isdigit():
+        host, port_text = endpoint.strip(), "0"
+    host = host.strip("[]")
+    port = int(port_text)
+    if not host or port > 65535:
+        raise SpecError(f"--rdzv-endpoint {endpoint!r}: expected HOST or HOST:PORT, for "
+                        "example 10.0.0.5:29400 (this machine's address as the others see it).")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, 0))  # the stores will listen there: it must be ours
+        except OSError as exc:
+            raise SpecError(f"--rdzv-endpoint {endpoint}: cannot listen on {host} "
+                            f"({exc.strerror}). Give an address of this machine "
+                            "(see `hostname -I`).") from None
+    return host, port
+
+
 @dataclass
 class JobSpec:
     """A validated launch request. Build it with :meth:`create`."""
@@ -96,6 +137,15 @@ class JobSpec:
     min_nproc: int = 1
     max_nproc: int = 1
     checkpoint_dir: Path | None = None
+    min_nodes: int = 1
+    max_nodes: int = 1
+    rdzv_host: str = "127.0.0.1"
+    rdzv_port: int = 0
+
+    @property
+    def multi_node(self) -> bool:
+        """Other machines may join (``elastic-magic join``)."""
+        return self.max_nodes > 1
 
     def check_scale(self, nproc: int) -> None:
         """A resize target must lie within the job's bounds."""
@@ -123,6 +173,8 @@ class JobSpec:
         min_nproc: int | None = None,
         max_nproc: int | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
+        nnodes: int | str | None = None,
+        rdzv_endpoint: str | None = None,
     ) -> JobSpec:
         gpus = cuda_device_count() if gpus is None else gpus
         count = resolve_nproc(nproc, gpus)
@@ -155,6 +207,11 @@ class JobSpec:
         if backend == "nccl" and high > gpus:
             raise SpecError(f"--max-nproc {high}: nccl needs a GPU per worker and there are "
                             f"{gpus}. Use --max-nproc {gpus}.")
+        min_nodes, max_nodes = parse_nnodes(nnodes)
+        rdzv_host, rdzv_port = parse_endpoint(rdzv_endpoint)
+        if rdzv_port and max_nodes == 1:
+            raise SpecError(f"--rdzv-endpoint {rdzv_endpoint}: a fixed port is for jobs that "
+                            "other machines join; add --nnodes MIN:MAX.")
         for name in pull or []:
             if not name.isidentifier():
                 raise SpecError(f"--pull {name!r}: not a Python variable name.")
@@ -174,6 +231,10 @@ class JobSpec:
             max_nproc=high,
             checkpoint_dir=_usable_dir(checkpoint_dir, "--checkpoint-dir")
             if checkpoint_dir else None,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            rdzv_host=rdzv_host,
+            rdzv_port=rdzv_port,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -14,7 +15,8 @@ from ..events import Event, JobState
 from ..payload import Payload
 from ..result import JobResult
 from ..spec import JobSpec
-from .supervisor import Agent, ScaleCommand, StopCommand
+from .hub import new_token
+from .supervisor import Agent, JoinedJob, ScaleCommand, StopCommand
 
 # Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
 # about 1000 messages/s, and each update may resend a widget's whole state.
@@ -34,12 +36,19 @@ class AgentError(RuntimeError):
 class Job:
     """Handle on one elastic job. Commands are queued: safe from any thread."""
 
-    def __init__(self, spec: JobSpec, payload: Payload, run_id: str | None = None) -> None:
+    def __init__(self, spec: JobSpec, payload: Payload, run_id: str | None = None, *,
+                 joined: JoinedJob | None = None,
+                 forward: Callable[[Event], None] | None = None) -> None:
         self.spec = spec
         self.run_id = run_id or new_run_id()
         self.events: queue.Queue[Event] = queue.Queue()
         self._inbox: queue.Queue[Any] = queue.Queue()
-        self._agent = Agent(spec, payload, self.run_id, self.events.put, self._inbox)
+        # What other machines must show to join (ELASTIC_MAGIC_TOKEN fixes it for scripts).
+        self.token = (os.environ.get("ELASTIC_MAGIC_TOKEN") or new_token()) \
+            if spec.multi_node and joined is None else None
+        self._forward = forward  # a node: the events the head shows too
+        self._agent = Agent(spec, payload, self.run_id, self._emit, self._inbox,
+                            token=self.token, joined=joined)
         self._done = threading.Event()
         self.result: JobResult | None = None
         self.error: BaseException | None = None
@@ -48,6 +57,11 @@ class Job:
         self._thread = threading.Thread(
             target=self._run, name=f"elastic-agent-{self.run_id}", daemon=True
         )
+
+    def _emit(self, event: Event) -> None:
+        self.events.put(event)
+        if self._forward is not None:
+            self._forward(event)
 
     def start(self) -> Job:
         self._thread.start()

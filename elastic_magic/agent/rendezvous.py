@@ -9,10 +9,12 @@ can never meet keys left by a dead one (the failure mode of torchrun's shared st
 from __future__ import annotations
 
 import socket
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import Store, TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -49,12 +51,21 @@ class _Handler(DynamicRendezvousHandler):
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> TCPStore:
         return hosted_store(master_addr, master_port)
 
+    def next_rendezvous(self) -> RendezvousInfo:
+        # torch publishes that store's address in a round's store only in the first round
+        # it hosts it, so a machine joining a later round waits for it forever. Publish it
+        # every round (replacing the store costs little; nothing here uses it).
+        self._bootstrap_store_info = None
+        self._shared_tcp_store_server = None
+        return super().next_rendezvous()
+
 
 @dataclass(frozen=True)
 class RoundInfo:
     """This node's place in one completed rendezvous round."""
 
     round: int
+    round_id: str  # the same on every node of this round
     node_rank: int
     nnodes: int
     base_rank: int  # global rank of this node's local rank 0
@@ -71,14 +82,23 @@ class Rendezvous:
         run_id: str,
         *,
         host: str = "127.0.0.1",
+        port: int = 0,
+        join: str | None = None,
         min_nodes: int = 1,
         max_nodes: int = 1,
         join_timeout: float = 600.0,
         last_call_timeout: float = 1.0,
     ) -> None:
+        """Host the rendezvous store on ``host:port``, or with ``join`` ("HOST:PORT") use
+        the store another machine hosts; ``host`` is then this machine's own address."""
         self.run_id = run_id
         self.host = host
-        self.store = hosted_store(host)
+        if join is None:
+            self.store = hosted_store(host, port)
+        else:
+            store_host, _, store_port = join.rpartition(":")
+            self.store = TCPStore(store_host.strip("[]"), int(store_port), is_master=False,
+                                  timeout=timedelta(seconds=60))
         backend = C10dRendezvousBackend(self.store, run_id)
         self.handler = _Handler.from_backend(
             run_id=run_id,
@@ -99,6 +119,10 @@ class Rendezvous:
     def endpoint(self) -> str:
         return f"{self.host}:{self.store.port}"
 
+    def num_nodes_waiting(self) -> int:
+        """Machines waiting to join the next round (torch's signal to re-rendezvous)."""
+        return self.handler.num_nodes_waiting()
+
     def next_round(self, local_world_size: int) -> RoundInfo:
         """Join the next round, then agree on ranks and on a fresh worker store."""
         info = self.handler.next_rendezvous()
@@ -107,10 +131,12 @@ class Rendezvous:
         node_rank, nnodes = info.rank, info.world_size
         if node_rank == 0:
             self._worker_store = hosted_store(self.host)
-            round_store.set(_WORKER_STORE_KEY, f"{self.host}:{self._worker_store.port}")
+            round_store.set(_WORKER_STORE_KEY,
+                            f"{uuid.uuid4().hex} {self.host}:{self._worker_store.port}")
         else:
             self._worker_store = None
-        addr, _, port = round_store.get(_WORKER_STORE_KEY).decode().rpartition(":")
+        round_id, _, address = round_store.get(_WORKER_STORE_KEY).decode().partition(" ")
+        addr, _, port = address.rpartition(":")
         # Ranks as torch assigns them: prefix sums of every node's local world size.
         round_store.set(f"{_LOCAL_SIZE_PREFIX}{node_rank}", str(local_world_size))
         sizes = [
@@ -120,6 +146,7 @@ class Rendezvous:
         ]
         return RoundInfo(
             round=self.rounds,
+            round_id=round_id,
             node_rank=node_rank,
             nnodes=nnodes,
             base_rank=sum(sizes[:node_rank]),
@@ -128,10 +155,11 @@ class Rendezvous:
             master_port=int(port),
         )
 
-    def close(self) -> None:
-        """Close the run id for good and stop hosting stores."""
+    def close(self, shutdown: bool = True) -> None:
+        """Stop hosting stores; with ``shutdown``, close the run id for every machine."""
         try:
-            self.handler.shutdown()
+            if shutdown:
+                self.handler.shutdown()
         finally:
             self._worker_store = None
             self.store = None  # type: ignore[assignment]

@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from ..events import (
+    AcceptingNodes,
     Committed,
     EventSink,
     JobFinished,
     JobState,
     MembershipChanged,
+    NodeConnected,
     RendezvousCompleted,
     ResizeRequested,
     Restarting,
@@ -33,6 +36,7 @@ from ..protocol import new_secret
 from ..result import JobResult, RankFailure, Unpicklable
 from ..spec import JobSpec
 from . import workers as wk
+from .hub import HUB_KEY, Hub, Link, LinkMessage
 from .rendezvous import Rendezvous, RoundInfo
 from .snapshots import SnapshotStore
 from .workers import Worker, WorkerReport, WorkerState
@@ -53,6 +57,11 @@ _INSTALLED = _is_installed()
 # is judged on its exit code after this long.
 _CHANNEL_CLOSE_GRACE = 1.0
 _EXIT_AFTER_RESULTS_TIMEOUT = 30.0
+# Multi-node: how often to ask the rendezvous for waiting machines, and how long a group with
+# State may take to reach its next commit (and leave there, losing no step) before it is
+# stopped for the new round anyway.
+_WAITING_CHECK_INTERVAL = 0.5
+_GRACEFUL_REGROUP_WAIT = 10.0
 
 
 @dataclass(frozen=True)
@@ -66,14 +75,29 @@ class ScaleCommand:
     immediate: bool = False
 
 
+@dataclass(frozen=True)
+class JoinedJob:
+    """How an agent on another machine (a node) takes part in the head's job."""
+
+    link: Link  # to the head's hub
+    rdzv_endpoint: str  # the rendezvous store the head hosts
+    host: str  # this machine's address as the others reach it
+
+
+def join_command(endpoint: str, token: str) -> str:
+    return f"elastic-magic join {endpoint} --token {token}"
+
+
 class Agent:
     """Supervises one job: rendezvous, start, monitor, restart, finish."""
 
     def __init__(
         self, spec: JobSpec, payload: Payload, run_id: str, emit: EventSink,
-        inbox: queue.Queue[Any],
+        inbox: queue.Queue[Any], *, token: str | None = None, joined: JoinedJob | None = None,
     ) -> None:
         self.spec = spec
+        self.token = token  # the head of a multi-node job: what nodes must prove
+        self.joined = joined  # set on a node: the agent follows the head's job
         self.payload = payload
         self.run_id = run_id
         self.emit = emit
@@ -93,11 +117,17 @@ class Agent:
         self.resizes = 0
         self.uses_state = False  # a worker asked for the elastic State
         self.snapshots = SnapshotStore(spec.checkpoint_dir)
+        self.rendezvous: Rendezvous | None = None
+        self.hub: Hub | None = None
+        self.round: RoundInfo | None = None
+        self.node_results: dict[str, dict[int, dict[str, Any]]] = {}  # round id -> node rank
+        self.terminal_failure = False  # another machine failed for good: no restart here
+        self._next_waiting_check = 0.0
+        self._regroup_by: float | None = None
 
     # -- the loop ------------------------------------------------------------------------
 
     def run(self) -> JobResult:
-        rendezvous: Rendezvous | None = None
         final = JobState.FAILED
         try:
             self._set_state(JobState.RENDEZVOUS)
@@ -105,13 +135,20 @@ class Agent:
                 meta = self.snapshots.meta or {}
                 self.emit(Committed(meta.get("step"), meta.get("world_size", 0),
                                     len(self.snapshots.blob or b""), origin="checkpoint"))
-            rendezvous = Rendezvous(self.run_id, join_timeout=self.spec.timeout)
+            rendezvous = self.rendezvous = self._open_rendezvous()
             while True:
                 if self._drain_inbox() == "stop":
                     final = JobState.STOPPED
                     break
                 self._apply_pending_resize()
-                info = rendezvous.next_round(self.nproc)
+                try:
+                    info = self.round = rendezvous.next_round(self.nproc)
+                except RendezvousClosedError:
+                    if self.joined is None:
+                        raise
+                    self.stop_reason = "the job ended before this machine joined a round"
+                    final = JobState.STOPPED
+                    break
                 self.emit(RendezvousCompleted(
                     info.round, info.node_rank, info.nnodes, info.world_size,
                     info.master_addr, info.master_port,
@@ -121,7 +158,10 @@ class Agent:
                 if final is JobState.RESIZING:  # a membership change, not a restart
                     self._set_state(JobState.RENDEZVOUS)
                     continue
-                if final is not JobState.FAILED or self.restart_count >= self.spec.max_restarts:
+                if final is JobState.SUCCEEDED:
+                    final = self._finish_round(info)
+                if final is not JobState.FAILED or self.terminal_failure \
+                        or self.restart_count >= self.spec.max_restarts:
                     break
                 self.restart_count += 1
                 self._set_state(JobState.RESTARTING)
@@ -133,12 +173,40 @@ class Agent:
         finally:
             wk.stop(self.group, wk.TEARDOWN_ESCALATION)
             wk.join_threads(self.group)
-            if rendezvous is not None:
-                rendezvous.close()
+            if self.rendezvous is not None:
+                # A node leaves the rendezvous open: the job belongs to the head.
+                self.rendezvous.close(shutdown=self.joined is None)
             result = self._result(final)
             self._set_state(final)
+            self._tell_peers(final)
             self.emit(JobFinished(result))
         return result
+
+    def _open_rendezvous(self) -> Rendezvous:
+        spec = self.spec
+        if self.joined is not None:
+            return Rendezvous(self.run_id, host=self.joined.host, join=self.joined.rdzv_endpoint,
+                              min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+                              join_timeout=spec.timeout)
+        rendezvous = Rendezvous(self.run_id, host=spec.rdzv_host, port=spec.rdzv_port,
+                                min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+                                join_timeout=spec.timeout)
+        if spec.multi_node:
+            assert self.token is not None
+            job = {"run_id": self.run_id, "spec": spec, "payload": self.payload}
+            self.hub = Hub(spec.rdzv_host, self.token, job, self.inbox)
+            rendezvous.store.set(HUB_KEY, self.hub.address)
+            self.emit(AcceptingNodes(rendezvous.endpoint,
+                                     join_command(rendezvous.endpoint, self.token)))
+        return rendezvous
+
+    def _tell_peers(self, final: JobState) -> None:
+        """The head ends every node with the job; a node tells the head how it ended."""
+        if self.hub is not None:
+            self.hub.broadcast(("stop", f"the job {final.value}"))
+            self.hub.close()
+        if self.joined is not None:
+            self.joined.link.send(("finished", {"state": final, "failures": self.failures}))
 
     def _set_state(self, state: JobState) -> None:
         if state is not self.state or state is JobState.RENDEZVOUS:
@@ -165,7 +233,95 @@ class Agent:
             return self._request_resize(item)
         if isinstance(item, WorkerReport) and item.attempt == self.attempt:
             self._on_report(self.group[item.local_rank], item)
+        if isinstance(item, LinkMessage):
+            return self._from_node(item) if self.joined is None else self._from_head(item)
         return None
+
+    # -- other machines ------------------------------------------------------------------
+
+    def _from_node(self, message: LinkMessage) -> str | None:
+        """The head: a frame from a node (its output, its workers' State requests, its
+        results, how it ended)."""
+        kind, body = message.kind, message.body
+        if kind == "hello":
+            self.emit(NodeConnected(body["host"], body["nproc"], True))
+        elif kind == "event":
+            self.emit(body)
+        elif kind == "request":
+            value = self._serve_state(body["kind"], body["body"])
+            message.link.send(("reply", {**body, "body": None, "value": value}))
+        elif kind == "group_result":
+            self.node_results.setdefault(body["round_id"], {})[body["node_rank"]] = body
+        elif kind == "finished" and body["state"] is JobState.FAILED and body["failures"]:
+            self.failures = sorted([*self.failures, *body["failures"]], key=lambda f: f.time)
+            self.terminal_failure = True  # that machine has no restarts left: the job ends
+            return "node_failed"
+        elif kind == "closed":
+            self.emit(NodeConnected(message.link.peer, 0, False))
+        return None
+
+    def _from_head(self, message: LinkMessage) -> str | None:
+        """A node: a frame from the head (answers for our workers, regroup, stop)."""
+        kind, body = message.kind, message.body
+        if kind == "reply":
+            if body["attempt"] == self.attempt and body["local_rank"] < len(self.group):
+                self.group[body["local_rank"]].send(
+                    ("reply", {"request_id": body["request_id"], "value": body["value"]}))
+        elif kind == "regroup":
+            return "resize"
+        elif kind == "stop":
+            self.stop_reason = body
+            return "stop"
+        elif kind == "closed":
+            self.stop_reason = "the head of the job (the notebook's kernel) went away"
+            return "stop"
+        return None
+
+    def _nodes_waiting(self) -> bool:
+        return self.spec.multi_node and self.rendezvous is not None \
+            and self.rendezvous.num_nodes_waiting() > 0
+
+    def _regroup_due(self) -> bool:
+        """torch's waiting-node mechanism: when a machine waits for the next round (one
+        joining, or one that left its group to resize or restart), every node leaves its
+        group and re-rendezvous. With State, the group first gets the chance to leave at its
+        next commit, which the head answers with "resize" while machines wait."""
+        now = time.monotonic()
+        if not self.spec.multi_node or now < self._next_waiting_check:
+            return False
+        self._next_waiting_check = now + _WAITING_CHECK_INTERVAL
+        if not self._nodes_waiting():
+            self._regroup_by = None
+            return False
+        if self._regroup_by is None:
+            graceful = self.uses_state and self.state is JobState.RUNNING
+            self._regroup_by = now + (_GRACEFUL_REGROUP_WAIT if graceful else 0.0)
+        return now >= self._regroup_by
+
+    def _finish_round(self, info: RoundInfo) -> JobState:
+        """The local group succeeded. A node reports its ranks' results to the head; the
+        head waits for every other node's results of this round."""
+        if self.joined is not None:
+            self.joined.link.send(("group_result", {
+                "round_id": info.round_id, "node_rank": info.node_rank,
+                "results": {w.global_rank: w.result for w in self.group},
+                "tails": {w.global_rank: list(w.tail) for w in self.group},
+            }))
+            return JobState.SUCCEEDED
+        deadline = time.monotonic() + self.spec.timeout
+        while len(self.node_results.get(info.round_id, {})) < info.nnodes - 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the other machines did not report their results within "
+                                   f"{self.spec.timeout:.0f}s")
+            try:
+                action = self._handle(self.inbox.get(timeout=self.spec.monitor_interval))
+            except queue.Empty:
+                continue
+            if action == "stop":
+                return JobState.STOPPED
+            if action == "node_failed":
+                return JobState.FAILED
+        return JobState.SUCCEEDED
 
     # -- resizing ------------------------------------------------------------------------
 
@@ -190,6 +346,7 @@ class Agent:
     def _start_group(self, info: RoundInfo) -> None:
         self.attempt += 1
         self.world_size = info.world_size
+        self._regroup_by = None
         self.failures = []
         self._set_state(JobState.STARTING)
         self.group = [
@@ -255,8 +412,10 @@ class Agent:
             action = (self._handle(item) if item is not None else None) or self._drain_inbox()
             if action == "stop":
                 return self._stop_group()
-            if action == "resize":
+            if action == "resize" or self._regroup_due():
                 return self._resize_group_now()
+            if action == "node_failed":
+                return self._stop_for_node_failure()
             self._poll_exits()
             if any(self._has_failed(w) for w in self.group):
                 self._teardown_failed_group()
@@ -282,25 +441,34 @@ class Agent:
             worker.state = WorkerState.FAILED
         elif report.kind == "closed":
             worker.channel_closed_at = report.time
-        elif report.kind == "state_get":
+        elif report.kind in ("state_get", "commit"):
             self.uses_state = True
-            worker.send(("reply", {"request_id": report.body["request_id"], "value": {
-                "snapshot": self.snapshots.blob, "commit_id": self.snapshots.commit_id}}))
-        elif report.kind == "commit":
-            self._commit(worker, report.body)
+            if self.joined is not None:  # the head holds the snapshots
+                self.joined.link.send(("request", {
+                    "kind": report.kind, "body": report.body, "local_rank": worker.local_rank,
+                    "attempt": self.attempt, "request_id": report.body["request_id"]}))
+            else:
+                worker.send(("reply", {"request_id": report.body["request_id"],
+                                       "value": self._serve_state(report.kind, report.body)}))
         elif report.kind == "resized":
             worker.resized = True
             worker.state = WorkerState.STOPPED
 
-    def _commit(self, worker: Worker, body: dict[str, Any]) -> None:
+    def _serve_state(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The head's answer to a rank's State request, from this machine or another."""
+        self.uses_state = True
+        if kind == "state_get":
+            return {"snapshot": self.snapshots.blob, "commit_id": self.snapshots.commit_id}
         blob = body["snapshot"]
         self.snapshots.commit(blob, {"step": body["step"], "time": body["time"],
                                      "world_size": self.world_size})
         self.emit(Committed(body["step"], self.world_size, len(blob)))
-        resize = self.pending_resize is not None and self.pending_resize != self.nproc
+        # Every rank leaves at this commit when this machine resizes or others wait to join.
+        resize = (self.pending_resize is not None and self.pending_resize != self.nproc) \
+            or self._nodes_waiting()
         if resize:
             self._set_state(JobState.RESIZING)
-        worker.send(("reply", {"request_id": body["request_id"], "value": {"resize": resize}}))
+        return {"resize": resize}
 
     def _poll_exits(self) -> None:
         now = time.time()
@@ -372,13 +540,26 @@ class Agent:
         return JobState.STOPPED
 
     def _resize_group_now(self) -> JobState:
-        """An immediate resize: stop the group; the next one resumes from the last commit."""
+        """An immediate resize or regroup: stop the group; the next round resumes from the
+        last commit. The head first tells the nodes, so that their ranks, which lose peers
+        now, are stopped as a membership change rather than failing."""
+        if self.hub is not None:
+            self.hub.broadcast(("regroup", None))
         self._set_state(JobState.RESIZING)
+        self._stop_now()
+        return JobState.RESIZING
+
+    def _stop_for_node_failure(self) -> JobState:
+        """Another machine failed with no restarts left: the job is over here too."""
+        self._set_state(JobState.STOPPING)
+        self._stop_now()
+        return JobState.FAILED
+
+    def _stop_now(self) -> None:
         wk.stop(self.group, wk.TEARDOWN_ESCALATION)
         wk.join_threads(self.group, timeout=2.0)
         for worker in self.group:
             worker.state = WorkerState.STOPPED
-        return JobState.RESIZING
 
     def _release_group(self) -> None:
         """Every rank has its result: let the workers exit, then collect their output."""
@@ -406,12 +587,19 @@ class Agent:
             snapshot=self.snapshots.blob,
         )
         if state is JobState.SUCCEEDED:
+            ranks: dict[int, dict[str, Any]] = {}
             for worker in self.group:
                 assert worker.result is not None
-                result.values[worker.global_rank] = _load(worker.result["value"])
-                for name, blob in worker.result["pulled"].items():
+                ranks[worker.global_rank] = worker.result
+            if self.round is not None:  # other machines' ranks
+                for node in self.node_results.get(self.round.round_id, {}).values():
+                    ranks.update(node["results"])
+                    result.tails.update(node["tails"])
+            for rank in sorted(ranks):
+                result.values[rank] = _load(ranks[rank]["value"])
+                for name, blob in ranks[rank]["pulled"].items():
                     result.pulled[name] = _load(blob)
-                result.missing_pulls += worker.result["missing"]
+                result.missing_pulls += ranks[rank]["missing"]
         return result
 
 

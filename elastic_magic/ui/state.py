@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from ..events import (
+    AcceptingNodes,
     Committed,
     Event,
     JobFinished,
     JobState,
     MembershipChanged,
+    NodeConnected,
     Output,
     RendezvousCompleted,
     ResizeRequested,
@@ -101,6 +103,11 @@ class DashboardState:
             self.header["pending_resize"] = None
             self._note(event.time, "membership",
                        f"{event.old_nproc} -> {event.new_nproc} workers (not a restart)")
+        elif isinstance(event, AcceptingNodes):
+            self._note(event.time, "nodes", f"other machines join with: {event.command}")
+        elif isinstance(event, NodeConnected):
+            verb = f"joined with {event.nproc} workers" if event.connected else "left"
+            self._note(event.time, "nodes", f"machine {event.peer} {verb}")
         elif isinstance(event, JobFinished):
             self._finished(event)
 

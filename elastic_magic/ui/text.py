@@ -6,10 +6,12 @@ import sys
 from typing import TextIO
 
 from ..events import (
+    AcceptingNodes,
     Committed,
     Event,
     JobFinished,
     MembershipChanged,
+    NodeConnected,
     Output,
     RendezvousCompleted,
     ResizeRequested,
@@ -67,6 +69,11 @@ class TextRenderer:
             text = f"resize to {event.target} workers requested ({when})"
         elif isinstance(event, MembershipChanged):
             text = f"resizing: {event.old_nproc} -> {event.new_nproc} workers"
+        elif isinstance(event, AcceptingNodes):
+            text = f"other machines join this job with: {event.command}"
+        elif isinstance(event, NodeConnected):
+            verb = f"joined with {event.nproc} workers" if event.connected else "left"
+            text = f"machine {event.peer} {verb}"
         elif isinstance(event, Committed) and event.origin == "checkpoint":
             text = f"resuming from the checkpoint of step {event.step}"
         elif isinstance(event, JobFinished):

@@ -1,0 +1,219 @@
+"""The link between the kernel's agent (the head) and agents on other machines (nodes).
+
+A node (``elastic-magic join HOST:PORT --token T``) finds the hub's address in the
+rendezvous store, connects, proves it knows the job's token and receives the job: run id,
+spec and payload. From then on both sides exchange signed frames over that socket. The node
+forwards its ranks' output and failures, proxies its workers' State requests (the head holds
+the snapshots) and reports its results; the head answers and tells nodes to stop.
+Membership is not decided here: every agent follows torch's rendezvous.
+
+No frame is read before the peer has proved the token (a challenge-response on fixed-size
+raw bytes), and each connection signs with its own key derived from the token and both
+sides' nonces, so frames cannot be replayed on another connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import itertools
+import queue
+import secrets
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ..protocol import Channel, ProtocolError
+
+HUB_KEY = "elastic_magic/hub"  # in the rendezvous store: "host:port" of the hub
+_NONCE_BYTES = 32
+_MAC_BYTES = hashlib.sha256().digest_size
+_HANDSHAKE_TIMEOUT = 10.0
+
+
+class HubError(RuntimeError):
+    """Joining failed: the hub cannot be reached, or the token was refused."""
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def _proof(token: str, role: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), role + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise HubError("the other side closed the connection during the handshake")
+        data += chunk
+    return data
+
+
+class Link:
+    """One authenticated connection; sends are serialised (several threads send)."""
+
+    def __init__(self, sock: socket.socket, key: bytes, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self._channel = Channel(sock.fileno(), key)
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> bool:
+        """False once the connection is gone."""
+        with self._lock:
+            try:
+                self._channel.send(message)
+                return True
+            except OSError:
+                return False
+
+    def recv(self) -> Any:
+        return self._channel.recv()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+@dataclass(frozen=True)
+class LinkMessage:
+    """A frame from the other side (node ``node``, or 0 for the head), or
+    ``kind == "closed"`` when the connection ended."""
+
+    link: Link
+    node: int
+    kind: str
+    body: Any
+
+
+def read_into(link: Link, node: int, inbox: queue.Queue[Any]) -> None:
+    """Put every frame from ``link`` on ``inbox`` until it closes (run on a thread)."""
+    while True:
+        try:
+            kind, body = link.recv()
+        except (EOFError, ProtocolError, OSError):
+            break
+        inbox.put(LinkMessage(link, node, kind, body))
+    link.close()
+    inbox.put(LinkMessage(link, node, "closed", None))
+
+
+class Hub:
+    """Head side: accepts nodes on ``host`` (OS-assigned port), hands each the job, and
+    turns their frames into LinkMessages on the agent's inbox."""
+
+    def __init__(self, host: str, token: str, job: dict[str, Any],
+                 inbox: queue.Queue[Any]) -> None:
+        self.token = token
+        self.job = job
+        self.inbox = inbox
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = socket.socket(family, socket.SOCK_STREAM)
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind((host, 0))
+        self._server.listen(16)
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self.links: dict[int, Link] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="elastic-hub", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"),
+                             name="elastic-hub-node", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        try:
+            link = self._handshake(sock, peer)
+        except (HubError, OSError):
+            sock.close()  # a peer without the token never reaches a frame
+            return
+        node = next(self._ids)
+        with self._lock:
+            if self._closed:
+                link.close()
+                return
+            self.links[node] = link
+        link.send(("job", self.job))
+        read_into(link, node, self.inbox)
+        with self._lock:
+            self.links.pop(node, None)
+
+    def _handshake(self, sock: socket.socket, peer: str) -> Link:
+        sock.settimeout(_HANDSHAKE_TIMEOUT)
+        server_nonce = secrets.token_bytes(_NONCE_BYTES)
+        sock.sendall(server_nonce)
+        client_nonce = _recv_exact(sock, _NONCE_BYTES)
+        proof = _recv_exact(sock, _MAC_BYTES)
+        if not hmac.compare_digest(proof, _proof(self.token, b"node", server_nonce,
+                                                 client_nonce)):
+            raise HubError(f"{peer}: wrong token")
+        sock.sendall(_proof(self.token, b"head", server_nonce, client_nonce))
+        sock.settimeout(None)
+        return Link(sock, _proof(self.token, b"key", server_nonce, client_nonce), peer)
+
+    def broadcast(self, message: Any) -> None:
+        with self._lock:
+            links = list(self.links.values())
+        for link in links:
+            link.send(message)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            links = list(self.links.values())
+        self._server.close()
+        for link in links:
+            link.close()
+
+
+def connect(endpoint: str, token: str, timeout: float = 60.0) -> tuple[Link, dict[str, Any]]:
+    """Node side: find the hub through the rendezvous store at ``endpoint``, prove the
+    token, and return the link and the job."""
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        store = TCPStore(host.strip("[]"), int(port), is_master=False,
+                         timeout=timedelta(seconds=timeout))
+        hub = store.get(HUB_KEY).decode()
+    except (RuntimeError, ValueError) as exc:
+        raise HubError(f"no elastic job is accepting machines at {endpoint}: {exc}. Start "
+                       "the cell with --nnodes MIN:MAX --rdzv-endpoint HOST:PORT first.") from None
+    hub_host, _, hub_port = hub.rpartition(":")
+    sock = socket.create_connection((hub_host, int(hub_port)), timeout=_HANDSHAKE_TIMEOUT)
+    try:
+        server_nonce = _recv_exact(sock, _NONCE_BYTES)
+        client_nonce = secrets.token_bytes(_NONCE_BYTES)
+        sock.sendall(client_nonce + _proof(token, b"node", server_nonce, client_nonce))
+        try:
+            answer = _recv_exact(sock, _MAC_BYTES)
+        except (HubError, OSError):
+            raise HubError(f"the job at {endpoint} refused the token; copy the join command "
+                           "the cell printed (its --token changes with every job).") from None
+        if not hmac.compare_digest(answer, _proof(token, b"head", server_nonce, client_nonce)):
+            raise HubError(f"the hub at {hub} could not prove it knows the token; refused")
+        sock.settimeout(None)
+        link = Link(sock, _proof(token, b"key", server_nonce, client_nonce), hub)
+        kind, job = link.recv()
+    except BaseException:
+        sock.close()
+        raise
+    if kind != "job":
+        link.close()
+        raise HubError(f"unexpected first message {kind!r} from the hub")
+    return link, job

@@ -1,0 +1,247 @@
+"""Jobs across machines: the kernel's agent (the head) and `elastic-magic join` agents (real
+separate processes, each its own node in torch's c10d rendezvous) on loopback.
+
+Acceptance for multi-node elasticity: a resize on the head, or a machine joining, makes
+every node re-rendezvous; training carries on from the last commit with no step lost or
+run twice, and ends with the parameters of the uninterrupted single-machine run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_elastic import STEPS, TRAIN, assert_same_parameters, committed_steps, done_steps
+from test_elastic import baseline as baseline  # the module-scoped fixture
+
+import elastic_magic as em
+from elastic_magic.agent.job import Job
+from elastic_magic.api import build_payload
+from elastic_magic.events import AcceptingNodes, NodeConnected, RendezvousCompleted
+
+
+class Machines:
+    """`elastic-magic join` processes started for one test; every one is reaped."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.endpoint: str | None = None
+        self.token: str | None = None
+
+    def join(self, nproc: int, token: str | None = None) -> subprocess.Popen[bytes]:
+        assert self.endpoint is not None, "the head has not opened its rendezvous yet"
+        n = len(self.procs)
+        out = (self.tmp_path / f"node{n}.out").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_magic.cli", "join", self.endpoint,
+             "--token", token or self.token, "--nproc", str(nproc),
+             "--log-dir", str(self.tmp_path / f"node{n}-logs")],
+            stdout=out, stderr=subprocess.STDOUT, cwd=self.tmp_path,
+        )
+        out.close()
+        self.procs.append(proc)
+        return proc
+
+    def output(self, index: int) -> str:
+        return (self.tmp_path / f"node{index}.out").read_text()
+
+    def reap(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGINT)  # ours, by PID
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+@pytest.fixture
+def machines(tmp_path):
+    found = Machines(tmp_path)
+    yield found
+    found.reap()
+
+
+def run_head(spec, source, recorder, machines, *, namespace=None, on_open=None, drive=None):
+    """Run the head's job to the end; ``on_open`` runs once its rendezvous accepts
+    machines, ``drive`` on a thread alongside."""
+    job = Job(spec, build_payload(source, spec, namespace=namespace or {})).start()
+
+    def render(events):
+        recorder(events)
+        for event in events:
+            if isinstance(event, AcceptingNodes):
+                machines.endpoint = event.endpoint
+                machines.token = event.command.split("--token ")[1]
+                if on_open is not None:
+                    on_open()
+
+    driver = threading.Thread(target=drive, args=(job,), daemon=True) if drive else None
+    if driver:
+        driver.start()
+    result = job.wait(render)
+    if driver:
+        driver.join(timeout=10)
+    return result
+
+
+PROBE = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} on node {os.environ['GROUP_RANK']}", flush=True)
+    {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "WORLD_SIZE")} | {"sum": t.item()}
+""")
+
+
+def test_two_machines_run_one_job_and_report_to_the_notebook(machines, log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes=2, log_dir=log_dir, timeout=120)
+    result = run_head(spec, PROBE, recorder, machines, on_open=lambda: machines.join(2))
+    assert result.ok, result
+    assert machines.procs[0].wait(timeout=30) == 0, machines.output(0)
+    assert result.world_size == 3 and sorted(result.values) == [0, 1, 2]
+    for rank, env in result.values.items():
+        assert int(env["RANK"]) == rank and env["WORLD_SIZE"] == "3"
+        assert env["GROUP_WORLD_SIZE"] == "2" and env["sum"] == 6.0
+    by_node: dict[str, list[int]] = {}
+    for rank, env in result.values.items():
+        by_node.setdefault(env["GROUP_RANK"], []).append(rank)
+    # Ranks as torch assigns them: contiguous per node, local ranks from 0.
+    assert sorted(len(r) for r in by_node.values()) == [1, 2]
+    for ranks in by_node.values():
+        assert ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+        assert [int(result.values[r]["LOCAL_RANK"]) for r in ranks] == list(range(len(ranks)))
+    # Every rank's output reached the notebook, the other machine's too.
+    for rank, env in result.values.items():
+        assert f"rank {rank} on node {env['GROUP_RANK']}" in recorder.lines(rank)
+    assert [e.nproc for e in recorder.of(NodeConnected) if e.connected] == [2]
+    (round_,) = recorder.of(RendezvousCompleted)
+    assert round_.nnodes == 2 and round_.world_size == 3
+
+
+def test_resize_on_the_head_makes_every_machine_re_rendezvous(
+        baseline, machines, log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes=2, max_nproc=2, log_dir=log_dir, timeout=120)
+
+    def drive(job):
+        job.wait_for_commit(10, timeout=120)
+        job.scale(2)  # graceful: every rank on both machines leaves at the next commit
+
+    result = run_head(spec, TRAIN, recorder, machines, namespace={"KILL_AT": -1, "PAUSE": 0.05},
+                      on_open=lambda: machines.join(1), drive=drive)
+    assert result.ok, result
+    assert machines.procs[0].wait(timeout=30) == 0, machines.output(0)
+    node_log = machines.output(0)
+    # The other machine left its group and joined round 2 with the head: world 2 -> 3.
+    assert "rendezvous round 1: world size 2 on 2 nodes" in node_log, node_log
+    assert "rendezvous round 2: world size 3 on 2 nodes" in node_log, node_log
+    assert "restarting" not in node_log  # a membership change, not a restart
+    assert [(r.world_size, r.nnodes) for r in recorder.of(RendezvousCompleted)] == [
+        (2, 2), (3, 2)]
+    assert result.restarts == 0 and result.resizes == 1
+    assert done_steps(recorder) == list(range(1, STEPS + 1))  # none lost or run twice
+    assert committed_steps(recorder) == list(range(1, STEPS + 1))
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+
+
+def test_immediate_resize_on_the_head_regroups_the_other_machine_without_a_restart(
+        baseline, machines, log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes=2, max_nproc=2, log_dir=log_dir, timeout=120)
+
+    def drive(job):
+        job.wait_for_commit(10, timeout=120)
+        job.scale(2, immediate=True)
+
+    result = run_head(spec, TRAIN, recorder, machines, namespace={"KILL_AT": -1, "PAUSE": 0.05},
+                      on_open=lambda: machines.join(1), drive=drive)
+    assert result.ok, result
+    assert machines.procs[0].wait(timeout=30) == 0, machines.output(0)
+    node_log = machines.output(0)
+    assert "rendezvous round 2: world size 3 on 2 nodes" in node_log, node_log
+    assert "restarting" not in node_log and "failed" not in node_log, node_log
+    assert result.restarts == 0
+    assert committed_steps(recorder) == list(range(1, STEPS + 1))
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+
+
+def test_a_machine_joining_a_running_job_regroups_it_at_a_commit(
+        baseline, machines, log_dir, recorder):
+    spec = em.JobSpec.create(2, nnodes="1:2", log_dir=log_dir, timeout=120)
+
+    def drive(job):
+        job.wait_for_commit(3, timeout=120)
+        machines.join(1)
+
+    # Slow steps: the machine must arrive (start Python, import torch) mid-training.
+    result = run_head(spec, TRAIN, recorder, machines, namespace={"KILL_AT": -1, "PAUSE": 0.3},
+                      drive=drive)
+    assert result.ok, result
+    assert machines.procs[0].wait(timeout=30) == 0, machines.output(0)
+    rounds = [(r.world_size, r.nnodes) for r in recorder.of(RendezvousCompleted)]
+    assert rounds == [(2, 1), (3, 2)], rounds
+    assert result.restarts == 0
+    assert done_steps(recorder) == list(range(1, STEPS + 1))  # left at a commit: no step lost
+    assert committed_steps(recorder) == list(range(1, STEPS + 1))
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+
+
+def test_a_failure_on_another_machine_is_the_notebook_root_cause(machines, log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes=2, log_dir=log_dir, timeout=120)
+    cell = textwrap.dedent("""
+        import os, time, torch.distributed as dist
+        if os.environ["LOCAL_WORLD_SIZE"] == "2" and os.environ["LOCAL_RANK"] == "1":
+            raise ValueError("bad shard on the other machine")
+        time.sleep(60)
+    """)
+    result = run_head(spec, cell, recorder, machines, on_open=lambda: machines.join(2))
+    assert result.state is em.JobState.FAILED
+    failure = result.failure
+    assert failure is not None and failure.exc_type == "ValueError", result.failures
+    assert "bad shard on the other machine" in failure.headline
+    assert machines.procs[0].wait(timeout=30) == 1
+
+
+def test_a_wrong_token_is_refused_before_anything_starts(machines, log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir, timeout=120)
+    cell = "import time\nprint('head up', flush=True)\ntime.sleep(600)\n"
+    outcome = {}
+
+    def drive(job):
+        while machines.endpoint is None or not recorder.lines(0):
+            time.sleep(0.05)
+        proc = machines.join(1, token="0" * 32)
+        outcome["rc"] = proc.wait(timeout=60)
+        job.stop()
+
+    result = run_head(spec, cell, recorder, machines, drive=drive)
+    assert result.state is em.JobState.STOPPED
+    assert outcome["rc"] == 1
+    assert "refused the token" in machines.output(0)
+    assert not recorder.of(NodeConnected)
+    assert not os.path.exists(machines.tmp_path / "node0-logs")  # it started nothing
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["join", "127.0.0.1:29400"], "--token is required"),
+        (["join", "127.0.0.1", "--token", "t"], "is not HOST:PORT"),
+        (["join", "127.0.0.1:29400", "--token", "t", "--nproc", "0"], "at least 1 worker"),
+    ],
+)
+def test_join_with_bad_arguments_says_what_to_do(args, fragment):
+    env = {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
+    done = subprocess.run([sys.executable, "-m", "elastic_magic.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and fragment in done.stderr, done.stderr
