@@ -127,5 +127,15 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def entry() -> None:
+    """The console script: once the job is over and every worker reaped, leave without
+    interpreter finalisation, which can abort ("terminate called without an active
+    exception") while torch's store threads are still being torn down."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -108,10 +108,40 @@ class JobResult:
         printer.text(repr(self))
 
 
+# How a rank reports that a peer vanished (gloo, NCCL, the store): a consequence of another
+# rank's failure, not a cause, unless nothing else failed around it.
+_PEER_LOSS_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited",
+                      "Connection refused", "peer disconnected")
+# The agent dates a death by signal when it sees the report pipe close, which can lag
+# behind a surviving peer's exception by this much on a loaded machine.
+_PEER_LOSS_WINDOW = 5.0
+
+
+def _peer_loss(failure: RankFailure) -> bool:
+    return failure.exc_type is not None and any(m in failure.message
+                                                 for m in _PEER_LOSS_MARKERS)
+
+
+def root_cause_order(failures: list[RankFailure]) -> list[RankFailure]:
+    """Failures earliest first, except that a rank's "a peer vanished" error goes after a
+    failure that came up to a few seconds later: the peer's death was the cause."""
+    by_time = sorted(failures, key=lambda f: f.time)
+    causes = [f for f in by_time if not _peer_loss(f)]
+
+    def key(failure: RankFailure) -> float:
+        if _peer_loss(failure):
+            later = [c.time for c in causes if 0 <= c.time - failure.time <= _PEER_LOSS_WINDOW]
+            if later:
+                return max(later) + 1e-6  # just after the death that caused it
+        return failure.time
+
+    return sorted(by_time, key=key)
+
+
 def group_failures(failures: list[RankFailure]) -> list[tuple[RankFailure, list[int]]]:
-    """Identical failures grouped: (first failure, ranks sharing it), earliest first."""
+    """Identical failures grouped: (first failure, ranks sharing it), root cause first."""
     groups: dict[tuple[Any, ...], list[RankFailure]] = defaultdict(list)
-    for failure in sorted(failures, key=lambda f: f.time):
+    for failure in root_cause_order(failures):
         groups[failure.signature].append(failure)
     return [(members[0], sorted(f.rank for f in members)) for members in groups.values()]
 

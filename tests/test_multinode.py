@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import tagged_workers
 from test_elastic import STEPS, TRAIN, assert_same_parameters, committed_steps, done_steps
 from test_elastic import baseline as baseline  # the module-scoped fixture
 
@@ -245,3 +246,66 @@ def test_join_with_bad_arguments_says_what_to_do(args, fragment):
     done = subprocess.run([sys.executable, "-m", "elastic_magic.cli", *args], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and fragment in done.stderr, done.stderr
+
+
+def test_a_job_waiting_for_machines_stops_at_once(log_dir, recorder):
+    # The join timeout is past pytest's 300 s limit: only a served stop lets this pass.
+    spec = em.JobSpec.create(1, nnodes=2, log_dir=log_dir, timeout=900)
+    job = Job(spec, build_payload("x = 1", spec, namespace={})).start()
+
+    def stop_while_waiting(job):
+        while not any(isinstance(e, AcceptingNodes) for e in recorder.events):
+            time.sleep(0.05)
+        time.sleep(1.0)  # well inside torch's join op
+        job.stop()
+
+    threading.Thread(target=stop_while_waiting, args=(job,), daemon=True).start()
+    result = job.wait(recorder)
+    assert result.state is em.JobState.STOPPED
+    assert not recorder.of(RendezvousCompleted)
+
+
+def test_a_machine_leaving_regroups_the_job_without_a_restart(
+        baseline, machines, log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir, timeout=120)
+    left = {}
+
+    def drive(job):
+        while machines.endpoint is None:
+            time.sleep(0.05)
+        machines.join(1)
+        while not any(r.world_size == 2 for r in recorder.of(RendezvousCompleted)):
+            time.sleep(0.05)
+        job.wait_for_commit(8, timeout=120)
+        machines.procs[0].send_signal(signal.SIGTERM)  # ours, by PID: a scheduler's notice
+        left["rc"] = machines.procs[0].wait(timeout=60)
+
+    result = run_head(spec, TRAIN, recorder, machines, namespace={"KILL_AT": -1, "PAUSE": 0.2},
+                      drive=drive)
+    assert result.ok, result
+    assert left["rc"] == 130, machines.output(0)
+    worlds = [r.world_size for r in recorder.of(RendezvousCompleted)]
+    assert 2 in worlds and worlds[-1] == 1, worlds
+    assert [e.connected for e in recorder.of(NodeConnected)] == [True, False]
+    assert result.restarts == 0 and result.failures == []
+    assert committed_steps(recorder) == list(range(1, STEPS + 1))
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+
+
+def test_stopping_the_head_ends_every_machine_and_leaves_no_worker(machines, log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes=2, log_dir=log_dir, timeout=120)
+    cell = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
+    ended = {}
+
+    def drive(job):
+        while len({e.rank for e in recorder.events if getattr(e, "lines", None)}) < 3:
+            time.sleep(0.05)  # all three ranks, both machines, are running the cell
+        job.stop()
+        ended["rc"] = machines.procs[0].wait(timeout=60)
+
+    result = run_head(spec, cell, recorder, machines, on_open=lambda: machines.join(2),
+                      drive=drive)
+    assert result.state is em.JobState.STOPPED
+    assert ended["rc"] == 0, machines.output(0)
+    assert "stopped" in machines.output(0)
+    assert not tagged_workers()  # the other machine's workers are gone too

@@ -58,3 +58,17 @@ def test_elastic_training_recovers_and_resizes(tmp_path):
     assert "resize to 3 workers requested" in text and "resize to 1 workers requested" in text
     assert "succeeded, world size 1, restarts 0/0" in text and "resizes: 2" in text
     assert "same parameters as the uninterrupted run\n" in text
+
+
+def test_multi_node_tutorial_joins_resizes_and_leaves(tmp_path):
+    nb = nbformat.read(NOTEBOOKS / "03_multi_node.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    assert "elastic-magic join 127.0.0.1:" in text
+    assert "running: world size 2, machines 2" in text  # the other machine joined
+    assert "running: world size 3, machines 2" in text  # this machine grew to 2 workers
+    assert "other machine exited with 130" in text
+    assert "running: world size 2, machines 1" in text  # it left; the job went on here
+    assert "restarts: 0" in text and "same parameters as the run on one machine" in text
+    assert "rendezvous round 2: world size 3 on 2 nodes" in text  # from its own log

@@ -87,6 +87,16 @@ class Job:
     def log_dir(self) -> Path:
         return self._agent.log_root
 
+    def wait_for_join_command(self, timeout: float | None = None) -> str | None:
+        """The command other machines run to join this job (``--nnodes`` above 1), once its
+        rendezvous is open; None for a one-machine job, or if the job ended first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.spec.multi_node and self._agent.join_command is None and not self.done:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return self._agent.join_command
+
     def status(self) -> dict[str, Any]:
         """A snapshot for people: state, size, restarts, elapsed, live worker PIDs."""
         agent = self._agent
@@ -94,6 +104,7 @@ class Job:
             "run_id": self.run_id,
             "state": agent.state.value,
             "world_size": agent.world_size,
+            "nnodes": agent.round.nnodes if agent.round else 0,
             "restarts": f"{agent.restart_count}/{self.spec.max_restarts}",
             "elapsed": f"{time.time() - agent.started:.1f}s",
             "pids": {w.global_rank: w.pid for w in agent.group if not w.reaped()},

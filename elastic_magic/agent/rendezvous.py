@@ -93,6 +93,7 @@ class Rendezvous:
         the store another machine hosts; ``host`` is then this machine's own address."""
         self.run_id = run_id
         self.host = host
+        self._nodes = (min_nodes, max_nodes)
         if join is None:
             self.store = hosted_store(host, port)
         else:
@@ -154,6 +155,17 @@ class Rendezvous:
             master_addr=addr,
             master_port=int(port),
         )
+
+    def cancel(self) -> None:
+        """Close the run id from a second handler: a next_round() blocked on another thread
+        sees the closed state at its next poll (about a second) and raises. (Handlers are
+        not thread-safe: the blocked one must not be touched.)"""
+        other = _Handler.from_backend(
+            run_id=self.run_id, store=self.store,
+            backend=C10dRendezvousBackend(self.store, self.run_id),
+            min_nodes=self._nodes[0], max_nodes=self._nodes[1], local_addr=self.host,
+        )
+        other.shutdown()
 
     def close(self, shutdown: bool = True) -> None:
         """Stop hosting stores; with ``shutdown``, close the run id for every machine."""

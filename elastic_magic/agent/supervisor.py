@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from ..events import (
 from ..logs import rank_dir
 from ..payload import Payload
 from ..protocol import new_secret
-from ..result import JobResult, RankFailure, Unpicklable
+from ..result import JobResult, RankFailure, Unpicklable, root_cause_order
 from ..spec import JobSpec
 from . import workers as wk
 from .hub import HUB_KEY, Hub, Link, LinkMessage
@@ -121,6 +122,8 @@ class Agent:
         self.hub: Hub | None = None
         self.round: RoundInfo | None = None
         self.node_results: dict[str, dict[int, dict[str, Any]]] = {}  # round id -> node rank
+        self.join_command: str | None = None  # set once other machines can join
+        self.node_names: dict[int, str] = {}  # hub connection -> the machine's address
         self.terminal_failure = False  # another machine failed for good: no restart here
         self._next_waiting_check = 0.0
         self._regroup_by: float | None = None
@@ -135,18 +138,14 @@ class Agent:
                 meta = self.snapshots.meta or {}
                 self.emit(Committed(meta.get("step"), meta.get("world_size", 0),
                                     len(self.snapshots.blob or b""), origin="checkpoint"))
-            rendezvous = self.rendezvous = self._open_rendezvous()
+            self.rendezvous = self._open_rendezvous()
             while True:
                 if self._drain_inbox() == "stop":
                     final = JobState.STOPPED
                     break
                 self._apply_pending_resize()
-                try:
-                    info = self.round = rendezvous.next_round(self.nproc)
-                except RendezvousClosedError:
-                    if self.joined is None:
-                        raise
-                    self.stop_reason = "the job ended before this machine joined a round"
+                info = self._next_round()
+                if info is None:
                     final = JobState.STOPPED
                     break
                 self.emit(RendezvousCompleted(
@@ -182,6 +181,41 @@ class Agent:
             self.emit(JobFinished(result))
         return result
 
+    def _next_round(self) -> RoundInfo | None:
+        """Join the next round. That can take long (machines are awaited), so it runs on a
+        helper thread while this one serves stop requests. None when a stop came first, or
+        when a node finds that the job has ended."""
+        rendezvous = self.rendezvous
+        assert rendezvous is not None
+        outcome: queue.Queue[tuple[RoundInfo | None, BaseException | None]] = queue.Queue()
+
+        def join() -> None:
+            try:
+                outcome.put((rendezvous.next_round(self.nproc), None))
+            except BaseException as exc:
+                outcome.put((None, exc))
+
+        helper = threading.Thread(target=join, name=f"elastic-rendezvous-{self.run_id}",
+                                  daemon=True)
+        helper.start()
+        while True:
+            try:
+                info, error = outcome.get(timeout=self.spec.monitor_interval)
+                break
+            except queue.Empty:
+                if self._drain_inbox() == "stop":
+                    if self.joined is None:  # the job is over for every machine
+                        rendezvous.cancel()
+                        helper.join(timeout=10)
+                    return None
+        if isinstance(error, RendezvousClosedError) and self.joined is not None:
+            self.stop_reason = "the job ended before this machine joined a round"
+            return None
+        if error is not None:
+            raise error
+        self.round = info
+        return info
+
     def _open_rendezvous(self) -> Rendezvous:
         spec = self.spec
         if self.joined is not None:
@@ -196,8 +230,8 @@ class Agent:
             job = {"run_id": self.run_id, "spec": spec, "payload": self.payload}
             self.hub = Hub(spec.rdzv_host, self.token, job, self.inbox)
             rendezvous.store.set(HUB_KEY, self.hub.address)
-            self.emit(AcceptingNodes(rendezvous.endpoint,
-                                     join_command(rendezvous.endpoint, self.token)))
+            self.join_command = join_command(rendezvous.endpoint, self.token)
+            self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
         return rendezvous
 
     def _tell_peers(self, final: JobState) -> None:
@@ -228,6 +262,8 @@ class Agent:
     def _handle(self, item: Any) -> str | None:
         if isinstance(item, StopCommand):
             self.stop_reason = item.reason
+            if self.joined is not None:  # before our ranks go: a membership change there
+                self.joined.link.send(("leaving", item.reason))
             return "stop"
         if isinstance(item, ScaleCommand):
             return self._request_resize(item)
@@ -244,6 +280,7 @@ class Agent:
         results, how it ended)."""
         kind, body = message.kind, message.body
         if kind == "hello":
+            self.node_names[message.node] = body["host"]
             self.emit(NodeConnected(body["host"], body["nproc"], True))
         elif kind == "event":
             self.emit(body)
@@ -253,12 +290,19 @@ class Agent:
         elif kind == "group_result":
             self.node_results.setdefault(body["round_id"], {})[body["node_rank"]] = body
         elif kind == "finished" and body["state"] is JobState.FAILED and body["failures"]:
-            self.failures = sorted([*self.failures, *body["failures"]], key=lambda f: f.time)
+            self.failures = root_cause_order([*self.failures, *body["failures"]])
             self.terminal_failure = True  # that machine has no restarts left: the job ends
             return "node_failed"
+        elif kind == "leaving":  # its ranks are about to go: regroup without them
+            self._node_left(message.node)
+            return "resize"
         elif kind == "closed":
-            self.emit(NodeConnected(message.link.peer, 0, False))
+            self._node_left(message.node)
         return None
+
+    def _node_left(self, node: int) -> None:
+        if node in self.node_names:
+            self.emit(NodeConnected(self.node_names.pop(node), 0, False))
 
     def _from_head(self, message: LinkMessage) -> str | None:
         """A node: a frame from the head (answers for our workers, regroup, stop)."""
@@ -511,7 +555,7 @@ class Agent:
         ]
         for worker in self.group:
             worker.state = WorkerState.FAILED if worker.error else WorkerState.STOPPED
-        self.failures = sorted(failures, key=lambda f: f.time)
+        self.failures = root_cause_order(failures)
         for failure in self.failures:
             self.emit(WorkerFailed(failure))
 
