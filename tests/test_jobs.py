@@ -349,3 +349,31 @@ def test_stop_before_the_rendezvous_starts_nothing(log_dir, recorder):
     job.stop("early")
     result = job.start().wait(recorder)
     assert result.state is JobState.STOPPED and not recorder.of(WorkersStarted)
+
+
+STORM = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    signal.signal(signal.SIGINT, lambda *a: None)  # this 'kernel' shrugs off its Ctrl-Cs
+    import elastic_magic as em
+    stop = threading.Event()
+
+    def storm():  # Ctrl-C after Ctrl-C to our whole process group, as Jupyter sends them
+        while not stop.is_set():
+            os.killpg(os.getpgid(0), signal.SIGINT)
+            time.sleep(0.001)
+
+    threading.Thread(target=storm, daemon=True).start()
+    results = [em.launch("x = 1", nproc=4, log_dir=sys.argv[1], check=False,
+                         render=lambda e: None).state.value for _ in range(3)]
+    stop.set()
+    print(results)
+""")
+
+
+def test_ctrl_c_meant_for_the_kernel_cannot_kill_workers_being_spawned(log_dir):
+    """A worker is in the kernel's process group from fork until setsid; SIGINT sent to
+    that group then must not reach it (the agent thread spawns with SIGINT blocked)."""
+    done = subprocess.run([sys.executable, "-c", STORM, str(log_dir)], capture_output=True,
+                          text=True, timeout=240, start_new_session=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['succeeded', 'succeeded', 'succeeded']", done.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -68,6 +69,10 @@ class Job:
         return self
 
     def _run(self) -> None:
+        # Workers inherit this thread's signal mask until they have left the kernel's
+        # process group (setsid): blocked, a Ctrl-C or SIGTERM meant for the kernel cannot
+        # kill a worker in that window. Python runs handlers on the main thread anyway.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             self.result = self._agent.run()
         except BaseException as exc:

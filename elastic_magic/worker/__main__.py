@@ -31,6 +31,17 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def accept_signals() -> None:
+    """The agent spawns us with SIGINT and SIGTERM blocked: one that reached us before we
+    left the kernel's process group (a Ctrl-C meant for the kernel) is dropped here, then
+    both are taken again as usual."""
+    for sig, handler in ((signal.SIGINT, signal.default_int_handler),
+                         (signal.SIGTERM, signal.SIG_DFL)):
+        signal.signal(sig, signal.SIG_IGN)  # discards a pending one
+        signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def read_secret(fd: int) -> bytes:
     key = b""
     while len(key) < KEY_BYTES:
@@ -43,6 +54,7 @@ def read_secret(fd: int) -> bytes:
 
 def main() -> None:
     control_fd, report_fd, parent_pid = (int(a) for a in sys.argv[1:4])
+    accept_signals()
     die_with_parent(parent_pid)
     key = read_secret(control_fd)
     control, report = Channel(control_fd, key), Channel(report_fd, key)
