@@ -25,6 +25,7 @@ import elastic_magic as em
 from elastic_magic.agent.job import Job
 from elastic_magic.api import build_payload
 from elastic_magic.events import AcceptingNodes, NodeConnected, RendezvousCompleted
+from elastic_magic.ui.state import DashboardState
 
 
 class Machines:
@@ -129,6 +130,17 @@ def test_two_machines_run_one_job_and_report_to_the_notebook(machines, log_dir, 
     assert [e.nproc for e in recorder.of(NodeConnected) if e.connected] == [2]
     (round_,) = recorder.of(RendezvousCompleted)
     assert round_.nnodes == 2 and round_.world_size == 3
+    # The dashboard shows the other machine's ranks as tabs of their own.
+    dashboard = DashboardState(result.run_id, str(result.log_dir), 0)
+    for event in recorder.events:
+        dashboard.apply(event)
+    assert sorted(dashboard.lines) == [0, 1, 2]
+    for rank, env in result.values.items():
+        assert ("stdout", f"rank {rank} on node {env['GROUP_RANK']}") in dashboard.lines[rank]
+    paths = dashboard.log_paths()
+    local = {r for r, env in result.values.items() if env["LOCAL_WORLD_SIZE"] == "1"}
+    for rank in (0, 1, 2):
+        assert (rank in local) == paths[rank]["stdout"].endswith("stdout.log"), paths
 
 
 def test_resize_on_the_head_makes_every_machine_re_rendezvous(

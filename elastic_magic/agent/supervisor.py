@@ -4,6 +4,7 @@ fresh store namespace so restarts always work."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 import queue
@@ -24,6 +25,7 @@ from ..events import (
     JobState,
     MembershipChanged,
     NodeConnected,
+    Output,
     RendezvousCompleted,
     ResizeRequested,
     Restarting,
@@ -282,8 +284,9 @@ class Agent:
         if kind == "hello":
             self.node_names[message.node] = body["host"]
             self.emit(NodeConnected(body["host"], body["nproc"], True))
-        elif kind == "event":
-            self.emit(body)
+        elif kind == "event":  # its ranks' output belongs to our current attempt here
+            self.emit(dataclasses.replace(body, attempt=self.attempt)
+                      if isinstance(body, Output) else body)
         elif kind == "request":
             value = self._serve_state(body["kind"], body["body"])
             message.link.send(("reply", {**body, "body": None, "value": value}))

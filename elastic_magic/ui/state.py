@@ -40,6 +40,7 @@ class DashboardState:
     lines: dict[int, deque[tuple[str, str]]] = field(default_factory=dict)
     merged: deque[tuple[int, str, str]] = field(default_factory=lambda: deque(maxlen=MERGED_LINES))
     counts: dict[int, int] = field(default_factory=dict)  # lines seen per rank, this attempt
+    local_ranks: set[int] = field(default_factory=set)  # the others run on other machines
     attempt: int = 0
     timeline: list[dict[str, Any]] = field(default_factory=list)
     failure: dict[str, Any] = field(default_factory=dict)
@@ -75,6 +76,7 @@ class DashboardState:
         elif isinstance(event, WorkersStarted):
             self.attempt = event.attempt
             self.lines = {rank: deque(maxlen=RANK_LINES) for rank in event.ranks}
+            self.local_ranks = set(event.ranks)
             self.merged.clear()
             self.counts = dict.fromkeys(event.ranks, 0)
             self.header["restarts"] = event.restart_count
@@ -112,8 +114,11 @@ class DashboardState:
             self._finished(event)
 
     def _output(self, event: Output) -> None:
-        if event.attempt != self.attempt or event.rank not in self.lines:
+        if event.attempt != self.attempt:
             return
+        if event.rank not in self.lines:  # a rank on another machine of a multi-node job
+            self.lines[event.rank] = deque(maxlen=RANK_LINES)
+            self.counts[event.rank] = 0
         for line in event.lines:
             self.lines[event.rank].append((event.stream, line))
             self.merged.append((event.rank, event.stream, line))
@@ -138,8 +143,10 @@ class DashboardState:
         return {r: self.counts[r] - len(self.lines[r]) for r in self.lines}
 
     def log_paths(self) -> dict[int, dict[str, str]]:
+        elsewhere = "on the machine that runs this rank (elastic-magic join --log-dir)"
         return {r: {s: str(rank_dir(Path(self.log_dir), self.attempt, r) / f"{s}.log")
-                    for s in ("stdout", "stderr")} for r in self.lines}
+                    if r in self.local_ranks else elsewhere for s in ("stdout", "stderr")}
+                for r in self.lines}
 
     def traits(self) -> dict[str, Any]:
         """The widget's synced state (JSON-friendly; rank keys as strings)."""

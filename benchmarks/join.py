@@ -1,0 +1,193 @@
+"""A machine joins a running job: from starting its agent to every rank of the larger world
+running user code. Both sides on loopback, one worker per machine, 1 -> 2 machines.
+
+- elastic_magic: the head runs a 1-worker cell with an elastic State (``--nnodes 1:2``,
+  commits every ~50 ms); the second machine runs ``elastic-magic join``. The group leaves
+  at the next commit and re-forms with both machines.
+- torchrun: ``torchrun --nnodes 1:2 --rdzv-backend c10d`` on the first machine, the same
+  command on the second; torch's waiting-node mechanism restarts the first machine's
+  workers. Run as torch ships it, and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: in torch
+  2.13 a machine that joins after the first round waits for the shared store's address,
+  which torch publishes only in the first round (we measured this; see the report).
+
+Usage: python benchmarks/join.py [--repeat 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+from elastic_magic.agent.job import Job
+from elastic_magic.api import build_payload
+from elastic_magic.events import Output
+from elastic_magic.spec import JobSpec
+
+CELL = textwrap.dedent("""
+    import time, torch, torch.distributed as dist, elastic_magic
+    model = torch.nn.Linear(64, 64)
+    state = elastic_magic.State(model=model, step=0)
+    dist.barrier()
+    print(f"READY {time.time()} {dist.get_world_size()}", flush=True)
+    while state.step < 100000:
+        time.sleep(0.05)
+        state.step += 1
+        state.commit()
+""")
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import time, torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.barrier()
+    print(f"READY {time.time()} {dist.get_world_size()}", flush=True)
+    while True:
+        time.sleep(0.05)
+        dist.barrier()
+""")
+HANG = 60.0  # seconds without every rank up: counted as a hang
+
+
+def _ready(line: str, size: int) -> float | None:
+    parts = line.split()
+    if len(parts) == 3 and parts[0] == "READY" and parts[2] == str(size):
+        return float(parts[1])
+    return None
+
+
+def elastic_join() -> float:
+    spec = JobSpec.create(1, nnodes="1:2")
+    job = Job(spec, build_payload(CELL, spec)).start()
+    stamps: list[float] = []
+    started: list[float] = []
+    joiner: list[subprocess.Popen[bytes]] = []
+
+    def render(events: list) -> None:
+        for event in events:
+            if isinstance(event, Output):
+                stamps.extend(s for line in event.lines if (s := _ready(line, 2)) is not None)
+
+    def drive() -> None:
+        command = job.wait_for_join_command(timeout=60)
+        assert command is not None
+        job.wait_for_commit(5, timeout=120)
+        started.append(time.time())
+        joiner.append(subprocess.Popen(
+            [sys.executable, "-m", "elastic_magic.cli", *command.split()[1:], "--nproc", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + HANG
+        while len(stamps) < 2 and time.monotonic() < deadline and not job.done:
+            time.sleep(0.02)
+        job.stop("benchmark done")
+
+    threading.Thread(target=drive, daemon=True).start()
+    job.wait(render)
+    for proc in joiner:
+        proc.wait(timeout=60)
+    return max(stamps) - started[0] if len(stamps) >= 2 else float("nan")
+
+
+def _free_port() -> int:
+    # torchrun needs its port up front (the competitor's way, not ours).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_join(share_store: bool) -> float:
+    folder = Path(tempfile.mkdtemp(prefix="em-bench-join-"))
+    script = folder / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    port = _free_port()
+    env = dict(os.environ)
+    if not share_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    lines: queue.Queue[str] = queue.Queue()
+
+    def start() -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+             "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             f"--rdzv-id=bench-{port}", "--rdzv-conf=last_call_timeout=1",
+             "--max-restarts=3", "--monitor-interval=0.1", str(script)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+            start_new_session=True)
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line)
+
+        threading.Thread(target=read, daemon=True).start()
+        return proc
+
+    def wait_ready(size: int, count: int) -> float:
+        stamps: list[float] = []
+        while len(stamps) < count:
+            stamp = _ready(lines.get(timeout=HANG), size)
+            if stamp is not None:
+                stamps.append(stamp)
+        return max(stamps)
+
+    first = start()
+    second = None
+    try:
+        wait_ready(1, 1)
+        time.sleep(0.5)
+        started = time.time()
+        second = start()
+        return wait_ready(2, 2) - started
+    except queue.Empty:
+        return float("nan")
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # ours, by PID (its own session)
+                proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    opts = parser.parse_args()
+    runs: dict[str, list[float]] = {"elastic_magic": [], "torchrun": [],
+                                    "torchrun_unshared_store": []}
+    for _ in range(opts.repeat):
+        runs["elastic_magic"].append(elastic_join())
+        runs["torchrun"].append(torchrun_join(share_store=True))
+        runs["torchrun_unshared_store"].append(torchrun_join(share_store=False))
+    hung = {name: sum(math.isnan(v) for v in values) for name, values in runs.items()}
+    done = {name: [v for v in values if not math.isnan(v)] for name, values in runs.items()}
+    median = {name: statistics.median(v) if v else None for name, v in done.items()}
+    report: dict = {"cpus": os.cpu_count(), "repeat": opts.repeat, "seconds": runs,
+                    "median_s": median, "hung": hung}
+    for other in ("torchrun", "torchrun_unshared_store"):
+        if median["elastic_magic"] and median[other]:
+            report[f"ratio_vs_{other}"] = median["elastic_magic"] / median[other]
+    print(f"a machine joins: its agent started -> every rank of world 2 running user code "
+          f"(median of {opts.repeat}; hung = no world 2 within {HANG:.0f} s)")
+    for name in runs:
+        value = f"{median[name]:6.2f} s" if median[name] is not None else "   n/a"
+        print(f"  {name:24s} {value}   hung {hung[name]}/{opts.repeat}")
+    for key, value in report.items():
+        if key.startswith("ratio"):
+            print(f"  {key} = {value:.2f}x")
+    if opts.json:
+        opts.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
