@@ -15,6 +15,7 @@ identical across ranks under DDP, and the sampler's position is global.
 from __future__ import annotations
 
 import io
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -82,6 +83,11 @@ class State:
     # -- snapshots -------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
+        buffer = io.BytesIO()
+        self._save(buffer)
+        return buffer.getvalue()
+
+    def _save(self, file: Any) -> None:
         import torch
 
         data: dict[str, Any] = {"values": dict(self._values), "commits": self._commits}
@@ -96,14 +102,14 @@ class State:
             data["rng"]["numpy"] = numpy.random.get_state()
         except ImportError:
             pass
-        buffer = io.BytesIO()
-        torch.save(data, buffer)
-        return buffer.getvalue()
+        torch.save(data, file)
 
-    def load(self, blob: bytes) -> None:
+    def load(self, blob: bytes | Any) -> None:
+        """Restore from a snapshot: bytes, or a binary file positioned at its start."""
         import torch
 
-        data = torch.load(io.BytesIO(blob), weights_only=False, map_location="cpu")
+        source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
+        data = torch.load(source, weights_only=False, map_location="cpu")
         self._values.update(data["values"])
         object.__setattr__(self, "_commits", data["commits"])
         for name, obj in self._objects.items():
@@ -126,15 +132,22 @@ class State:
         if client is None:
             return False
         reply = client.request("state_get", {})
+        memory_file = _open_handoff(reply.get("handoff"))
+        if reply.get("handoff") and memory_file is None:  # cannot read the agent's file
+            reply = client.request("state_get", {"inline": True})
         dist = _dist()
         if dist is not None:  # every rank must start from the same commit
             ids = [None] * dist.get_world_size()
             dist.all_gather_object(ids, reply["commit_id"])
             if len(set(ids)) != 1:
                 raise RuntimeError(f"ranks received different snapshots: {ids}")
-        if reply["snapshot"] is None:
+        if memory_file is not None:
+            with memory_file:
+                self.load(memory_file)
+        elif reply["snapshot"] is None:
             return False
-        self.load(reply["snapshot"])
+        else:
+            self.load(reply["snapshot"])
         object.__setattr__(self, "restored_step", self.step)
         return True
 
@@ -149,17 +162,52 @@ class State:
             dist.barrier()  # every rank has finished the step
         resize = False
         if client is not None and (dist is None or dist.get_rank() == 0):
-            started = time.time()
-            blob = self.snapshot()
-            reply = client.request("commit", {"snapshot": blob, "step": self.step,
-                                              "time": started})
-            resize = reply["resize"]
+            resize = self._send_snapshot(client)
         if dist is not None:
             flag = [resize]
             dist.broadcast_object_list(flag, src=0)
             resize = flag[0]
         if resize:
             raise ResizeExit(self.step)
+
+
+    def _send_snapshot(self, client: Any) -> bool:
+        """Commit this snapshot in the agent; True when every rank must leave for a resize.
+
+        A large snapshot is dominated by copies, so it is written once, into an anonymous
+        memory file that the agent reads through /proc; where that is not possible, it goes
+        down the pipe."""
+        global _HANDOFF
+        meta = {"step": self.step, "time": time.time()}
+        if _HANDOFF:
+            fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
+            try:
+                with os.fdopen(fd, "wb", closefd=False) as file:
+                    self._save(file)
+                handoff = {"pid": os.getpid(), "fd": fd, "size": os.fstat(fd).st_size}
+                reply = client.request("commit", {**meta, "snapshot": None,
+                                                  "handoff": handoff})
+            finally:
+                os.close(fd)
+            if not reply.get("handoff_failed"):
+                return bool(reply["resize"])
+            _HANDOFF = False  # the agent cannot read our memory files: use the pipe
+        reply = client.request("commit", {**meta, "snapshot": self.snapshot()})
+        return bool(reply["resize"])
+
+
+_HANDOFF = hasattr(os, "memfd_create")
+
+
+def _open_handoff(handoff: dict[str, int] | None) -> Any:
+    """The agent's memory file holding the snapshot, opened through /proc; None if there
+    is none or it cannot be opened."""
+    if not handoff:
+        return None
+    try:
+        return open(f"/proc/{handoff['pid']}/fd/{handoff['fd']}", "rb")
+    except OSError:
+        return None
 
 
 class ElasticSampler:

@@ -4,6 +4,7 @@ trains. (b) and (c) must end with the parameters of (a), every step committed on
 
 from __future__ import annotations
 
+import io
 import textwrap
 import threading
 
@@ -179,3 +180,30 @@ def test_state_outside_a_job_keeps_working():
     torch.testing.assert_close(other._objects["model"].weight, model.weight)
     with pytest.raises(AttributeError, match="State has no value 'epochs'"):
         _ = state.epochs
+
+
+@pytest.mark.parametrize("refuse", ["never", "agent_cannot_read"])
+def test_snapshots_reach_the_agent_through_memory_files_or_the_pipe(log_dir, recorder, refuse):
+    """Commits hand the snapshot over in an anonymous memory file the agent reads through
+    /proc; when the agent cannot read it, the worker sends it down the pipe instead, and
+    keeps doing so."""
+    cell = textwrap.dedent("""
+        import os, torch, elastic_magic
+        import elastic_magic.state as state_module
+        if REFUSE == "agent_cannot_read":
+            os.getpid = lambda: 1  # the agent only reads memory files of its own workers
+        model = torch.nn.Linear(300, 300)
+        state = elastic_magic.State(model=model, step=0)
+        for _ in range(3):
+            state.step += 1
+            state.commit()
+        print("handoff", state_module._HANDOFF, flush=True)
+        model.weight.sum().item()
+    """)
+    result = em.launch(cell, nproc=1, namespace={"REFUSE": refuse}, log_dir=log_dir,
+                       render=recorder)
+    assert committed_steps(recorder) == [1, 2, 3]
+    assert recorder.lines(0) == [f"handoff {refuse == 'never'}"]
+    snapshot = torch.load(io.BytesIO(result.snapshot), weights_only=False)
+    assert snapshot["values"]["step"] == 3
+    assert snapshot["model"]["weight"].sum().item() == pytest.approx(result.values[0], abs=1e-4)

@@ -139,7 +139,7 @@ class Agent:
             if self.snapshots.load_checkpoint():
                 meta = self.snapshots.meta or {}
                 self.emit(Committed(meta.get("step"), meta.get("world_size", 0),
-                                    len(self.snapshots.blob or b""), origin="checkpoint"))
+                                    self.snapshots.size, origin="checkpoint"))
             self.rendezvous = self._open_rendezvous()
             while True:
                 if self._drain_inbox() == "stop":
@@ -288,7 +288,8 @@ class Agent:
             self.emit(dataclasses.replace(body, attempt=self.attempt)
                       if isinstance(body, Output) else body)
         elif kind == "request":
-            value = self._serve_state(body["kind"], body["body"])
+            # Its workers cannot read our memory files: snapshots go inline.
+            value = self._serve_state(body["kind"], {**body["body"], "inline": True})
             message.link.send(("reply", {**body, "body": None, "value": value}))
         elif kind == "group_result":
             self.node_results.setdefault(body["round_id"], {})[body["node_rank"]] = body
@@ -490,13 +491,27 @@ class Agent:
             worker.channel_closed_at = report.time
         elif report.kind in ("state_get", "commit"):
             self.uses_state = True
+            body = report.body
+            if report.kind == "commit" and body["snapshot"] is None:
+                fd = wk.take_handoff(worker, body["handoff"])
+                if fd is None:  # the worker sends it down the pipe instead
+                    worker.send(("reply", {"request_id": body["request_id"],
+                                           "value": {"handoff_failed": True}}))
+                    return
+                if self.joined is not None:  # bytes, to cross the network
+                    try:
+                        body = {**body, "snapshot": os.pread(fd, body["handoff"]["size"], 0)}
+                    finally:
+                        os.close(fd)
+                else:
+                    body = {**body, "memory_file": fd}
             if self.joined is not None:  # the head holds the snapshots
                 self.joined.link.send(("request", {
-                    "kind": report.kind, "body": report.body, "local_rank": worker.local_rank,
-                    "attempt": self.attempt, "request_id": report.body["request_id"]}))
+                    "kind": report.kind, "body": body, "local_rank": worker.local_rank,
+                    "attempt": self.attempt, "request_id": body["request_id"]}))
             else:
-                worker.send(("reply", {"request_id": report.body["request_id"],
-                                       "value": self._serve_state(report.kind, report.body)}))
+                worker.send(("reply", {"request_id": body["request_id"],
+                                       "value": self._serve_state(report.kind, body)}))
         elif report.kind == "resized":
             worker.resized = True
             worker.state = WorkerState.STOPPED
@@ -504,12 +519,17 @@ class Agent:
     def _serve_state(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         """The head's answer to a rank's State request, from this machine or another."""
         self.uses_state = True
+        snapshots = self.snapshots
         if kind == "state_get":
-            return {"snapshot": self.snapshots.blob, "commit_id": self.snapshots.commit_id}
-        blob = body["snapshot"]
-        self.snapshots.commit(blob, {"step": body["step"], "time": body["time"],
-                                     "world_size": self.world_size})
-        self.emit(Committed(body["step"], self.world_size, len(blob)))
+            if snapshots.memory_file is not None and not body.get("inline"):
+                # The worker reads our memory file through /proc (or asks again, inline).
+                handoff = {"pid": os.getpid(), "fd": snapshots.memory_file,
+                           "size": snapshots.size}
+                return {"snapshot": None, "handoff": handoff, "commit_id": snapshots.commit_id}
+            return {"snapshot": snapshots.blob, "commit_id": snapshots.commit_id}
+        meta = {"step": body["step"], "time": body["time"], "world_size": self.world_size}
+        snapshots.commit(meta, data=body.get("snapshot"), fd=body.get("memory_file"))
+        self.emit(Committed(body["step"], self.world_size, snapshots.size))
         # Every rank leaves at this commit when this machine resizes or others wait to join.
         resize = (self.pending_resize is not None and self.pending_resize != self.nproc) \
             or self._nodes_waiting()
@@ -633,6 +653,7 @@ class Agent:
             commit=dict(self.snapshots.meta) if self.snapshots.meta else None,
             snapshot=self.snapshots.blob,
         )
+        self.snapshots.close()
         if state is JobState.SUCCEEDED:
             ranks: dict[int, dict[str, Any]] = {}
             for worker in self.group:

@@ -148,6 +148,22 @@ def _read_reports(worker: Worker, channel: Channel, inbox: queue.Queue[Any]) -> 
         inbox.put(WorkerReport(worker.attempt, worker.local_rank, kind, body, time.time()))
 
 
+def take_handoff(worker: Worker, handoff: dict[str, int]) -> int | None:
+    """Open the anonymous memory file a worker wrote a snapshot into (its descriptor, seen
+    through /proc while the worker waits for our reply): our own descriptor of it, or None
+    where it cannot be opened."""
+    if handoff["pid"] != worker.pid:
+        return None
+    try:
+        fd = os.open(f"/proc/{handoff['pid']}/fd/{handoff['fd']}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if os.fstat(fd).st_size != handoff["size"]:
+        os.close(fd)
+        return None
+    return fd
+
+
 # (signal, seconds to wait for exit before the next step)
 INTERRUPT_ESCALATION = ((signal.SIGINT, 3.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0))
 TEARDOWN_ESCALATION = ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0))
