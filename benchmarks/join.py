@@ -31,22 +31,15 @@ import threading
 import time
 from pathlib import Path
 
+from elastic import RESIZE_CELL  # benchmarks/ is on sys.path when run as a script
+
 from elastic_magic.agent.job import Job
 from elastic_magic.api import build_payload
 from elastic_magic.events import Output
 from elastic_magic.spec import JobSpec
 
-CELL = textwrap.dedent("""
-    import time, torch, torch.distributed as dist, elastic_magic
-    model = torch.nn.Linear(64, 64)
-    state = elastic_magic.State(model=model, step=0)
-    dist.barrier()
-    print(f"READY {time.time()} {dist.get_world_size()}", flush=True)
-    while state.step < 100000:
-        time.sleep(0.05)
-        state.step += 1
-        state.commit()
-""")
+# The resize benchmark's cell: a State committed every ~50 ms, READY <time> <world size>.
+CELL = RESIZE_CELL
 
 TORCHRUN_SCRIPT = textwrap.dedent("""
     import time, torch.distributed as dist

@@ -77,3 +77,14 @@ class Recorder:
 @pytest.fixture
 def recorder() -> Recorder:
     return Recorder()
+
+
+@pytest.fixture(scope="module")
+def ip():
+    """The real IPython shell (globalipapp) with the extension loaded."""
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "elastic_magic")
+    yield shell
+    shell.run_line_magic("unload_ext", "elastic_magic")

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from IPython.testing.globalipapp import get_ipython
 
 import elastic_magic as em
 from elastic_magic.agent.job import Job
@@ -17,14 +16,6 @@ from elastic_magic.api import build_payload
 from elastic_magic.spec import JobSpec, SpecError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = get_ipython()
-    shell.run_line_magic("load_ext", "elastic_magic")
-    yield shell
-    shell.run_line_magic("unload_ext", "elastic_magic")
 
 
 def test_one_nccl_worker_per_gpu_after_the_kernel_touched_cuda(ip, log_dir):

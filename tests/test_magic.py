@@ -5,17 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import tagged_workers
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import get_ipython
 
 import elastic_magic as em
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = get_ipython()
-    shell.run_line_magic("load_ext", "elastic_magic")
-    yield shell
-    shell.run_line_magic("unload_ext", "elastic_magic")
 
 
 def test_cell_uses_kernel_globals_and_returns_job(ip, log_dir, capsys):

@@ -143,13 +143,16 @@ def test_two_machines_run_one_job_and_report_to_the_notebook(machines, log_dir, 
         assert (rank in local) == paths[rank]["stdout"].endswith("stdout.log"), paths
 
 
+@pytest.mark.parametrize("immediate", [False, True], ids=["at_commit", "now"])
 def test_resize_on_the_head_makes_every_machine_re_rendezvous(
-        baseline, machines, log_dir, recorder):
+        baseline, machines, log_dir, recorder, immediate):
     spec = em.JobSpec.create(1, nnodes=2, max_nproc=2, log_dir=log_dir, timeout=120)
 
     def drive(job):
         job.wait_for_commit(10, timeout=120)
-        job.scale(2)  # graceful: every rank on both machines leaves at the next commit
+        # At the commit every rank on both machines leaves; now: the head stops its ranks
+        # and tells the other machine to regroup before its ranks lose their peers.
+        job.scale(2, immediate=immediate)
 
     result = run_head(spec, TRAIN, recorder, machines, namespace={"KILL_AT": -1, "PAUSE": 0.05},
                       on_open=lambda: machines.join(1), drive=drive)
@@ -159,31 +162,13 @@ def test_resize_on_the_head_makes_every_machine_re_rendezvous(
     # The other machine left its group and joined round 2 with the head: world 2 -> 3.
     assert "rendezvous round 1: world size 2 on 2 nodes" in node_log, node_log
     assert "rendezvous round 2: world size 3 on 2 nodes" in node_log, node_log
-    assert "restarting" not in node_log  # a membership change, not a restart
+    # A membership change on both machines, not a restart or a failure.
+    assert "restarting" not in node_log and "failed" not in node_log, node_log
     assert [(r.world_size, r.nnodes) for r in recorder.of(RendezvousCompleted)] == [
         (2, 2), (3, 2)]
     assert result.restarts == 0 and result.resizes == 1
-    assert done_steps(recorder) == list(range(1, STEPS + 1))  # none lost or run twice
-    assert committed_steps(recorder) == list(range(1, STEPS + 1))
-    assert_same_parameters(result.values[0], baseline, atol=1e-5)
-
-
-def test_immediate_resize_on_the_head_regroups_the_other_machine_without_a_restart(
-        baseline, machines, log_dir, recorder):
-    spec = em.JobSpec.create(1, nnodes=2, max_nproc=2, log_dir=log_dir, timeout=120)
-
-    def drive(job):
-        job.wait_for_commit(10, timeout=120)
-        job.scale(2, immediate=True)
-
-    result = run_head(spec, TRAIN, recorder, machines, namespace={"KILL_AT": -1, "PAUSE": 0.05},
-                      on_open=lambda: machines.join(1), drive=drive)
-    assert result.ok, result
-    assert machines.procs[0].wait(timeout=30) == 0, machines.output(0)
-    node_log = machines.output(0)
-    assert "rendezvous round 2: world size 3 on 2 nodes" in node_log, node_log
-    assert "restarting" not in node_log and "failed" not in node_log, node_log
-    assert result.restarts == 0
+    if not immediate:  # an immediate resize redoes the step in flight since the last commit
+        assert done_steps(recorder) == list(range(1, STEPS + 1))
     assert committed_steps(recorder) == list(range(1, STEPS + 1))
     assert_same_parameters(result.values[0], baseline, atol=1e-5)
 
