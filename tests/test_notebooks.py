@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -71,4 +72,6 @@ def test_multi_node_tutorial_joins_resizes_and_leaves(tmp_path):
     assert "other machine exited with 130" in text
     assert "running: world size 2, machines 1" in text  # it left; the job went on here
     assert "restarts: 0" in text and "same parameters as the run on one machine" in text
-    assert "rendezvous round 2: world size 3 on 2 nodes" in text  # from its own log
+    # From its own log. Which round: a machine that arrives during a round's last call waits
+    # for the next one, so there may be one more.
+    assert re.search(r"rendezvous round \d+: world size 3 on 2 nodes", text), text

@@ -597,8 +597,11 @@ class Agent:
         return RankFailure(**common, time=when, exit_code=code)
 
     def _stop_group(self) -> JobState:
-        """A stop request (Stop button, kernel interrupt): SIGINT, SIGTERM, then SIGKILL."""
+        """A stop request (Stop button, kernel interrupt): SIGINT, SIGTERM, then SIGKILL.
+        Other machines hear first, so their ranks stop rather than fail on lost peers."""
         self._set_state(JobState.STOPPING)
+        if self.hub is not None:
+            self.hub.broadcast(("stop", self.stop_reason))
         wk.stop(self.group, wk.INTERRUPT_ESCALATION)
         wk.join_threads(self.group, timeout=2.0)
         for worker in self.group:
