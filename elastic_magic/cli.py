@@ -113,14 +113,13 @@ def _join(args: argparse.Namespace, nproc: int) -> int:
 
 def _node_spec(head: JobSpec, nproc: int, gpus: int, log_dir: str | None) -> JobSpec:
     """The head's job as this machine runs it: its own worker count, GPUs and logs."""
-    local = JobSpec.create(
+    return JobSpec.create(
         nproc, backend=head.backend, max_restarts=head.max_restarts,
         monitor_interval=head.monitor_interval, timeout=head.timeout,
         init_process_group=head.init_process_group, log_dir=log_dir, env=head.env,
         args=head.args, pull=head.pull, gpus=gpus,
         nnodes=f"{head.min_nodes}:{head.max_nodes}",
     )
-    return local
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -62,6 +62,16 @@ def _read_exact(fd: int, size: int) -> bytearray | None:
     return buffer
 
 
+def handoff(fd: int) -> dict[str, int]:
+    """How a process offers a memory file to its peer: the peer opens it through /proc
+    (same user, no copy through a pipe)."""
+    return {"pid": os.getpid(), "fd": fd, "size": os.fstat(fd).st_size}
+
+
+def handoff_path(offer: dict[str, int]) -> str:
+    return f"/proc/{offer['pid']}/fd/{offer['fd']}"
+
+
 def widen_pipe(fd: int) -> None:
     """Ask Linux for a 1 MiB pipe buffer: large snapshots cross with fewer switches."""
     if hasattr(fcntl, "F_SETPIPE_SZ"):

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .protocol import handoff, handoff_path
+
 _STATEFUL = ("model", "optimizer", "scheduler", "sampler")
 
 
@@ -184,9 +186,8 @@ class State:
             try:
                 with os.fdopen(fd, "wb", closefd=False) as file:
                     self._save(file)
-                handoff = {"pid": os.getpid(), "fd": fd, "size": os.fstat(fd).st_size}
                 reply = client.request("commit", {**meta, "snapshot": None,
-                                                  "handoff": handoff})
+                                                  "handoff": handoff(fd)})
             finally:
                 os.close(fd)
             if not reply.get("handoff_failed"):
@@ -199,13 +200,13 @@ class State:
 _HANDOFF = hasattr(os, "memfd_create")
 
 
-def _open_handoff(handoff: dict[str, int] | None) -> Any:
+def _open_handoff(offer: dict[str, int] | None) -> Any:
     """The agent's memory file holding the snapshot, opened through /proc; None if there
     is none or it cannot be opened."""
-    if not handoff:
+    if not offer:
         return None
     try:
-        return open(f"/proc/{handoff['pid']}/fd/{handoff['fd']}", "rb")
+        return open(handoff_path(offer), "rb")
     except OSError:
         return None
 

@@ -35,7 +35,7 @@ from ..events import (
 )
 from ..logs import rank_dir
 from ..payload import Payload
-from ..protocol import new_secret
+from ..protocol import handoff, new_secret
 from ..result import JobResult, RankFailure, Unpicklable, root_cause_order
 from ..spec import JobSpec
 from . import workers as wk
@@ -493,18 +493,11 @@ class Agent:
             self.uses_state = True
             body = report.body
             if report.kind == "commit" and body["snapshot"] is None:
-                fd = wk.take_handoff(worker, body["handoff"])
-                if fd is None:  # the worker sends it down the pipe instead
-                    worker.send(("reply", {"request_id": body["request_id"],
+                body = self._take_snapshot(worker, body)
+                if body is None:  # the worker sends it down the pipe instead
+                    worker.send(("reply", {"request_id": report.body["request_id"],
                                            "value": {"handoff_failed": True}}))
                     return
-                if self.joined is not None:  # bytes, to cross the network
-                    try:
-                        body = {**body, "snapshot": os.pread(fd, body["handoff"]["size"], 0)}
-                    finally:
-                        os.close(fd)
-                else:
-                    body = {**body, "memory_file": fd}
             if self.joined is not None:  # the head holds the snapshots
                 self.joined.link.send(("request", {
                     "kind": report.kind, "body": body, "local_rank": worker.local_rank,
@@ -516,6 +509,19 @@ class Agent:
             worker.resized = True
             worker.state = WorkerState.STOPPED
 
+    def _take_snapshot(self, worker: Worker, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A commit whose snapshot the worker left in a memory file: the head keeps the
+        file; a node reads it into bytes, to cross the network. None if unreadable."""
+        fd = wk.take_handoff(worker, body["handoff"])
+        if fd is None:
+            return None
+        if self.joined is None:
+            return {**body, "memory_file": fd}
+        try:
+            return {**body, "snapshot": os.pread(fd, body["handoff"]["size"], 0)}
+        finally:
+            os.close(fd)
+
     def _serve_state(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         """The head's answer to a rank's State request, from this machine or another."""
         self.uses_state = True
@@ -523,9 +529,8 @@ class Agent:
         if kind == "state_get":
             if snapshots.memory_file is not None and not body.get("inline"):
                 # The worker reads our memory file through /proc (or asks again, inline).
-                handoff = {"pid": os.getpid(), "fd": snapshots.memory_file,
-                           "size": snapshots.size}
-                return {"snapshot": None, "handoff": handoff, "commit_id": snapshots.commit_id}
+                return {"snapshot": None, "handoff": handoff(snapshots.memory_file),
+                        "commit_id": snapshots.commit_id}
             return {"snapshot": snapshots.blob, "commit_id": snapshots.commit_id}
         meta = {"step": body["step"], "time": body["time"], "world_size": self.world_size}
         snapshots.commit(meta, data=body.get("snapshot"), fd=body.get("memory_file"))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..events import EventSink
-from ..protocol import Channel, ProtocolError, widen_pipe
+from ..protocol import Channel, ProtocolError, handoff_path, widen_pipe
 from .output import StreamPump, log_folder, new_tail
 
 
@@ -155,7 +155,7 @@ def take_handoff(worker: Worker, handoff: dict[str, int]) -> int | None:
     if handoff["pid"] != worker.pid:
         return None
     try:
-        fd = os.open(f"/proc/{handoff['pid']}/fd/{handoff['fd']}", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(handoff_path(handoff), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     if os.fstat(fd).st_size != handoff["size"]:
