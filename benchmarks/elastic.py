@@ -32,8 +32,8 @@ from pathlib import Path
 
 import elastic_magic
 from elastic_magic.agent.job import Job
-from elastic_magic.api import build_payload
 from elastic_magic.events import Output
+from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
 RESIZE_CELL = textwrap.dedent("""

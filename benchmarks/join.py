@@ -34,8 +34,8 @@ from pathlib import Path
 from elastic import RESIZE_CELL  # benchmarks/ is on sys.path when run as a script
 
 from elastic_magic.agent.job import Job
-from elastic_magic.api import build_payload
 from elastic_magic.events import Output
+from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
 # The resize benchmark's cell: a State committed every ~50 ms, READY <time> <world size>.

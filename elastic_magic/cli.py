@@ -15,7 +15,6 @@ import dataclasses
 import os
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,39 +64,38 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _join(args: argparse.Namespace, nproc: int) -> int:
-    from .agent.hub import HubError, connect, read_into
+    from .agent.hub import HubError, connect
     from .agent.job import Job
-    from .agent.supervisor import JoinedJob
+    from .agent.roles import JoinedJob
+    from .messages import Forward, Hello
     from .ui.text import TextRenderer
 
     try:
-        link, job_message = connect(args.endpoint, args.token)
+        link, offer = connect(args.endpoint, args.token)
     except (HubError, OSError) as exc:
         print(f"elastic-magic join: {exc}", file=sys.stderr)
         return 1
     host = args.host or link.sock.getsockname()[0]
-    head_spec: JobSpec = job_message["spec"]
-    gpus = cuda_device_count()
     try:
-        spec = _node_spec(head_spec, nproc, gpus, args.log_dir)
+        spec = JobSpec.for_machine(offer.spec, nproc=nproc, gpus=cuda_device_count(),
+                                   log_dir=args.log_dir)
     except SpecError as exc:
         print(f"elastic-magic join: {exc}", file=sys.stderr)
         link.close()
         return 2
     # The cell runs in this machine's working directory, with this interpreter's path.
     cwd = os.getcwd()
-    payload = dataclasses.replace(job_message["payload"], cwd=cwd,
+    payload = dataclasses.replace(offer.payload, cwd=cwd,
                                   sys_path=[cwd, *(p for p in sys.path if p)])
 
     def forward(event: Event) -> None:
         if isinstance(event, _FORWARDED):
-            link.send(("event", event))
+            link.send(Forward(event))
 
-    job = Job(spec, payload, job_message["run_id"],
-              joined=JoinedJob(link, args.endpoint, host), forward=forward)
-    link.send(("hello", {"host": host, "nproc": nproc}))
-    threading.Thread(target=read_into, args=(link, 0, job._inbox), name="elastic-head",
-                     daemon=True).start()
+    # The job's agent owns the link from here: it reads it and closes it at the end.
+    job = Job(spec, payload, offer.run_id, joined=JoinedJob(link, args.endpoint, host),
+              forward=forward)
+    link.send(Hello(host, nproc))
     print(f"[elastic] joined job {job.run_id} at {args.endpoint} with {nproc} workers; "
           f"logs: {job.log_dir}", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM: leave cleanly
@@ -106,20 +104,7 @@ def _join(args: argparse.Namespace, nproc: int) -> int:
         result = job.wait(TextRenderer())
     except KeyboardInterrupt:
         return _INTERRUPTED
-    finally:
-        link.close()
     return _EXIT_CODES.get(result.state, 1)
-
-
-def _node_spec(head: JobSpec, nproc: int, gpus: int, log_dir: str | None) -> JobSpec:
-    """The head's job as this machine runs it: its own worker count, GPUs and logs."""
-    return JobSpec.create(
-        nproc, backend=head.backend, max_restarts=head.max_restarts,
-        monitor_interval=head.monitor_interval, timeout=head.timeout,
-        init_process_group=head.init_process_group, log_dir=log_dir, env=head.env,
-        args=head.args, pull=head.pull, gpus=gpus,
-        nnodes=f"{head.min_nodes}:{head.max_nodes}",
-    )
 
 
 def _interrupt(signum: int, frame: Any) -> None:

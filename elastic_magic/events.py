@@ -6,29 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .result import JobResult, RankFailure
-
-
-class JobState(str, Enum):
-    """What the job as a whole is doing (the dashboard's header)."""
-
-    RENDEZVOUS = "rendezvous"
-    STARTING = "starting"
-    RUNNING = "running"
-    RESTARTING = "restarting"
-    RESIZING = "resizing"
-    STOPPING = "stopping"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-    @property
-    def is_final(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+# JobState lives with JobResult; importing it from here keeps working.
+from .result import JobResult, JobState, RankFailure
 
 
 def _now() -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -12,12 +13,11 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .agent.job import Job, Renderer
-from .api import build_payload
 from .events import JobState
 from .logs import rank_log
-from .payload import Payload, PayloadError, uses_ipython_syntax
+from .payload import Payload, PayloadError, build_payload, uses_ipython_syntax
 from .result import JobFailedError, JobResult
-from .spec import JobSpec, SpecError
+from .spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
 from .ui.text import TextRenderer
 
 _SUBCOMMANDS = """\
@@ -28,55 +28,36 @@ _SUBCOMMANDS = """\
 %elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
 JOB is a number from `%elastic jobs` or a run id; the default is the latest job."""
 
+# The magic's own flags: how a job is shown, not what it runs (those come from JobSpec).
+_VIEW_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("-o", "--out"), dict(default=None, metavar="NAME",
+                           help="store the JobResult in this kernel variable (also on "
+                                "failure); with --bg, the Job handle")),
+    (("--bg",), dict(action="store_true",
+                     help="run in the background and return a Job handle at once; "
+                          "see %%elastic jobs/status/stop/logs")),
+    (("--text",), dict(action="store_true",
+                       help="plain-text output even where widgets render (no dashboard)")),
+]
+
+
+def _with_flags(magic: Callable[..., Any]) -> Callable[..., Any]:
+    """``@magic_arguments`` with an ``@argument`` per job option, then the view flags:
+    the parser and the ``%%elastic?`` help are built from JobSpec's option table."""
+    for names, kwargs in reversed([*flag_arguments(), *_VIEW_FLAGS]):
+        magic = argument(*names, **kwargs)(magic)  # decorators apply bottom-up
+    return magic_arguments()(magic)
+
 
 @magics_class
 class ElasticMagics(Magics):
+    shell: Any  # set once registered (IPython types it Optional)
+
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.jobs: dict[int, Job] = {}
 
-    @magic_arguments()
-    @argument("--nproc", default=None,
-              help="workers on this machine: N, auto, cpu or gpu "
-                   "(default: one per GPU, or 1 without GPUs)")
-    @argument("--max-restarts", type=int, default=0,
-              help="restarts of the whole group after a failure (default 0)")
-    @argument("--monitor-interval", type=float, default=0.1,
-              help="seconds between health checks of the workers (default 0.1)")
-    @argument("--backend", default="auto",
-              help="process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl")
-    @argument("--no-init", action="store_true",
-              help="do not call init_process_group for the cell; it does so itself")
-    @argument("--log-dir", default=None,
-              help="where full per-rank logs go (default: a folder in the temp dir)")
-    @argument("--timeout", type=float, default=300.0,
-              help="seconds workers wait for each other: rendezvous and collectives")
-    @argument("--env", action="append", default=[], metavar="K=V",
-              help="set an environment variable in the workers (repeatable)")
-    @argument("--args", default="", help='the cell\'s sys.argv[1:], as one string: "--lr 0.1"')
-    @argument("-o", "--out", default=None, metavar="NAME",
-              help="store the JobResult in this kernel variable (also on failure); "
-                   "with --bg, the Job handle")
-    @argument("--pull", default="", metavar="NAMES",
-              help="after success, copy these variables (comma-separated) from rank 0")
-    @argument("--min-nproc", type=int, default=None,
-              help="fewest workers a resize may leave (default: --nproc)")
-    @argument("--max-nproc", type=int, default=None,
-              help="most workers a resize may start (default: --nproc)")
-    @argument("--checkpoint-dir", default=None,
-              help="also keep the last committed elastic State here (atomic writes); "
-                   "a job started with a checkpoint in it resumes from it")
-    @argument("--nnodes", default=None, metavar="N|MIN:MAX",
-              help="machines in the job, as torchrun's --nnodes (default 1). Others join "
-                   "with the `elastic-magic join` command the cell prints")
-    @argument("--rdzv-endpoint", default=None, metavar="HOST[:PORT]",
-              help="with --nnodes: this machine's address as the others reach it (the "
-                   "rendezvous listens there only; default 127.0.0.1, a port the OS picks)")
-    @argument("--bg", action="store_true",
-              help="run in the background and return a Job handle at once; "
-                   "see %%elastic jobs/status/stop/logs")
-    @argument("--text", action="store_true",
-              help="plain-text output even where widgets render (no dashboard)")
+    @_with_flags
     @cell_magic
     def elastic(self, line: str, cell: str) -> Any:
         """Run the cell as an elastic distributed PyTorch job on local worker processes.
@@ -132,7 +113,7 @@ class ElasticMagics(Magics):
                 self.shell.user_ns[opts.out] = job.result
         return self._deliver(result)
 
-    @line_magic("elastic")
+    @line_magic("elastic")  # type: ignore[arg-type]  # IPython mistypes line_magic(name)
     def elastic_command(self, line: str) -> None:
         """Manage elastic jobs of this kernel.
 
@@ -159,20 +140,10 @@ class ElasticMagics(Magics):
     def _spec(self, opts: Any) -> JobSpec:
         if opts.out is not None and not opts.out.isidentifier():
             raise UsageError(f"-o/--out {opts.out!r}: not a Python variable name.")
+        # Flags left out are absent from opts: JobSpec fills in the defaults.
+        options = {k: v for k, v in vars(opts).items() if k in OPTION_NAMES}
         try:
-            argv = shlex.split(opts.args)
-        except ValueError as exc:
-            raise UsageError(f"--args {opts.args!r}: {exc}; quote it as one string.") from None
-        pull = [n.strip() for n in opts.pull.replace(" ", ",").split(",") if n.strip()]
-        try:
-            return JobSpec.create(
-                opts.nproc, backend=opts.backend, max_restarts=opts.max_restarts,
-                monitor_interval=opts.monitor_interval, timeout=opts.timeout,
-                init_process_group=not opts.no_init, log_dir=opts.log_dir, env=opts.env,
-                args=argv, pull=pull, min_nproc=opts.min_nproc, max_nproc=opts.max_nproc,
-                checkpoint_dir=opts.checkpoint_dir, nnodes=opts.nnodes,
-                rdzv_endpoint=opts.rdzv_endpoint,
-            )
+            return JobSpec.create(**options)
         except SpecError as exc:
             raise UsageError(f"%%elastic: {exc}") from None
 

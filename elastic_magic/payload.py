@@ -15,9 +15,12 @@ import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
+
+if TYPE_CHECKING:
+    from .spec import JobSpec
 
 CELL_FILENAME = "<cell>"
 
@@ -47,6 +50,20 @@ class Payload:
     backend: str = "gloo"
     timeout: float = 300.0
 
+
+def build_payload(
+    target: Callable[..., Any] | str, spec: JobSpec, *, args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None, namespace: dict[str, Any] | None = None,
+) -> Payload:
+    """The payload for ``spec``: a cell's source (with the globals it reads from
+    ``namespace``) or a function called as ``target(*args, **kwargs)`` on every rank."""
+    settings: dict[str, Any] = dict(
+        argv=[CELL_FILENAME, *spec.argv], pull=spec.pull, backend=spec.backend,
+        timeout=spec.timeout, init_process_group=spec.init_process_group, cwd=os.getcwd(),
+    )
+    if isinstance(target, str):
+        return cell_payload(target, namespace or {}, **settings)
+    return function_payload(target, args, kwargs or {}, **settings)
 
 
 def referenced_names(source: str) -> set[str]:

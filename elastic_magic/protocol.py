@@ -30,7 +30,7 @@ def new_secret() -> bytes:
     return secrets.token_bytes(KEY_BYTES)
 
 
-def sign(key: bytes, body: bytes) -> bytes:
+def sign(key: bytes, body: bytes | bytearray) -> bytes:
     return hmac.new(key, body, hashlib.sha256).digest()
 
 
@@ -60,16 +60,6 @@ def _read_exact(fd: int, size: int) -> bytearray | None:
             raise ProtocolError("stream ended in the middle of a message")
         done += count
     return buffer
-
-
-def handoff(fd: int) -> dict[str, int]:
-    """How a process offers a memory file to its peer: the peer opens it through /proc
-    (same user, no copy through a pipe)."""
-    return {"pid": os.getpid(), "fd": fd, "size": os.fstat(fd).st_size}
-
-
-def handoff_path(offer: dict[str, int]) -> str:
-    return f"/proc/{offer['pid']}/fd/{offer['fd']}"
 
 
 def widen_pipe(fd: int) -> None:

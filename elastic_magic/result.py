@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from .events import JobState
+import cloudpickle
+
 from .logs import rank_log
+
+
+class JobState(str, Enum):
+    """What the job as a whole is doing (the dashboard's header)."""
+
+    RENDEZVOUS = "rendezvous"
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    RESIZING = "resizing"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
 
 
 @dataclass(frozen=True)
@@ -106,6 +128,50 @@ class JobResult:
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))
+
+
+class RankOutcome(Protocol):
+    """A rank's result as its worker sent it (``messages.Result``)."""
+
+    @property
+    def value(self) -> bytes: ...
+    @property
+    def pulled(self) -> dict[str, bytes]: ...
+    @property
+    def missing(self) -> tuple[str, ...]: ...
+
+
+def assemble_result(
+    *, run_id: str, state: JobState, world_size: int, restarts: int, max_restarts: int,
+    started: float, log_dir: Path, failures: list[RankFailure], stop_reason: str | None,
+    resizes: int, commit: dict[str, Any] | None, snapshot: bytes | None,
+    ranks: Mapping[int, RankOutcome], tails: dict[int, list[str]],
+) -> JobResult:
+    """The JobResult of a job that ended in ``state``: values and pulled variables only on
+    success, the root cause only on failure."""
+    failed = state is JobState.FAILED
+    result = JobResult(
+        run_id=run_id, state=state, world_size=world_size, restarts=restarts,
+        max_restarts=max_restarts, duration=time.time() - started, log_dir=log_dir,
+        failure=failures[0] if failed and failures else None,
+        failures=list(failures) if failed else [],
+        tails=dict(tails), stop_reason=stop_reason if state is JobState.STOPPED else None,
+        resizes=resizes, commit=dict(commit) if commit else None, snapshot=snapshot,
+    )
+    if state is JobState.SUCCEEDED:
+        for rank in sorted(ranks):
+            result.values[rank] = _load(ranks[rank].value)
+            for name, blob in ranks[rank].pulled.items():
+                result.pulled[name] = _load(blob)
+            result.missing_pulls += ranks[rank].missing
+    return result
+
+
+def _load(blob: bytes) -> Any:
+    try:
+        return cloudpickle.loads(blob)
+    except Exception as exc:  # e.g. a class the kernel cannot import
+        return Unpicklable("<value from worker>", f"{type(exc).__name__}: {exc}")
 
 
 # How a rank reports that a peer vanished (gloo, NCCL, the store): a consequence of another

@@ -1,12 +1,22 @@
-"""JobSpec: everything a launch needs, validated before anything starts."""
+"""JobSpec: everything a launch needs, validated before anything starts.
+
+Every job option is declared once, in ``OPTIONS`` (name, flag, default, help, check, and
+whether a joining machine sets it or takes the head's); the %%elastic flags and help,
+``launch(**options)`` and the joining machine's spec derive from it.
+"""
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import os
+import shlex
 import socket
 import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BACKENDS = ("auto", "gloo", "nccl")
 NPROC_WORDS = ("auto", "cpu", "gpu")
@@ -119,28 +129,206 @@ def parse_endpoint(endpoint: str | None) -> tuple[str, int]:
     return host, port
 
 
+# -- checks: (label, value) -> the value to keep; the label is the flag the user sees --------
+
+def _number(label: str, value: Any, kind: type[int] | type[float]) -> Any:
+    """A flag's text, or a Python number, as ``kind``."""
+    try:
+        number = kind(value) if isinstance(value, str) else value
+    except ValueError:
+        number = None
+    kinds = (int,) if kind is int else (int, float)
+    if isinstance(number, bool) or not isinstance(number, kinds):
+        raise SpecError(f"{label} {value!r}: expected a {'whole ' if kind is int else ''}number.")
+    return number
+
+
+def _zero_or_more(label: str, value: Any) -> int:
+    number: int = _number(label, value, int)
+    if number < 0:
+        raise SpecError(f"{label} {value}: must be 0 or more.")
+    return number
+
+
+def _seconds(label: str, value: Any) -> float:
+    number = float(_number(label, value, float))
+    if not number > 0:
+        raise SpecError(f"{label} {value}: must be above 0 seconds.")
+    return number
+
+
+def _optional_count(label: str, value: Any) -> int | None:
+    return None if value is None else int(_number(label, value, int))
+
+
+def _gpus(label: str, value: Any) -> int:
+    return cuda_device_count() if value is None else _zero_or_more(label, value)
+
+
+def _backend(label: str, value: Any) -> str:
+    backend = str(value or "auto").lower()
+    if backend not in BACKENDS:
+        raise SpecError(f"{label} {backend!r}: choose one of {', '.join(BACKENDS)}.")
+    return backend
+
+
+def _argv(label: str, value: Any) -> list[str]:
+    """A list, or one string split as a shell would (the flag's form: "--lr 0.1")."""
+    if isinstance(value, str):
+        try:
+            return shlex.split(value)
+        except ValueError as exc:
+            raise SpecError(f"{label} {value!r}: {exc}; quote it as one string.") from None
+    return [str(word) for word in value or ()]
+
+
+def _pull(label: str, value: Any) -> list[str]:
+    """Variable names: a list, or one string separated by commas or spaces."""
+    names = value.replace(",", " ").split() if isinstance(value, str) else list(value or ())
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise SpecError(f"{label} {name!r}: not a Python variable name.")
+    return names
+
+
+def _usable_dir(folder: str | os.PathLike[str], flag: str) -> Path:
+    path = Path(folder).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecError(
+            f"{flag} {path}: cannot create it ({exc.strerror}). Pick a writable folder."
+        ) from None
+    if not os.access(path, os.W_OK):
+        raise SpecError(f"{flag} {path}: not writable. Pick a writable folder.")
+    return path
+
+
+@dataclass(frozen=True)
+class Option:
+    """One job option. ``per_machine``: a machine that joins sets it itself (its own
+    workers, GPUs, folders); otherwise it runs the job as the head declared it."""
+
+    name: str  # keyword of JobSpec.create and launch
+    flag: str | None  # the %%elastic flag; None: Python only
+    default: Any  # shown in the help unless None (None: worked out, as the help says)
+    help: str
+    metavar: str | None = None
+    # (flag, flag text or Python value) -> the value kept; raises SpecError
+    check: Callable[[str, Any], Any] = lambda _, value: value
+    per_machine: bool = False
+    action: str | None = None  # argparse's, where the flag takes no value or repeats
+    read: Callable[[JobSpec], Any] | None = None  # the head's value; default: spec.<name>
+
+    @property
+    def label(self) -> str:
+        return self.flag or self.name
+
+    @property
+    def help_text(self) -> str:
+        shown = self.default is not None and not isinstance(self.default, bool)
+        return f"{self.help} (default {self.default})" if shown else self.help
+
+    def argument(self) -> tuple[tuple[str, ...], dict[str, Any]]:
+        """``add_argument`` arguments for %%elastic. A flag left out stays out of the
+        namespace, so defaults come from this table alone."""
+        kwargs: dict[str, Any] = dict(dest=self.name, default=argparse.SUPPRESS,
+                                      help=self.help_text)
+        if self.action:
+            kwargs["action"] = self.action
+        if self.action != "store_false":
+            kwargs["metavar"] = self.metavar
+        return (self.flag or "",), kwargs
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("nproc", "--nproc", None, "workers on this machine: N, auto, cpu or gpu "
+           "(default: one per GPU, or 1 without GPUs)", "N|auto|cpu|gpu", per_machine=True),
+    Option("min_nproc", "--min-nproc", None, "fewest workers a resize may leave (default: "
+           "--nproc)", "N", _optional_count, per_machine=True),
+    Option("max_nproc", "--max-nproc", None, "most workers a resize may start (default: "
+           "--nproc)", "N", _optional_count, per_machine=True),
+    Option("backend", "--backend", "auto", "process-group backend: auto (nccl with CUDA, "
+           "else gloo), gloo or nccl", "auto|gloo|nccl", _backend),
+    Option("init_process_group", "--no-init", True, "do not call init_process_group for the "
+           "cell; it does so itself", action="store_false", check=lambda _, v: bool(v)),
+    Option("timeout", "--timeout", 300.0, "seconds workers wait for each other: rendezvous "
+           "and collectives", "S", _seconds),
+    Option("max_restarts", "--max-restarts", 0, "restarts of the whole group after a "
+           "failure", "N", _zero_or_more),
+    Option("monitor_interval", "--monitor-interval", 0.1, "seconds between health checks "
+           "of the workers", "S", _seconds),
+    Option("env", "--env", None, "set an environment variable in the workers (repeatable)",
+           "K=V", lambda _, v: parse_env(v), action="append"),
+    Option("argv", "--args", None, "the cell's sys.argv[1:], as one string: \"--lr 0.1\"",
+           "ARGS", _argv),
+    Option("pull", "--pull", None, "after success, copy these variables (comma-separated) "
+           "from rank 0", "NAMES", _pull),
+    Option("nnodes", "--nnodes", None, "machines in the job, as torchrun's --nnodes (default "
+           "1). Others join with the `elastic-magic join` command the cell prints",
+           "N|MIN:MAX", lambda _, v: parse_nnodes(v),
+           read=lambda spec: f"{spec.min_nodes}:{spec.max_nodes}"),
+    Option("rdzv_endpoint", "--rdzv-endpoint", None, "with --nnodes: this machine's address "
+           "as the others reach it (the rendezvous listens there only; default 127.0.0.1, a "
+           "port the OS picks)", "HOST[:PORT]", lambda _, v: parse_endpoint(v),
+           per_machine=True),
+    Option("log_dir", "--log-dir", None, "where full per-rank logs go (default: a folder in "
+           "the temp dir)", "DIR", lambda flag, v: _usable_dir(v or default_log_dir(), flag),
+           per_machine=True),
+    Option("checkpoint_dir", "--checkpoint-dir", None, "also keep the last committed elastic "
+           "State here (atomic writes); a job started with a checkpoint in it resumes from "
+           "it", "DIR", lambda flag, v: _usable_dir(v, flag) if v else None, per_machine=True),
+    # Detected where the workers run; Python callers (tests) may state it.
+    Option("gpus", None, None, "CUDA GPUs the workers may use (default: those visible)",
+           check=_gpus, per_machine=True),
+)
+OPTION_NAMES = tuple(option.name for option in OPTIONS)
+
+
+def flag_arguments() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    """``add_argument`` arguments for every option that has a flag, in table order."""
+    return [option.argument() for option in OPTIONS if option.flag]
+
+
+def options_help() -> str:
+    """One line per option, for docstrings of the Python API."""
+    return "\n".join(f"    {o.name} ({o.flag or 'Python only'}): {o.help_text}" for o in OPTIONS)
+
+
+def _check_names(names: Iterable[str], valid: Iterable[str], what: str) -> None:
+    """Unknown keywords are a TypeError, as Python's own, naming the ones that exist."""
+    valid = tuple(valid)
+    for name in names:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"unknown {what} {name!r}{hint}; the {what}s are: "
+                            f"{', '.join(valid)}.")
+
+
 @dataclass
 class JobSpec:
-    """A validated launch request. Build it with :meth:`create`."""
+    """A validated launch request. Build it with :meth:`create` (or :meth:`for_machine`);
+    the options it takes are declared in ``OPTIONS``."""
 
     nproc: int
-    backend: str
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    timeout: float = 300.0
-    init_process_group: bool = True
-    log_dir: Path = field(default_factory=default_log_dir)
-    env: dict[str, str] = field(default_factory=dict)
-    args: list[str] = field(default_factory=list)
-    pull: list[str] = field(default_factory=list)
-    gpus: int = 0
-    min_nproc: int = 1
-    max_nproc: int = 1
-    checkpoint_dir: Path | None = None
-    min_nodes: int = 1
-    max_nodes: int = 1
-    rdzv_host: str = "127.0.0.1"
-    rdzv_port: int = 0
+    backend: str  # gloo or nccl, resolved
+    max_restarts: int
+    monitor_interval: float
+    timeout: float
+    init_process_group: bool
+    log_dir: Path
+    env: dict[str, str]
+    argv: list[str]  # the cell's sys.argv[1:]
+    pull: list[str]
+    gpus: int
+    min_nproc: int
+    max_nproc: int
+    checkpoint_dir: Path | None
+    min_nodes: int
+    max_nodes: int
+    rdzv_host: str
+    rdzv_port: int
 
     @property
     def multi_node(self) -> bool:
@@ -156,31 +344,16 @@ class JobSpec:
             )
 
     @classmethod
-    def create(
-        cls,
-        nproc: int | str | None = None,
-        *,
-        backend: str = "auto",
-        max_restarts: int = 0,
-        monitor_interval: float = 0.1,
-        timeout: float = 300.0,
-        init_process_group: bool = True,
-        log_dir: str | os.PathLike[str] | None = None,
-        env: list[str] | dict[str, str] | None = None,
-        args: list[str] | None = None,
-        pull: list[str] | None = None,
-        gpus: int | None = None,
-        min_nproc: int | None = None,
-        max_nproc: int | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        nnodes: int | str | None = None,
-        rdzv_endpoint: str | None = None,
-    ) -> JobSpec:
-        gpus = cuda_device_count() if gpus is None else gpus
-        count = resolve_nproc(nproc, gpus)
-        backend = (backend or "auto").lower()
-        if backend not in BACKENDS:
-            raise SpecError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
+    def create(cls, nproc: int | str | None = None, **options: Any) -> JobSpec:
+        """Check every option (see ``OPTIONS``; unset ones take their defaults) and the
+        rules between them. Raises SpecError, saying what to change, before anything runs."""
+        _check_names(options, OPTION_NAMES, "job option")
+        given = {**options, "nproc": nproc}
+        # Each option's own check, in table order; then the rules between options.
+        v = {o.name: o.check(o.label, given.get(o.name, o.default)) for o in OPTIONS}
+        gpus = v["gpus"]
+        count = resolve_nproc(v["nproc"], gpus)
+        backend = v["backend"]
         if backend == "auto":
             backend = "nccl" if gpus else "gloo"
         if backend == "nccl":
@@ -191,14 +364,8 @@ class JobSpec:
                     f"--backend nccl runs one worker per GPU: {count} workers but {gpus} GPUs. "
                     f"Use --nproc {gpus}, or --backend gloo."
                 )
-        if max_restarts < 0:
-            raise SpecError(f"--max-restarts {max_restarts}: must be 0 or more.")
-        if not monitor_interval > 0:
-            raise SpecError(f"--monitor-interval {monitor_interval}: must be above 0 seconds.")
-        if not timeout > 0:
-            raise SpecError(f"--timeout {timeout}: must be above 0 seconds.")
-        low = count if min_nproc is None else min_nproc
-        high = count if max_nproc is None else max_nproc
+        low = count if v["min_nproc"] is None else v["min_nproc"]
+        high = count if v["max_nproc"] is None else v["max_nproc"]
         if not 1 <= low <= count <= high:
             raise SpecError(
                 f"--min-nproc {low} / --max-nproc {high}: need 1 <= min <= nproc ({count}) "
@@ -207,45 +374,26 @@ class JobSpec:
         if backend == "nccl" and high > gpus:
             raise SpecError(f"--max-nproc {high}: nccl needs a GPU per worker and there are "
                             f"{gpus}. Use --max-nproc {gpus}.")
-        min_nodes, max_nodes = parse_nnodes(nnodes)
-        rdzv_host, rdzv_port = parse_endpoint(rdzv_endpoint)
+        min_nodes, max_nodes = v["nnodes"]
+        rdzv_host, rdzv_port = v["rdzv_endpoint"]
         if rdzv_port and max_nodes == 1:
-            raise SpecError(f"--rdzv-endpoint {rdzv_endpoint}: a fixed port is for jobs that "
-                            "other machines join; add --nnodes MIN:MAX.")
-        for name in pull or []:
-            if not name.isidentifier():
-                raise SpecError(f"--pull {name!r}: not a Python variable name.")
+            raise SpecError(f"--rdzv-endpoint {given.get('rdzv_endpoint')}: a fixed port is "
+                            "for jobs that other machines join; add --nnodes MIN:MAX.")
         return cls(
-            nproc=count,
-            backend=backend,
-            max_restarts=max_restarts,
-            monitor_interval=monitor_interval,
-            timeout=timeout,
-            init_process_group=init_process_group,
-            log_dir=_usable_dir(log_dir or default_log_dir(), "--log-dir"),
-            env=parse_env(env),
-            args=list(args or []),
-            pull=list(pull or []),
-            gpus=gpus,
-            min_nproc=low,
-            max_nproc=high,
-            checkpoint_dir=_usable_dir(checkpoint_dir, "--checkpoint-dir")
-            if checkpoint_dir else None,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            rdzv_host=rdzv_host,
-            rdzv_port=rdzv_port,
+            nproc=count, backend=backend, max_restarts=v["max_restarts"],
+            monitor_interval=v["monitor_interval"], timeout=v["timeout"],
+            init_process_group=v["init_process_group"], log_dir=v["log_dir"], env=v["env"],
+            argv=v["argv"], pull=v["pull"], gpus=gpus, min_nproc=low, max_nproc=high,
+            checkpoint_dir=v["checkpoint_dir"], min_nodes=min_nodes, max_nodes=max_nodes,
+            rdzv_host=rdzv_host, rdzv_port=rdzv_port,
         )
 
-
-def _usable_dir(folder: str | os.PathLike[str], flag: str) -> Path:
-    path = Path(folder).expanduser().resolve()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SpecError(
-            f"{flag} {path}: cannot create it ({exc.strerror}). Pick a writable folder."
-        ) from None
-    if not os.access(path, os.W_OK):
-        raise SpecError(f"{flag} {path}: not writable. Pick a writable folder.")
-    return path
+    @classmethod
+    def for_machine(cls, head: JobSpec, **own: Any) -> JobSpec:
+        """The head's job as a joining machine runs it: the per-machine options from
+        ``own`` (unset: their defaults, as on this machine), every other option as the
+        head has it. Checked again, against this machine's GPUs."""
+        _check_names(own, (o.name for o in OPTIONS if o.per_machine), "per-machine option")
+        followed = {o.name: o.read(head) if o.read else getattr(head, o.name)
+                    for o in OPTIONS if not o.per_machine}
+        return cls.create(**followed, **own)

@@ -21,19 +21,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .protocol import handoff, handoff_path
+from .messages import Commit, CommitReply, Handoff, StateGet, StateReply
+from .worker.client import AgentClient, ResizeExit, current
 
 _STATEFUL = ("model", "optimizer", "scheduler", "sampler")
-
-
-class ResizeExit(BaseException):
-    """Raised in every rank by a commit that applies a pending resize. The worker leaves
-    cleanly and the agent starts the new group from this commit. A BaseException, so user
-    code's ``except Exception`` does not swallow it."""
-
-    def __init__(self, step: Any) -> None:
-        super().__init__(f"resizing after the commit of step {step}")
-        self.step = step
 
 
 def _dist() -> Any:
@@ -128,36 +119,32 @@ class State:
 
     def restore(self) -> bool:
         """Load the agent's latest snapshot on every rank; True when there was one."""
-        from elastic_magic.worker.client import current
-
         client = current()
         if client is None:
             return False
-        reply = client.request("state_get", {})
-        memory_file = _open_handoff(reply.get("handoff"))
-        if reply.get("handoff") and memory_file is None:  # cannot read the agent's file
-            reply = client.request("state_get", {"inline": True})
+        reply: StateReply = client.request(StateGet)
+        memory_file = _open_handoff(reply.handoff)
+        if reply.handoff and memory_file is None:  # cannot read the agent's file
+            reply = client.request(lambda request_id: StateGet(request_id, inline=True))
         dist = _dist()
         if dist is not None:  # every rank must start from the same commit
             ids = [None] * dist.get_world_size()
-            dist.all_gather_object(ids, reply["commit_id"])
+            dist.all_gather_object(ids, reply.commit_id)
             if len(set(ids)) != 1:
                 raise RuntimeError(f"ranks received different snapshots: {ids}")
         if memory_file is not None:
             with memory_file:
                 self.load(memory_file)
-        elif reply["snapshot"] is None:
+        elif reply.snapshot is None:
             return False
         else:
-            self.load(reply["snapshot"])
+            self.load(reply.snapshot)
         object.__setattr__(self, "restored_step", self.step)
         return True
 
     def commit(self) -> None:
         """Snapshot this step in the agent. Call it on every rank after the step; if a
         resize is pending, every rank then leaves and the job goes on at the new size."""
-        from elastic_magic.worker.client import current
-
         object.__setattr__(self, "_commits", self._commits + 1)
         client, dist = current(), _dist()
         if dist is not None:
@@ -173,40 +160,43 @@ class State:
             raise ResizeExit(self.step)
 
 
-    def _send_snapshot(self, client: Any) -> bool:
+    def _send_snapshot(self, client: AgentClient) -> bool:
         """Commit this snapshot in the agent; True when every rank must leave for a resize.
 
         A large snapshot is dominated by copies, so it is written once, into an anonymous
         memory file that the agent reads through /proc; where that is not possible, it goes
         down the pipe."""
         global _HANDOFF
-        meta = {"step": self.step, "time": time.time()}
+        step, now = self.step, time.time()
+        reply: CommitReply
         if _HANDOFF:
             fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
             try:
                 with os.fdopen(fd, "wb", closefd=False) as file:
                     self._save(file)
-                reply = client.request("commit", {**meta, "snapshot": None,
-                                                  "handoff": handoff(fd)})
+                offer = Handoff.of(fd)
+                reply = client.request(lambda request_id: Commit(request_id, step, now,
+                                                                 handoff=offer))
             finally:
                 os.close(fd)
-            if not reply.get("handoff_failed"):
-                return bool(reply["resize"])
+            if not reply.handoff_failed:
+                return reply.resize
             _HANDOFF = False  # the agent cannot read our memory files: use the pipe
-        reply = client.request("commit", {**meta, "snapshot": self.snapshot()})
-        return bool(reply["resize"])
+        blob = self.snapshot()
+        reply = client.request(lambda request_id: Commit(request_id, step, now, snapshot=blob))
+        return reply.resize
 
 
 _HANDOFF = hasattr(os, "memfd_create")
 
 
-def _open_handoff(offer: dict[str, int] | None) -> Any:
+def _open_handoff(offer: Handoff | None) -> Any:
     """The agent's memory file holding the snapshot, opened through /proc; None if there
     is none or it cannot be opened."""
-    if not offer:
+    if offer is None:
         return None
     try:
-        return open(handoff_path(offer), "rb")
+        return open(offer.path, "rb")
     except OSError:
         return None
 

@@ -75,9 +75,21 @@ def lab(tmp_path):
 
 
 def run_cell(page, index: int) -> None:
+    """Run one cell. A keypress that lands while JupyterLab is still settling (a
+    notification taking focus) is lost: the prompt then stays "[ ]:", and we press again.
+    The prompt changes as soon as the frontend sends the request, so a cell never runs
+    twice."""
     cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
-    cell.locator(".jp-InputArea-editor").click()
-    page.keyboard.press("Shift+Enter")
+    prompt = cell.locator(".jp-InputArea-prompt")
+    for _ in range(3):
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        try:
+            expect(prompt).not_to_have_text("[ ]:", timeout=10_000)
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"cell {index} did not start after three Shift+Enter")
 
 
 def test_dashboard_live_in_jupyterlab_and_stop_button(lab):

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from elastic_magic.agent.job import Job
-from elastic_magic.api import build_payload
+from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 from elastic_magic.ui.dashboard import Dashboard, LiveView
 from elastic_magic.ui.record import record_bundle
@@ -96,8 +96,10 @@ def test_stop_message_from_the_frontend_stops_the_job(log_dir):
             # what the Stop button sends; on a subshell thread in JupyterLab >= 4.4
             view.widget._handle_custom_msg({"command": "stop"}, [])
 
-    result = job.wait(render)
-    view.finish()
+    try:
+        result = job.wait(render)
+    finally:
+        view.finish()
     assert sent and result.state.value == "stopped" and result.stop_reason == "stop button"
     assert view.widget.header["state"] == "stopped"
 
@@ -127,22 +129,24 @@ def test_resize_from_the_dashboard_shows_pending_and_last_commit(log_dir):
     spec = JobSpec.create(2, log_dir=log_dir, min_nproc=1, max_nproc=3)
     job = Job(spec, build_payload(RESIZABLE, spec)).start()
     view = LiveView(job)
-    seen = {"pending": None, "asked": False}
+    seen = {"pending": None, "errors": []}
 
-    def render(events):
+    def render(events):  # records what it sees; the assertions come after the job
         view(events)
         header = view.widget.header
-        if not seen["asked"] and (header.get("last_commit") or {}).get("step", 0) >= 3:
-            seen["asked"] = True
-            view.widget._handle_custom_msg({"command": "scale", "nproc": 9}, [])
-            assert "between 1 and 3 workers" in view.widget.controls["error"]
-            view.widget._handle_custom_msg({"command": "scale", "nproc": 3}, [])
-            assert view.widget.controls["error"] == ""
+        if not seen["errors"] and (header.get("last_commit") or {}).get("step", 0) >= 3:
+            for nproc in (9, 3):  # out of bounds, then in
+                view.widget._handle_custom_msg({"command": "scale", "nproc": nproc}, [])
+                seen["errors"].append(view.widget.controls["error"])
         if view.state.header["pending_resize"]:  # may last less than one widget sync
             seen["pending"] = view.state.header["pending_resize"]
 
-    result = job.wait(render)
-    view.finish()
+    try:
+        result = job.wait(render)
+    finally:
+        view.finish()
+    assert len(seen["errors"]) == 2 and "between 1 and 3 workers" in seen["errors"][0]
+    assert seen["errors"][1] == ""
     assert result.ok and result.values == {0: 3, 1: 3, 2: 3} and result.resizes == 1
     w = view.widget
     assert seen["pending"] == 3 and w.header["pending_resize"] is None

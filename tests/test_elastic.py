@@ -13,8 +13,8 @@ import torch
 
 import elastic_magic as em
 from elastic_magic.agent.job import Job
-from elastic_magic.api import build_payload
 from elastic_magic.events import Committed, MembershipChanged, ResizeRequested
+from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec, SpecError
 
 # Fixed global batch of 12 (divisible by 1, 2 and 3 ranks), fixed seeds, 2 epochs of 20.

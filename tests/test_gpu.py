@@ -12,7 +12,7 @@ import torch
 
 import elastic_magic as em
 from elastic_magic.agent.job import Job
-from elastic_magic.api import build_payload
+from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec, SpecError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,16 +15,18 @@ import pytest
 from conftest import tagged_workers
 
 import elastic_magic as em
-from elastic_magic.api import build_payload
 from elastic_magic.events import (
     JobFinished,
     JobState,
+    Output,
     RendezvousCompleted,
+    Restarting,
     StateChanged,
     WorkerFailed,
     WorkersStarted,
 )
-from elastic_magic.result import Unpicklable
+from elastic_magic.payload import build_payload
+from elastic_magic.result import JobResult, RankFailure, Unpicklable, describe_failure
 
 ALLREDUCE = """
 import torch, torch.distributed as dist
@@ -34,7 +37,8 @@ t.item()
 
 
 def test_cell_runs_on_two_ranks_with_values(log_dir, recorder):
-    result = em.launch(ALLREDUCE, nproc=2, log_dir=log_dir, render=recorder)
+    lines = "for i in range(200):\n    print(f'line {i}', flush=i % 10 == 0)  # in batches\n"
+    result = em.launch(lines + ALLREDUCE, nproc=2, log_dir=log_dir, render=recorder)
     assert result.ok and result.world_size == 2
     assert result.values == {0: 3.0, 1: 3.0}
     assert result.restarts == 0 and result.failure is None
@@ -45,8 +49,15 @@ def test_cell_runs_on_two_ranks_with_values(log_dir, recorder):
     assert rdzv.world_size == 2 and rdzv.nnodes == 1 and rdzv.master_addr == "127.0.0.1"
     assert len(recorder.of(WorkersStarted)[0].pids) == 2
     assert isinstance(recorder.events[-1], JobFinished)
-    times = [e.time for e in recorder.events]
-    assert times == sorted(times) or any(hasattr(e, "lines") for e in recorder.events)
+    # The agent's own events come from one thread, in order; each rank's lines come in
+    # order per stream (the streams are separate pipes, so not in order with the rest).
+    times = [e.time for e in recorder.events if not isinstance(e, Output)]
+    assert times == sorted(times)
+    for rank in (0, 1):
+        assert recorder.lines(rank) == [f"line {i}" for i in range(200)]
+    for key in {(e.rank, e.stream) for e in recorder.of(Output)}:
+        times = [e.time for e in recorder.of(Output) if (e.rank, e.stream) == key]
+        assert times == sorted(times), key
 
 
 def test_standalone_job_listens_on_loopback_only(log_dir):
@@ -201,25 +212,31 @@ def test_root_cause_is_first_failure_with_cell_line(log_dir, recorder):
     assert recorder.of(WorkerFailed)[0].failure == root
 
 
-def test_identical_failures_are_grouped(log_dir):
-    cell = ("import torch.distributed as dist\ndist.barrier()\n"
-            "raise RuntimeError('same everywhere')\n")
+def test_identical_failures_are_grouped(log_dir, recorder):
+    """The same error raised on different ranks has one signature: described once, with the
+    other ranks listed. One rank fails per attempt, a different one each time (the others wait
+    in a barrier, and the teardown stops rather than fails them): several ranks raising in one
+    attempt race the teardown, which ends the others as soon as the first report arrives."""
+    cell = textwrap.dedent("""
+        import os, torch.distributed as dist
+        if dist.get_rank() == int(os.environ["TORCHELASTIC_RESTART_COUNT"]):
+            raise RuntimeError("same everywhere")
+        dist.barrier()
+    """)
     with pytest.raises(em.JobFailedError) as err:
-        em.launch(cell, nproc=3, log_dir=log_dir, render=lambda e: None)
+        em.launch(cell, nproc=3, max_restarts=2, log_dir=log_dir, render=recorder)
     result = err.value.result
-    assert {f.exc_type for f in result.failures} == {"RuntimeError"}
-    text = str(err.value)
+    roots = [e.root_cause for e in recorder.of(Restarting)] + [result.failure]
+    assert [f.rank for f in roots] == [0, 1, 2] and [f.attempt for f in roots] == [0, 1, 2]
+    assert {f.message for f in roots} == {"same everywhere"}
+    assert len({f.signature for f in roots}) == 1
+    text = describe_failure(dataclasses.replace(result, failure=roots[0], failures=roots))
+    assert text.startswith("Rank 0 failed first")
     assert text.count("Traceback (most recent call last)") == 1
-    # Ranks that raised before the teardown reached them are listed once, not repeated.
-    others = sorted(f.rank for f in result.failures if f.rank != result.failure.rank)
-    if others:
-        label = "Ranks" if len(others) > 1 else "Rank"
-        assert f"{label} {', '.join(map(str, others))} also failed: the same error" in text
+    assert "Ranks 1, 2 also failed: the same error" in text
 
 
 def test_failure_text_groups_by_signature():
-    from elastic_magic.result import JobResult, RankFailure, describe_failure
-
     def failure(rank, when, message="boom"):
         return RankFailure(rank=rank, local_rank=rank, attempt=0, pid=100 + rank, time=when,
                            exc_type="ValueError", message=message,
@@ -295,7 +312,7 @@ def test_restarts_exhausted_reports_last_attempt(log_dir):
 
 def test_stop_while_running_ends_every_worker(log_dir, recorder):
     spec = em.JobSpec.create(2, log_dir=log_dir)
-    from elastic_magic.api import build_payload
+    from elastic_magic.payload import build_payload
 
     job = em.Job(spec, build_payload("import time\nprint('up')\ntime.sleep(600)", spec))
     job.start()
@@ -310,6 +327,25 @@ def test_stop_while_running_ends_every_worker(log_dir, recorder):
     result = job.wait(watch)
     assert seen_running.is_set()
     assert result.state is JobState.STOPPED and result.stop_reason == "test"
+    assert not tagged_workers()
+
+
+def test_a_renderer_that_raises_stops_the_job_before_the_error_surfaces(log_dir):
+    """Nobody watches a job whose output failed (a broken frontend, a failed assertion in a
+    test's renderer): it is stopped and has ended when the error reaches the caller."""
+    from elastic_magic.payload import build_payload
+
+    spec = em.JobSpec.create(2, log_dir=log_dir)
+    job = em.Job(spec, build_payload("import time\ntime.sleep(600)", spec)).start()
+
+    def broken(events):
+        if any(getattr(e, "state", None) is JobState.RUNNING for e in events):
+            raise ValueError("the frontend went away")
+
+    with pytest.raises(ValueError, match="frontend went away"):
+        job.wait(broken)
+    assert job.done and job.state is JobState.STOPPED
+    assert job.result is not None and job.result.stop_reason == "the cell's output failed"
     assert not tagged_workers()
 
 
@@ -343,7 +379,7 @@ def test_env_flag_reaches_workers(log_dir):
 
 def test_stop_before_the_rendezvous_starts_nothing(log_dir, recorder):
     spec = em.JobSpec.create(2, log_dir=log_dir)
-    from elastic_magic.api import build_payload
+    from elastic_magic.payload import build_payload
 
     job = em.Job(spec, build_payload("x = 1", spec))
     job.stop("early")

@@ -23,8 +23,8 @@ from test_elastic import baseline as baseline  # the module-scoped fixture
 
 import elastic_magic as em
 from elastic_magic.agent.job import Job
-from elastic_magic.api import build_payload
 from elastic_magic.events import AcceptingNodes, NodeConnected, RendezvousCompleted
+from elastic_magic.payload import build_payload
 from elastic_magic.ui.state import DashboardState
 
 

@@ -56,7 +56,7 @@ def test_elastic_training_recovers_and_resizes(tmp_path):
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
     assert "starting at step 30 with world size 2" in text  # the restart resumed
     assert "same parameters as the uninterrupted run, bit for bit" in text
-    assert "resize to 3 workers requested" in text and "resize to 1 workers requested" in text
+    assert "resize to 3 workers requested" in text and "resize to 1 worker requested" in text
     assert "succeeded, world size 1, restarts 0/0" in text and "resizes: 2" in text
     assert "same parameters as the uninterrupted run\n" in text
 

@@ -66,3 +66,36 @@ def test_log_dir_must_be_creatable(tmp_path):
         JobSpec.create(1, gpus=0, log_dir=blocker / "logs")
     spec = JobSpec.create(1, gpus=0, log_dir=tmp_path / "new" / "logs")
     assert spec.log_dir.is_dir()
+
+
+def test_unknown_option_names_the_valid_ones(tmp_path):
+    with pytest.raises(TypeError, match=r"did you mean 'nproc'\?.*max_restarts"):
+        JobSpec.create(nprocs=2, gpus=0, log_dir=tmp_path)
+
+
+def test_flag_text_and_python_values_are_checked_alike(tmp_path):
+    spec = JobSpec.create("2", gpus=0, log_dir=tmp_path, max_restarts="3", timeout="9.5",
+                          argv="--lr '0.1 x'", pull="a, b", env=["K=V"], nnodes="1:2")
+    assert (spec.max_restarts, spec.timeout, spec.argv) == (3, 9.5, ["--lr", "0.1 x"])
+    assert (spec.pull, spec.env, spec.max_nodes) == (["a", "b"], {"K": "V"}, 2)
+    with pytest.raises(SpecError, match="expected a whole number"):
+        JobSpec.create(1, gpus=0, log_dir=tmp_path, max_restarts="many")
+    with pytest.raises(SpecError, match="quote it as one string"):
+        JobSpec.create(1, gpus=0, log_dir=tmp_path, argv="'unclosed")
+
+
+def test_joining_machine_follows_the_head_except_its_own_options(tmp_path):
+    head = JobSpec.create(2, gpus=0, log_dir=tmp_path / "head", max_restarts=2, timeout=50,
+                          env={"A": "1"}, argv=["--x"], pull=["w"], nnodes="1:3",
+                          min_nproc=1, max_nproc=4, init_process_group=False)
+    node = JobSpec.for_machine(head, nproc=1, gpus=0, log_dir=tmp_path / "node")
+    for name in ("backend", "max_restarts", "monitor_interval", "timeout",
+                 "init_process_group", "env", "argv", "pull", "min_nodes", "max_nodes"):
+        assert getattr(node, name) == getattr(head, name), name
+    assert (node.nproc, node.min_nproc, node.max_nproc) == (1, 1, 1)
+    assert node.log_dir == tmp_path / "node" and node.checkpoint_dir is None
+    with pytest.raises(TypeError, match="per-machine option 'timeout'"):
+        JobSpec.for_machine(head, nproc=1, gpus=0, timeout=5)
+    nccl = JobSpec.create(1, gpus=1, log_dir=tmp_path, nnodes=2)
+    with pytest.raises(SpecError, match="use gloo"):  # checked against this machine's GPUs
+        JobSpec.for_machine(nccl, nproc=1, gpus=0, log_dir=tmp_path)

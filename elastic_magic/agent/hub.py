@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ..messages import JobOffer, LinkMessage
 from ..protocol import Channel, ProtocolError
 
 HUB_KEY = "elastic_magic/hub"  # in the rendezvous store: "host:port" of the hub
@@ -65,7 +66,7 @@ class Link:
         self._channel = Channel(sock.fileno(), key)
         self._lock = threading.Lock()
 
-    def send(self, message: Any) -> bool:
+    def send(self, message: LinkMessage) -> bool:
         """False once the connection is gone."""
         with self._lock:
             try:
@@ -74,8 +75,9 @@ class Link:
             except OSError:
                 return False
 
-    def recv(self) -> Any:
-        return self._channel.recv()
+    def recv(self) -> LinkMessage:
+        message: LinkMessage = self._channel.recv()
+        return message
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -84,33 +86,32 @@ class Link:
 
 
 @dataclass(frozen=True)
-class LinkMessage:
-    """A frame from the other side (node ``node``, or 0 for the head), or
-    ``kind == "closed"`` when the connection ended."""
+class FromLink:
+    """A message from the other side (machine ``node``, or 0 for the head), or None when
+    the connection ended."""
 
     link: Link
     node: int
-    kind: str
-    body: Any
+    message: LinkMessage | None
 
 
 def read_into(link: Link, node: int, inbox: queue.Queue[Any]) -> None:
-    """Put every frame from ``link`` on ``inbox`` until it closes (run on a thread)."""
+    """Put every message from ``link`` on ``inbox`` until it closes (run on a thread)."""
     while True:
         try:
-            kind, body = link.recv()
+            message = link.recv()
         except (EOFError, ProtocolError, OSError):
             break
-        inbox.put(LinkMessage(link, node, kind, body))
+        inbox.put(FromLink(link, node, message))
     link.close()
-    inbox.put(LinkMessage(link, node, "closed", None))
+    inbox.put(FromLink(link, node, None))
 
 
 class Hub:
     """Head side: accepts nodes on ``host`` (OS-assigned port), hands each the job, and
-    turns their frames into LinkMessages on the agent's inbox."""
+    puts their messages on the agent's inbox (``FromLink``)."""
 
-    def __init__(self, host: str, token: str, job: dict[str, Any],
+    def __init__(self, host: str, token: str, job: JobOffer,
                  inbox: queue.Queue[Any]) -> None:
         self.token = token
         self.job = job
@@ -148,7 +149,7 @@ class Hub:
                 link.close()
                 return
             self.links[node] = link
-        link.send(("job", self.job))
+        link.send(self.job)
         read_into(link, node, self.inbox)
         with self._lock:
             self.links.pop(node, None)
@@ -166,7 +167,7 @@ class Hub:
         sock.settimeout(None)
         return Link(sock, _proof(self.token, b"key", server_nonce, client_nonce), peer)
 
-    def broadcast(self, message: Any) -> None:
+    def broadcast(self, message: LinkMessage) -> None:
         with self._lock:
             links = list(self.links.values())
         for link in links:
@@ -181,7 +182,7 @@ class Hub:
             link.close()
 
 
-def connect(endpoint: str, token: str, timeout: float = 60.0) -> tuple[Link, dict[str, Any]]:
+def connect(endpoint: str, token: str, timeout: float = 60.0) -> tuple[Link, JobOffer]:
     """Node side: find the hub through the rendezvous store at ``endpoint``, prove the
     token, and return the link and the job."""
     from torch.distributed import TCPStore
@@ -209,11 +210,11 @@ def connect(endpoint: str, token: str, timeout: float = 60.0) -> tuple[Link, dic
             raise HubError(f"the hub at {hub} could not prove it knows the token; refused")
         sock.settimeout(None)
         link = Link(sock, _proof(token, b"key", server_nonce, client_nonce), hub)
-        kind, job = link.recv()
+        job = link.recv()
     except BaseException:
         sock.close()
         raise
-    if kind != "job":
+    if not isinstance(job, JobOffer):
         link.close()
-        raise HubError(f"unexpected first message {kind!r} from the hub")
+        raise HubError(f"unexpected first message {type(job).__name__} from the hub")
     return link, job

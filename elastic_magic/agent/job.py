@@ -12,12 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..events import Event, JobState
+from ..events import Event
+from ..messages import ScaleCommand, StopCommand
 from ..payload import Payload
-from ..result import JobResult
+from ..result import JobResult, JobState
 from ..spec import JobSpec
 from .hub import new_token
-from .supervisor import Agent, JoinedJob, ScaleCommand, StopCommand
+from .roles import JoinedJob
+from .status import JobStatus, StatusBoard
+from .supervisor import Agent
 
 # Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
 # about 1000 messages/s, and each update may resend a widget's whole state.
@@ -47,9 +50,11 @@ class Job:
         # What other machines must show to join (ELASTIC_MAGIC_TOKEN fixes it for scripts).
         self.token = (os.environ.get("ELASTIC_MAGIC_TOKEN") or new_token()) \
             if spec.multi_node and joined is None else None
-        self._forward = forward  # a node: the events the head shows too
-        self._agent = Agent(spec, payload, self.run_id, self._emit, self._inbox,
-                            token=self.token, joined=joined)
+        self._forward = forward  # a joined machine: the events the head shows too
+        self._board = StatusBoard()
+        self._agent: Agent | None = Agent(
+            spec, payload, self.run_id, self._emit, self._inbox, self._board,
+            token=self.token, joined=joined)
         self._done = threading.Event()
         self.result: JobResult | None = None
         self.error: BaseException | None = None
@@ -73,16 +78,24 @@ class Job:
         # process group (setsid): blocked, a Ctrl-C or SIGTERM meant for the kernel cannot
         # kill a worker in that window. Python runs handlers on the main thread anyway.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        assert self._agent is not None
         try:
             self.result = self._agent.run()
         except BaseException as exc:
             self.error = exc
         finally:
+            self._agent = None  # a finished job keeps its result, not its payload or stores
             self._done.set()
+            self._board.publish(done=True)
+
+    @property
+    def status_snapshot(self) -> JobStatus:
+        """The job as it stands (immutable; safe from any thread)."""
+        return self._board.current
 
     @property
     def state(self) -> JobState:
-        return self._agent.state
+        return self._board.current.state
 
     @property
     def done(self) -> bool:
@@ -90,29 +103,26 @@ class Job:
 
     @property
     def log_dir(self) -> Path:
-        return self._agent.log_root
+        return self.spec.log_dir / self.run_id
 
     def wait_for_join_command(self, timeout: float | None = None) -> str | None:
         """The command other machines run to join this job (``--nnodes`` above 1), once its
         rendezvous is open; None for a one-machine job, or if the job ended first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.spec.multi_node and self._agent.join_command is None and not self.done:
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        return self._agent.join_command
+        if not self.spec.multi_node:
+            return None
+        return self._board.wait_for(lambda s: s.join_command is not None, timeout).join_command
 
     def status(self) -> dict[str, Any]:
         """A snapshot for people: state, size, restarts, elapsed, live worker PIDs."""
-        agent = self._agent
+        s = self._board.current
         return {
             "run_id": self.run_id,
-            "state": agent.state.value,
-            "world_size": agent.world_size,
-            "nnodes": agent.round.nnodes if agent.round else 0,
-            "restarts": f"{agent.restart_count}/{self.spec.max_restarts}",
-            "elapsed": f"{time.time() - agent.started:.1f}s",
-            "pids": {w.global_rank: w.pid for w in agent.group if not w.reaped()},
+            "state": s.state.value,
+            "world_size": s.world_size,
+            "nnodes": s.nnodes,
+            "restarts": f"{s.restarts}/{self.spec.max_restarts}",
+            "elapsed": f"{s.elapsed:.1f}s",
+            "pids": dict(s.pids),
             "log_dir": str(self.log_dir),
         }
 
@@ -134,19 +144,20 @@ class Job:
     @property
     def last_commit(self) -> dict[str, Any] | None:
         """Step, time and world size of the snapshot the agent holds (None before one)."""
-        meta = self._agent.snapshots.meta
-        return dict(meta) if meta else None
+        commit = self._board.current.last_commit
+        return dict(commit) if commit else None
 
     def wait_for_commit(self, step: int, timeout: float | None = None) -> bool:
         """Block until a snapshot of ``step`` or later is committed; False if the job ended
         first or the timeout passed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done and (deadline is None or time.monotonic() < deadline):
-            commit = self.last_commit
-            if commit is not None and commit.get("step") is not None and commit["step"] >= step:
-                return True
-            time.sleep(0.05)
-        return False
+
+        def reached(status: JobStatus) -> bool:
+            commit = status.last_commit
+            return commit is not None and commit.get("step") is not None \
+                and commit["step"] >= step
+
+        status = self._board.wait_for(reached, timeout)
+        return reached(status) and not status.done
 
     def stop(self, reason: str = "stopped") -> None:
         """Ask the agent to stop every worker (SIGINT, then SIGTERM, then SIGKILL)."""
@@ -156,6 +167,8 @@ class Job:
         """Block until the job ends, handing batched events to ``render``.
 
         Ctrl-C (a kernel interrupt) stops the workers first, then raises KeyboardInterrupt.
+        A renderer that raises stops the job too, which then ends before the error is
+        raised: nobody would be watching it.
         """
         interrupted = False
         while True:
@@ -166,6 +179,10 @@ class Job:
                     interrupted = True
                     self.stop("interrupted")
                 continue  # keep waiting: the agent escalates to SIGKILL on its own
+            except BaseException:
+                self.stop("the cell's output failed")
+                self._done.wait()
+                raise
             if finished:
                 break
         self._thread.join()

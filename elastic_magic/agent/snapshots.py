@@ -5,6 +5,7 @@ previous checkpoint whole).
 In memory, a snapshot is either bytes (from the pipe, another machine or a checkpoint) or
 a descriptor of the anonymous memory file the committing worker wrote it into: the agent
 keeps that file open instead of copying it, and workers read it back through /proc.
+``StateServer`` answers the ranks' requests from it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..events import Committed, EventSink
+from ..messages import Commit, CommitReply, Handoff, Reply, StateGet, StateReply, StateRequest
 
 _DATA = "snapshot.pt"
 _META = "snapshot.json"
@@ -93,3 +98,40 @@ def _write_atomically(path: Path, source: bytes | int | None, size: int = 0) -> 
         with contextlib.suppress(FileNotFoundError):
             Path(tmp).unlink()
         raise
+
+
+class StateServer:
+    """Answers ranks' State requests from the store: the head serves its own workers
+    (memory files through /proc) and other machines' workers (bytes, ``inline``). Whether
+    the ranks leave at a commit (a resize, machines waiting) is the loop's call:
+    ``leave_at_commit``."""
+
+    def __init__(self, store: SnapshotStore, emit: EventSink,
+                 leave_at_commit: Callable[[], bool]) -> None:
+        self.store = store
+        self.emit = emit
+        self.leave_at_commit = leave_at_commit
+
+    def get(self, inline: bool) -> StateReply:
+        store = self.store
+        if store.memory_file is not None and not inline:
+            # The worker reads our memory file through /proc (or asks again, inline).
+            return StateReply(store.commit_id, handoff=Handoff.of(store.memory_file))
+        return StateReply(store.commit_id, snapshot=store.blob)
+
+    def commit(self, request: Commit, world_size: int,
+               memory_file: int | None = None) -> CommitReply:
+        """Keep the snapshot (bytes in the request, or ``memory_file``, which the store
+        then owns)."""
+        meta = {"step": request.step, "time": request.time, "world_size": world_size}
+        self.store.commit(meta, data=request.snapshot, fd=memory_file)
+        self.emit(Committed(request.step, world_size, self.store.size))
+        return CommitReply(resize=self.leave_at_commit())
+
+    def serve(self, request: StateRequest, world_size: int, *, inline: bool) -> Reply:
+        """A request whose snapshot, if any, came as bytes (another machine's rank)."""
+        match request:
+            case StateGet():
+                return Reply(request.request_id, self.get(inline or request.inline))
+            case Commit():
+                return Reply(request.request_id, self.commit(request, world_size))

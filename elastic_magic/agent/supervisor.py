@@ -1,31 +1,25 @@
-"""The agent's loop, modelled on torch's SimpleElasticAgent but ours: it runs on a kernel
-thread (no signal handlers), emits the events renderers need, and gives every attempt a
-fresh store namespace so restarts always work."""
+"""The agent's loop, modelled on torch's ``SimpleElasticAgent._invoke_run`` but ours: it runs
+on a kernel thread (no signal handlers), emits the events renderers need, and gives every
+attempt a fresh store namespace so restarts always work.
+
+The loop decides (with ``policy``); the worker group, the role (one machine, head, joined
+machine) and the State server carry it out and report back."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.metadata
-import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from ..events import (
-    AcceptingNodes,
     Committed,
     EventSink,
     JobFinished,
-    JobState,
     MembershipChanged,
-    NodeConnected,
-    Output,
     RendezvousCompleted,
     ResizeRequested,
     Restarting,
@@ -34,101 +28,63 @@ from ..events import (
     WorkersStarted,
 )
 from ..logs import rank_dir
+from ..messages import Action, Commit, CommitReply, Reply, ScaleCommand, StateRequest, StopCommand
 from ..payload import Payload
-from ..protocol import handoff, new_secret
-from ..result import JobResult, RankFailure, Unpicklable, root_cause_order
+from ..protocol import new_secret
+from ..result import JobResult, JobState, assemble_result, root_cause_order
 from ..spec import JobSpec
-from . import workers as wk
-from .hub import HUB_KEY, Hub, Link, LinkMessage
+from .group import WorkerGroup
+from .hub import FromLink
+from .policy import Membership, Next, RegroupClock, Resize, Step, after_group, final_state
+from .policy import while_running as decide
 from .rendezvous import Rendezvous, RoundInfo
-from .snapshots import SnapshotStore
-from .workers import Worker, WorkerReport, WorkerState
-
-_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
-
-
-def _is_installed() -> bool:
-    try:
-        importlib.metadata.distribution("elastic-magic")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-_INSTALLED = _is_installed()
-# A worker that exited without its channel closing (a forked grandchild holds the pipe)
-# is judged on its exit code after this long.
-_CHANNEL_CLOSE_GRACE = 1.0
-_EXIT_AFTER_RESULTS_TIMEOUT = 30.0
-# Multi-node: how often to ask the rendezvous for waiting machines, and how long a group with
-# State may take to reach its next commit (and leave there, losing no step) before it is
-# stopped for the new round anyway.
-_WAITING_CHECK_INTERVAL = 0.5
-_GRACEFUL_REGROUP_WAIT = 10.0
-
-
-@dataclass(frozen=True)
-class StopCommand:
-    reason: str = "stopped"
-
-
-@dataclass(frozen=True)
-class ScaleCommand:
-    nproc: int
-    immediate: bool = False
-
-
-@dataclass(frozen=True)
-class JoinedJob:
-    """How an agent on another machine (a node) takes part in the head's job."""
-
-    link: Link  # to the head's hub
-    rdzv_endpoint: str  # the rendezvous store the head hosts
-    host: str  # this machine's address as the others reach it
-
-
-def join_command(endpoint: str, token: str) -> str:
-    return f"elastic-magic join {endpoint} --token {token}"
+from .roles import Head, JoinedJob, JoinedMachine, SingleMachine
+from .snapshots import SnapshotStore, StateServer
+from .status import StatusBoard
+from .workers import Worker, WorkerReport, take_handoff, torchrun_env
 
 
 class Agent:
-    """Supervises one job: rendezvous, start, monitor, restart, finish."""
+    """Supervises one job on this machine: rendezvous, start, monitor, decide, finish."""
 
     def __init__(
         self, spec: JobSpec, payload: Payload, run_id: str, emit: EventSink,
-        inbox: queue.Queue[Any], *, token: str | None = None, joined: JoinedJob | None = None,
+        inbox: queue.Queue[Any], board: StatusBoard, *, token: str | None = None,
+        joined: JoinedJob | None = None,
     ) -> None:
         self.spec = spec
-        self.token = token  # the head of a multi-node job: what nodes must prove
-        self.joined = joined  # set on a node: the agent follows the head's job
         self.payload = payload
         self.run_id = run_id
         self.emit = emit
         self.inbox = inbox
+        self.board = board
         self.key = new_secret()
         self.log_root = spec.log_dir / run_id
-        self.restart_count = 0
+        self.role: SingleMachine
+        if joined is not None:
+            self.role = JoinedMachine(spec, run_id, emit, joined, inbox)
+        elif spec.multi_node:
+            assert token is not None
+            self.role = Head(spec, run_id, emit, token=token, payload=payload, inbox=inbox)
+        else:
+            self.role = SingleMachine(spec, run_id, emit)
+        self.snapshots = SnapshotStore(spec.checkpoint_dir)
+        # The head holds the snapshots; a joined machine asks it.
+        self.server = None if joined else StateServer(self.snapshots, self._committed,
+                                                      self._leave_at_commit)
+        self.membership = Membership(spec.nproc)
+        self.regroup_clock = RegroupClock()
+        self.rendezvous: Rendezvous | None = None
+        self.round: RoundInfo | None = None
+        self.group: WorkerGroup | None = None
+        self.state = JobState.RENDEZVOUS
+        self.restarts = 0
         self.attempt = -1
         self.world_size = 0
-        self.group: list[Worker] = []
-        self.failures: list[RankFailure] = []
+        self.failures: list[Any] = []
         self.stop_reason: str | None = None
-        self.state = JobState.RENDEZVOUS
-        self.started = time.time()
-        self.nproc = spec.nproc  # workers on this machine; changed by resizes
-        self.pending_resize: int | None = None
-        self.resizes = 0
+        self.stop_requested = False
         self.uses_state = False  # a worker asked for the elastic State
-        self.snapshots = SnapshotStore(spec.checkpoint_dir)
-        self.rendezvous: Rendezvous | None = None
-        self.hub: Hub | None = None
-        self.round: RoundInfo | None = None
-        self.node_results: dict[str, dict[int, dict[str, Any]]] = {}  # round id -> node rank
-        self.join_command: str | None = None  # set once other machines can join
-        self.node_names: dict[int, str] = {}  # hub connection -> the machine's address
-        self.terminal_failure = False  # another machine failed for good: no restart here
-        self._next_waiting_check = 0.0
-        self._regroup_by: float | None = None
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -136,64 +92,144 @@ class Agent:
         final = JobState.FAILED
         try:
             self._set_state(JobState.RENDEZVOUS)
-            if self.snapshots.load_checkpoint():
-                meta = self.snapshots.meta or {}
-                self.emit(Committed(meta.get("step"), meta.get("world_size", 0),
-                                    self.snapshots.size, origin="checkpoint"))
-            self.rendezvous = self._open_rendezvous()
+            self._resume_from_checkpoint()
+            self.rendezvous = self.role.open()
+            self.board.publish(join_command=self.role.join_command)
             while True:
-                if self._drain_inbox() == "stop":
+                if self._drain() is Action.STOP:
                     final = JobState.STOPPED
                     break
-                self._apply_pending_resize()
+                if change := self.membership.apply():
+                    self.emit(MembershipChanged(*change))
                 info = self._next_round()
                 if info is None:
                     final = JobState.STOPPED
                     break
-                self.emit(RendezvousCompleted(
-                    info.round, info.node_rank, info.nnodes, info.world_size,
-                    info.master_addr, info.master_port,
-                ))
                 self._start_group(info)
-                final = self._monitor()
-                if final is JobState.RESIZING:  # a membership change, not a restart
-                    self._set_state(JobState.RENDEZVOUS)
-                    continue
-                if final is JobState.SUCCEEDED:
-                    final = self._finish_round(info)
-                if final is not JobState.FAILED or self.terminal_failure \
-                        or self.restart_count >= self.spec.max_restarts:
+                step = self._end_group(self._monitor(), info)
+                final = final_state(step)
+                next_ = after_group(step, self.restarts, self.spec.max_restarts)
+                if next_ is Next.END:
                     break
-                self.restart_count += 1
-                self._set_state(JobState.RESTARTING)
-                self.emit(Restarting(self.restart_count, self.spec.max_restarts, self.failures[0]))
+                if next_ is Next.RESTART:
+                    self.restarts += 1
+                    self._set_state(JobState.RESTARTING)
+                    self.emit(Restarting(self.restarts, self.spec.max_restarts,
+                                         self.failures[0]))
                 self._set_state(JobState.RENDEZVOUS)
         except BaseException:
             final = JobState.FAILED
             raise
         finally:
-            wk.stop(self.group, wk.TEARDOWN_ESCALATION)
-            wk.join_threads(self.group)
-            if self.rendezvous is not None:
-                # A node leaves the rendezvous open: the job belongs to the head.
-                self.rendezvous.close(shutdown=self.joined is None)
-            result = self._result(final)
-            self._set_state(final)
-            self._tell_peers(final)
-            self.emit(JobFinished(result))
+            result = self._finish(final)
         return result
+
+    def _monitor(self) -> Step:
+        """Watch the group until something must be done; carry it out; say what it was."""
+        assert self.group is not None
+        while True:
+            action = self._next_action(self.spec.monitor_interval)
+            status = self.group.poll()
+            if status.running and self.state is JobState.STARTING:
+                self._set_state(JobState.RUNNING)
+            step = decide(action, self._regroup_due(), status)
+            if step is not Step.WAIT:
+                self._carry_out(step)
+                return step
+
+    def _carry_out(self, step: Step) -> None:
+        group = self.group
+        assert group is not None
+        if step is Step.STOP:  # SIGINT first: the cell sees KeyboardInterrupt
+            self._set_state(JobState.STOPPING)
+            self.role.stopping_job(self.stop_reason or "stopped")
+            group.interrupt()
+        elif step is Step.REGROUP:
+            self.role.regrouping()
+            self._set_state(JobState.RESIZING)
+            group.stop_now()
+        elif step is Step.NODE_FAILED:
+            self._set_state(JobState.STOPPING)
+            group.stop_now()
+            self.failures = root_cause_order([*self.failures, *self.role.node_failures])
+        elif step is Step.FAILED:
+            self._set_state(JobState.STOPPING)
+            teardown_at = group.tear_down()
+            self._drain()  # error reports still in flight
+            self.failures = group.failures_before(teardown_at)
+            for failure in self.failures:
+                self.emit(WorkerFailed(failure))
+        elif step is Step.RESIZED:
+            self._set_state(JobState.RESIZING)
+            group.release()
+        elif step is Step.SUCCEEDED:
+            group.release()
+
+    def _end_group(self, step: Step, info: RoundInfo) -> Step:
+        """A group that succeeded here still needs the other machines' results."""
+        if step is not Step.SUCCEEDED:
+            return step
+        assert self.group is not None
+        outcome = self.role.finish_round(info, self.group, self._next_action)
+        if outcome is JobState.STOPPED:
+            return Step.STOP
+        if outcome is JobState.FAILED:
+            self.failures = root_cause_order([*self.failures, *self.role.node_failures])
+            return Step.NODE_FAILED
+        return Step.SUCCEEDED
+
+    def _finish(self, final: JobState) -> JobResult:
+        """Release everything the job held and tell the other machines, each step even
+        when an earlier one raised; then report the result."""
+        errors: list[BaseException] = []
+
+        def attempt(release: Callable[[], object]) -> None:
+            try:
+                release()
+            except Exception as exc:
+                errors.append(exc)
+
+        attempt(self._close_group)
+        attempt(lambda: self.role.close_rendezvous(self.rendezvous))
+        others, other_tails = self.role.other_ranks(self.round) \
+            if final is JobState.SUCCEEDED else ({}, {})
+        group = self.group
+        result = assemble_result(
+            run_id=self.run_id, state=final, world_size=self.world_size,
+            restarts=self.restarts, max_restarts=self.spec.max_restarts,
+            started=self.board.current.started, log_dir=self.log_root,
+            failures=self.failures, stop_reason=self.stop_reason,
+            resizes=self.membership.resizes, commit=self.snapshots.meta,
+            snapshot=self.snapshots.blob,
+            ranks={**(group.results() if group else {}), **others},
+            tails={**(group.tails() if group else {}), **other_tails},
+        )
+        attempt(self.snapshots.close)
+        self._set_state(final)
+        attempt(lambda: self.role.finished(final, self.failures))
+        self.emit(JobFinished(result))
+        if errors:
+            raise errors[0]
+        return result
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.board.publish(pids={})
+
+    # -- rounds and groups ---------------------------------------------------------------
 
     def _next_round(self) -> RoundInfo | None:
         """Join the next round. That can take long (machines are awaited), so it runs on a
         helper thread while this one serves stop requests. None when a stop came first, or
-        when a node finds that the job has ended."""
+        when a joined machine finds that the job has ended."""
         rendezvous = self.rendezvous
         assert rendezvous is not None
         outcome: queue.Queue[tuple[RoundInfo | None, BaseException | None]] = queue.Queue()
 
         def join() -> None:
             try:
-                outcome.put((rendezvous.next_round(self.nproc), None))
+                outcome.put((rendezvous.next_round(self.membership.nproc), None))
             except BaseException as exc:
                 outcome.put((None, exc))
 
@@ -205,491 +241,147 @@ class Agent:
                 info, error = outcome.get(timeout=self.spec.monitor_interval)
                 break
             except queue.Empty:
-                if self._drain_inbox() == "stop":
-                    if self.joined is None:  # the job is over for every machine
+                if self._drain() is Action.STOP:
+                    if self.role.hosts_rendezvous:  # the job is over for every machine
                         rendezvous.cancel()
                         helper.join(timeout=10)
                     return None
-        if isinstance(error, RendezvousClosedError) and self.joined is not None:
+        if isinstance(error, RendezvousClosedError) and not self.role.hosts_rendezvous:
             self.stop_reason = "the job ended before this machine joined a round"
             return None
         if error is not None:
             raise error
         self.round = info
+        assert info is not None
+        self.emit(RendezvousCompleted(info.round, info.node_rank, info.nnodes,
+                                      info.world_size, info.master_addr, info.master_port))
         return info
 
-    def _open_rendezvous(self) -> Rendezvous:
-        spec = self.spec
-        if self.joined is not None:
-            return Rendezvous(self.run_id, host=self.joined.host, join=self.joined.rdzv_endpoint,
-                              min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
-                              join_timeout=spec.timeout)
-        rendezvous = Rendezvous(self.run_id, host=spec.rdzv_host, port=spec.rdzv_port,
-                                min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
-                                join_timeout=spec.timeout)
-        if spec.multi_node:
-            assert self.token is not None
-            job = {"run_id": self.run_id, "spec": spec, "payload": self.payload}
-            self.hub = Hub(spec.rdzv_host, self.token, job, self.inbox)
-            rendezvous.store.set(HUB_KEY, self.hub.address)
-            self.join_command = join_command(rendezvous.endpoint, self.token)
-            self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
-        return rendezvous
+    def _start_group(self, info: RoundInfo) -> None:
+        self.attempt += 1
+        self.world_size = info.world_size
+        self.regroup_clock.reset()
+        self.failures = []
+        self._set_state(JobState.STARTING)
+        group = self.group = WorkerGroup(self.attempt, info.base_rank, self.membership.nproc)
 
-    def _tell_peers(self, final: JobState) -> None:
-        """The head ends every node with the job; a node tells the head how it ended."""
-        if self.hub is not None:
-            self.hub.broadcast(("stop", f"the job {final.value}"))
-            self.hub.close()
-        if self.joined is not None:
-            self.joined.link.send(("finished", {"state": final, "failures": self.failures}))
+        def env_for(worker: Worker) -> dict[str, str]:
+            return torchrun_env(
+                worker, nproc=self.membership.nproc, world_size=info.world_size,
+                node_rank=info.node_rank, nnodes=info.nnodes, master_addr=info.master_addr,
+                master_port=info.master_port, restart_count=self.restarts,
+                max_restarts=self.spec.max_restarts, run_id=self.run_id,
+                error_file=rank_dir(self.log_root, self.attempt, worker.global_rank)
+                / "error.json",
+                extra=self.spec.env)
 
-    def _set_state(self, state: JobState) -> None:
-        if state is not self.state or state is JobState.RENDEZVOUS:
-            self.state = state
-            self.emit(StateChanged(state))
+        group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
+                    log_root=self.log_root, inbox=self.inbox, emit=self.emit)
+        self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids))
+        self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
+                           restarts=self.restarts, pids=group.live_pids())
 
-    def _drain_inbox(self) -> str | None:
-        """Handle queued items without waiting; "stop" or "resize" when one must act."""
+    # -- what arrives on the inbox -------------------------------------------------------
+
+    def _next_action(self, timeout: float) -> Action | None:
+        """Handle what arrives within ``timeout`` (then whatever else is queued); the most
+        urgent action asked for."""
+        try:
+            item = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return Action.STOP if self.stop_requested else None
+        return _most_urgent(self._handle(item), self._drain())
+
+    def _drain(self) -> Action | None:
+        """Handle queued items without waiting. A stop, once asked, stays asked."""
         action = None
         while True:
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
+                break
+            action = _most_urgent(action, self._handle(item))
+        return Action.STOP if self.stop_requested else action
+
+    def _handle(self, item: Any) -> Action | None:
+        match item:
+            case StopCommand(reason):
+                self.stop_reason = reason
+                self.stop_requested = True
+                self.role.stop_requested(reason)
+                return Action.STOP
+            case ScaleCommand(nproc, immediate):
+                graceful = self.uses_state and not immediate and self.state is JobState.RUNNING
+                verdict = self.membership.request(nproc, graceful=graceful)
+                if verdict is not Resize.NONE:
+                    self.emit(ResizeRequested(nproc, verdict is Resize.AT_COMMIT))
+                return Action.REGROUP if verdict is Resize.NOW else None
+            case WorkerReport() if self.group is not None:
+                request = self.group.record(item)
+                if request is not None:
+                    self._serve(self.group.workers[item.local_rank], request)
+            case FromLink():
+                action = self.role.handle(item, self.group, self.server, self.world_size)
+                if action is Action.STOP:
+                    self.stop_reason = self.role.stop_reason
+                    self.stop_requested = True
                 return action
-            action = self._handle(item) or action
-            if action == "stop":
-                return action
-
-    def _handle(self, item: Any) -> str | None:
-        if isinstance(item, StopCommand):
-            self.stop_reason = item.reason
-            if self.joined is not None:  # before our ranks go: a membership change there
-                self.joined.link.send(("leaving", item.reason))
-            return "stop"
-        if isinstance(item, ScaleCommand):
-            return self._request_resize(item)
-        if isinstance(item, WorkerReport) and item.attempt == self.attempt:
-            self._on_report(self.group[item.local_rank], item)
-        if isinstance(item, LinkMessage):
-            return self._from_node(item) if self.joined is None else self._from_head(item)
         return None
 
-    # -- other machines ------------------------------------------------------------------
+    # -- State ---------------------------------------------------------------------------
 
-    def _from_node(self, message: LinkMessage) -> str | None:
-        """The head: a frame from a node (its output, its workers' State requests, its
-        results, how it ended)."""
-        kind, body = message.kind, message.body
-        if kind == "hello":
-            self.node_names[message.node] = body["host"]
-            self.emit(NodeConnected(body["host"], body["nproc"], True))
-        elif kind == "event":  # its ranks' output belongs to our current attempt here
-            self.emit(dataclasses.replace(body, attempt=self.attempt)
-                      if isinstance(body, Output) else body)
-        elif kind == "request":
-            # Its workers cannot read our memory files: snapshots go inline.
-            value = self._serve_state(body["kind"], {**body["body"], "inline": True})
-            message.link.send(("reply", {**body, "body": None, "value": value}))
-        elif kind == "group_result":
-            self.node_results.setdefault(body["round_id"], {})[body["node_rank"]] = body
-        elif kind == "finished" and body["state"] is JobState.FAILED and body["failures"]:
-            self.failures = root_cause_order([*self.failures, *body["failures"]])
-            self.terminal_failure = True  # that machine has no restarts left: the job ends
-            return "node_failed"
-        elif kind == "leaving":  # its ranks are about to go: regroup without them
-            self._node_left(message.node)
-            return "resize"
-        elif kind == "closed":
-            self._node_left(message.node)
-        return None
+    def _serve(self, worker: Worker, request: StateRequest) -> None:
+        self.uses_state = True
+        memory_file = None
+        if isinstance(request, Commit) and request.handoff is not None:
+            memory_file = take_handoff(worker, request.handoff)
+            if memory_file is None:  # unreadable here: the worker sends it down the pipe
+                worker.send(Reply(request.request_id, CommitReply(handoff_failed=True)))
+                return
+        self.role.serve(worker, request, memory_file, self.server, self.world_size)
 
-    def _node_left(self, node: int) -> None:
-        if node in self.node_names:
-            self.emit(NodeConnected(self.node_names.pop(node), 0, False))
+    def _leave_at_commit(self) -> bool:
+        """Every rank leaves at this commit when this machine resizes or others wait."""
+        leave = self.membership.resize_pending or self._nodes_waiting()
+        if leave:
+            self._set_state(JobState.RESIZING)
+        return leave
 
-    def _from_head(self, message: LinkMessage) -> str | None:
-        """A node: a frame from the head (answers for our workers, regroup, stop)."""
-        kind, body = message.kind, message.body
-        if kind == "reply":
-            if body["attempt"] == self.attempt and body["local_rank"] < len(self.group):
-                self.group[body["local_rank"]].send(
-                    ("reply", {"request_id": body["request_id"], "value": body["value"]}))
-        elif kind == "regroup":
-            return "resize"
-        elif kind == "stop":
-            self.stop_reason = body
-            return "stop"
-        elif kind == "closed":
-            self.stop_reason = "the head of the job (the notebook's kernel) went away"
-            return "stop"
-        return None
+    def _committed(self, event: Any) -> None:
+        if isinstance(event, Committed):
+            self.board.publish(last_commit=self.snapshots.meta)
+        self.emit(event)
+
+    def _resume_from_checkpoint(self) -> None:
+        if self.snapshots.load_checkpoint():
+            meta = self.snapshots.meta or {}
+            self.board.publish(last_commit=meta)
+            self.emit(Committed(meta.get("step"), meta.get("world_size", 0),
+                                self.snapshots.size, origin="checkpoint"))
+
+    # -- membership across machines ------------------------------------------------------
 
     def _nodes_waiting(self) -> bool:
         return self.spec.multi_node and self.rendezvous is not None \
-            and self.rendezvous.num_nodes_waiting() > 0
+            and self.role.nodes_waiting(self.rendezvous)
 
     def _regroup_due(self) -> bool:
-        """torch's waiting-node mechanism: when a machine waits for the next round (one
-        joining, or one that left its group to resize or restart), every node leaves its
-        group and re-rendezvous. With State, the group first gets the chance to leave at its
-        next commit, which the head answers with "resize" while machines wait."""
         now = time.monotonic()
-        if not self.spec.multi_node or now < self._next_waiting_check:
+        if not self.spec.multi_node:
             return False
-        self._next_waiting_check = now + _WAITING_CHECK_INTERVAL
-        if not self._nodes_waiting():
-            self._regroup_by = None
-            return False
-        if self._regroup_by is None:
-            graceful = self.uses_state and self.state is JobState.RUNNING
-            self._regroup_by = now + (_GRACEFUL_REGROUP_WAIT if graceful else 0.0)
-        return now >= self._regroup_by
+        waiting = self._nodes_waiting() if self.regroup_clock.check_now(now) else None
+        graceful = self.uses_state and self.state is JobState.RUNNING
+        return self.regroup_clock.due(now, waiting, graceful)
 
-    def _finish_round(self, info: RoundInfo) -> JobState:
-        """The local group succeeded. A node reports its ranks' results to the head; the
-        head waits for every other node's results of this round."""
-        if self.joined is not None:
-            self.joined.link.send(("group_result", {
-                "round_id": info.round_id, "node_rank": info.node_rank,
-                "results": {w.global_rank: w.result for w in self.group},
-                "tails": {w.global_rank: list(w.tail) for w in self.group},
-            }))
-            return JobState.SUCCEEDED
-        deadline = time.monotonic() + self.spec.timeout
-        while len(self.node_results.get(info.round_id, {})) < info.nnodes - 1:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the other machines did not report their results within "
-                                   f"{self.spec.timeout:.0f}s")
-            try:
-                action = self._handle(self.inbox.get(timeout=self.spec.monitor_interval))
-            except queue.Empty:
-                continue
-            if action == "stop":
-                return JobState.STOPPED
-            if action == "node_failed":
-                return JobState.FAILED
-        return JobState.SUCCEEDED
-
-    # -- resizing ------------------------------------------------------------------------
-
-    def _request_resize(self, command: ScaleCommand) -> str | None:
-        if command.nproc == self.nproc and self.pending_resize is None:
-            return None
-        self.pending_resize = command.nproc
-        graceful = self.uses_state and not command.immediate and self.state is JobState.RUNNING
-        self.emit(ResizeRequested(command.nproc, graceful))
-        # With a State, the next commit applies it (no step lost); otherwise now.
-        return None if graceful else "resize"
-
-    def _apply_pending_resize(self) -> None:
-        if self.pending_resize is not None and self.pending_resize != self.nproc:
-            old, self.nproc = self.nproc, self.pending_resize
-            self.resizes += 1
-            self.emit(MembershipChanged(old, self.nproc))
-        self.pending_resize = None
-
-    # -- starting ------------------------------------------------------------------------
-
-    def _start_group(self, info: RoundInfo) -> None:
-        self.attempt += 1
-        self.world_size = info.world_size
-        self._regroup_by = None
-        self.failures = []
-        self._set_state(JobState.STARTING)
-        self.group = [
-            Worker(local_rank=i, global_rank=info.base_rank + i, attempt=self.attempt)
-            for i in range(self.nproc)
-        ]
-        for worker in self.group:
-            env = self._worker_env(worker, info)
-            wk.spawn(worker, env=env, cwd=self.payload.cwd, key=self.key,
-                     log_root=self.log_root, inbox=self.inbox, emit=self.emit)
-            worker.send(("run", self.payload))
-        self.emit(WorkersStarted(
-            self.attempt, self.restart_count,
-            tuple(w.global_rank for w in self.group), tuple(w.pid for w in self.group),
-        ))
-
-    def _worker_env(self, worker: Worker, info: RoundInfo) -> dict[str, str]:
-        env = dict(os.environ)
-        if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
-            del env["MPLBACKEND"]  # the inline backend needs a kernel; workers have none
-        if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
-            env["OMP_NUM_THREADS"] = "1"  # as torchrun: workers sharing a machine
-        if not _INSTALLED:  # running from a source checkout: workers must find the package
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT,
-                                                              env.get("PYTHONPATH")]))
-        env["PYTHONUNBUFFERED"] = "1"  # lines reach the notebook as they are printed
-        assert worker.global_rank is not None
-        env.update({
-            "RANK": str(worker.global_rank),
-            "LOCAL_RANK": str(worker.local_rank),
-            "WORLD_SIZE": str(info.world_size),
-            "LOCAL_WORLD_SIZE": str(self.nproc),
-            "GROUP_RANK": str(info.node_rank),
-            "GROUP_WORLD_SIZE": str(info.nnodes),
-            "ROLE_NAME": "default",
-            "ROLE_RANK": str(worker.global_rank),
-            "ROLE_WORLD_SIZE": str(info.world_size),
-            "MASTER_ADDR": info.master_addr,
-            "MASTER_PORT": str(info.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
-            "TORCHELASTIC_MAX_RESTARTS": str(self.spec.max_restarts),
-            "TORCHELASTIC_RUN_ID": self.run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_ERROR_FILE": str(
-                rank_dir(self.log_root, self.attempt, worker.global_rank) / "error.json"
-            ),
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
-            ),
-        })
-        env.update(self.spec.env)
-        return env
-
-    # -- monitoring ----------------------------------------------------------------------
-
-    def _monitor(self) -> JobState:
-        """Wait until the group succeeds, fails or is stopped; leave no worker running."""
-        while True:
-            try:
-                item = self.inbox.get(timeout=self.spec.monitor_interval)
-            except queue.Empty:
-                item = None
-            action = (self._handle(item) if item is not None else None) or self._drain_inbox()
-            if action == "stop":
-                return self._stop_group()
-            if action == "resize" or self._regroup_due():
-                return self._resize_group_now()
-            if action == "node_failed":
-                return self._stop_for_node_failure()
-            self._poll_exits()
-            if any(self._has_failed(w) for w in self.group):
-                self._teardown_failed_group()
-                return JobState.FAILED
-            if all(w.state is WorkerState.SUCCEEDED for w in self.group):
-                self._release_group()
-                return JobState.SUCCEEDED
-            if all(w.resized for w in self.group):  # every rank left at the commit
-                self._set_state(JobState.RESIZING)
-                self._release_group()
-                return JobState.RESIZING
-
-    def _on_report(self, worker: Worker, report: WorkerReport) -> None:
-        if report.kind == "running":
-            worker.running = True
-            if all(w.running for w in self.group):
-                self._set_state(JobState.RUNNING)
-        elif report.kind == "result":
-            worker.result = report.body
-            worker.state = WorkerState.SUCCEEDED
-        elif report.kind == "error":
-            worker.error = report.body
-            worker.state = WorkerState.FAILED
-        elif report.kind == "closed":
-            worker.channel_closed_at = report.time
-        elif report.kind in ("state_get", "commit"):
-            self.uses_state = True
-            body = report.body
-            if report.kind == "commit" and body["snapshot"] is None:
-                body = self._take_snapshot(worker, body)
-                if body is None:  # the worker sends it down the pipe instead
-                    worker.send(("reply", {"request_id": report.body["request_id"],
-                                           "value": {"handoff_failed": True}}))
-                    return
-            if self.joined is not None:  # the head holds the snapshots
-                self.joined.link.send(("request", {
-                    "kind": report.kind, "body": body, "local_rank": worker.local_rank,
-                    "attempt": self.attempt, "request_id": body["request_id"]}))
-            else:
-                worker.send(("reply", {"request_id": body["request_id"],
-                                       "value": self._serve_state(report.kind, body)}))
-        elif report.kind == "resized":
-            worker.resized = True
-            worker.state = WorkerState.STOPPED
-
-    def _take_snapshot(self, worker: Worker, body: dict[str, Any]) -> dict[str, Any] | None:
-        """A commit whose snapshot the worker left in a memory file: the head keeps the
-        file; a node reads it into bytes, to cross the network. None if unreadable."""
-        fd = wk.take_handoff(worker, body["handoff"])
-        if fd is None:
-            return None
-        if self.joined is None:
-            return {**body, "memory_file": fd}
-        try:
-            return {**body, "snapshot": os.pread(fd, body["handoff"]["size"], 0)}
-        finally:
-            os.close(fd)
-
-    def _serve_state(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        """The head's answer to a rank's State request, from this machine or another."""
-        self.uses_state = True
-        snapshots = self.snapshots
-        if kind == "state_get":
-            if snapshots.memory_file is not None and not body.get("inline"):
-                # The worker reads our memory file through /proc (or asks again, inline).
-                return {"snapshot": None, "handoff": handoff(snapshots.memory_file),
-                        "commit_id": snapshots.commit_id}
-            return {"snapshot": snapshots.blob, "commit_id": snapshots.commit_id}
-        meta = {"step": body["step"], "time": body["time"], "world_size": self.world_size}
-        snapshots.commit(meta, data=body.get("snapshot"), fd=body.get("memory_file"))
-        self.emit(Committed(body["step"], self.world_size, snapshots.size))
-        # Every rank leaves at this commit when this machine resizes or others wait to join.
-        resize = (self.pending_resize is not None and self.pending_resize != self.nproc) \
-            or self._nodes_waiting()
-        if resize:
-            self._set_state(JobState.RESIZING)
-        return {"resize": resize}
-
-    def _poll_exits(self) -> None:
-        now = time.time()
-        for worker in self.group:
-            code = worker.proc.poll() if worker.proc else None
-            if code is None or worker.exited_at is not None:
-                continue
-            worker.exited_at = now
-            if code == 0 and worker.state is WorkerState.HEALTHY and worker.result is None \
-                    and not worker.resized:
-                # Exited cleanly without a result (os._exit(0) in the cell): success, no value.
-                worker.result = {"value": cloudpickle.dumps(None), "pulled": {}, "missing": []}
-                worker.state = WorkerState.SUCCEEDED
-
-    def _has_failed(self, worker: Worker) -> bool:
-        if worker.error is not None:
-            return True
-        code = worker.proc.poll() if worker.proc else None
-        if code is None or code == 0 or worker.exited_at is None:
-            return False
-        # Wait for its channel to close so an error report in flight is not missed.
-        return worker.channel_closed_at is not None or (
-            time.time() - worker.exited_at > _CHANNEL_CLOSE_GRACE
-        )
-
-    def _teardown_failed_group(self) -> None:
-        """Stop the survivors at once (no waiting for collective timeouts), then sort out
-        who failed on their own (before the teardown) and who was stopped by it."""
-        teardown_at = time.time()
-        self._set_state(JobState.STOPPING)
-        wk.stop(self.group, wk.TEARDOWN_ESCALATION)
-        wk.join_threads(self.group, timeout=2.0)
-        self._drain_inbox()
-        self._poll_exits()
-        failures = [
-            self._failure(w) for w in self.group
-            if (w.error is not None and w.error["time"] <= teardown_at)
-            or (w.error is None and w.exited_at is not None and w.exited_at <= teardown_at
-                and w.proc is not None and w.proc.returncode != 0)
-        ]
-        for worker in self.group:
-            worker.state = WorkerState.FAILED if worker.error else WorkerState.STOPPED
-        self.failures = root_cause_order(failures)
-        for failure in self.failures:
-            self.emit(WorkerFailed(failure))
-
-    def _failure(self, worker: Worker) -> RankFailure:
-        code = worker.proc.returncode if worker.proc else None
-        common = dict(
-            rank=worker.global_rank, local_rank=worker.local_rank, attempt=self.attempt,
-            pid=worker.pid, log_dir=str(worker.log_dir),
-        )
-        if worker.error is not None:
-            info = dict(worker.error)
-            return RankFailure(**common, **info)
-        when = worker.channel_closed_at or worker.exited_at or time.time()
-        if code is not None and code < 0:
-            return RankFailure(**common, time=when, signal=_signal_name(-code), exit_code=code)
-        return RankFailure(**common, time=when, exit_code=code)
-
-    def _stop_group(self) -> JobState:
-        """A stop request (Stop button, kernel interrupt): SIGINT, SIGTERM, then SIGKILL.
-        Other machines hear first, so their ranks stop rather than fail on lost peers."""
-        self._set_state(JobState.STOPPING)
-        if self.hub is not None:
-            self.hub.broadcast(("stop", self.stop_reason))
-        wk.stop(self.group, wk.INTERRUPT_ESCALATION)
-        wk.join_threads(self.group, timeout=2.0)
-        for worker in self.group:
-            if worker.state is not WorkerState.SUCCEEDED:
-                worker.state = WorkerState.STOPPED
-        return JobState.STOPPED
-
-    def _resize_group_now(self) -> JobState:
-        """An immediate resize or regroup: stop the group; the next round resumes from the
-        last commit. The head first tells the nodes, so that their ranks, which lose peers
-        now, are stopped as a membership change rather than failing."""
-        if self.hub is not None:
-            self.hub.broadcast(("regroup", None))
-        self._set_state(JobState.RESIZING)
-        self._stop_now()
-        return JobState.RESIZING
-
-    def _stop_for_node_failure(self) -> JobState:
-        """Another machine failed with no restarts left: the job is over here too."""
-        self._set_state(JobState.STOPPING)
-        self._stop_now()
-        return JobState.FAILED
-
-    def _stop_now(self) -> None:
-        wk.stop(self.group, wk.TEARDOWN_ESCALATION)
-        wk.join_threads(self.group, timeout=2.0)
-        for worker in self.group:
-            worker.state = WorkerState.STOPPED
-
-    def _release_group(self) -> None:
-        """Every rank has its result: let the workers exit, then collect their output."""
-        for worker in self.group:
-            worker.send(("exit", None))
-        if not wk.wait_for_exit(self.group, _EXIT_AFTER_RESULTS_TIMEOUT):
-            wk.stop(self.group, wk.TEARDOWN_ESCALATION)
-        for worker in self.group:
-            worker.close_control()
-        wk.join_threads(self.group)
-
-    # -- the result ----------------------------------------------------------------------
-
-    def _result(self, state: JobState) -> JobResult:
-        result = JobResult(
-            run_id=self.run_id, state=state, world_size=self.world_size,
-            restarts=self.restart_count, max_restarts=self.spec.max_restarts,
-            duration=time.time() - self.started, log_dir=self.log_root,
-            failure=self.failures[0] if state is JobState.FAILED and self.failures else None,
-            failures=list(self.failures) if state is JobState.FAILED else [],
-            tails={w.global_rank: list(w.tail) for w in self.group},
-            stop_reason=self.stop_reason if state is JobState.STOPPED else None,
-            resizes=self.resizes,
-            commit=dict(self.snapshots.meta) if self.snapshots.meta else None,
-            snapshot=self.snapshots.blob,
-        )
-        self.snapshots.close()
-        if state is JobState.SUCCEEDED:
-            ranks: dict[int, dict[str, Any]] = {}
-            for worker in self.group:
-                assert worker.result is not None
-                ranks[worker.global_rank] = worker.result
-            if self.round is not None:  # other machines' ranks
-                for node in self.node_results.get(self.round.round_id, {}).values():
-                    ranks.update(node["results"])
-                    result.tails.update(node["tails"])
-            for rank in sorted(ranks):
-                result.values[rank] = _load(ranks[rank]["value"])
-                for name, blob in ranks[rank]["pulled"].items():
-                    result.pulled[name] = _load(blob)
-                result.missing_pulls += ranks[rank]["missing"]
-        return result
+    def _set_state(self, state: JobState) -> None:
+        if state is not self.state or state is JobState.RENDEZVOUS:
+            self.state = state
+            self.board.publish(state=state, finished=time.time() if state.is_final else None)
+            self.emit(StateChanged(state))
 
 
-def _load(blob: bytes) -> Any:
-    try:
-        return cloudpickle.loads(blob)
-    except Exception as exc:  # e.g. a class the kernel cannot import
-        return Unpicklable("<value from worker>", f"{type(exc).__name__}: {exc}")
+_URGENCY = {None: 0, Action.REGROUP: 1, Action.NODE_FAILED: 2, Action.STOP: 3}
 
 
-def _signal_name(number: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+def _most_urgent(a: Action | None, b: Action | None) -> Action | None:
+    return a if _URGENCY[a] >= _URGENCY[b] else b

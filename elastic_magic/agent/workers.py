@@ -7,6 +7,8 @@ processes, so a PID is never signalled after it was reaped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib.metadata
 import os
 import queue
 import signal
@@ -21,8 +23,30 @@ from pathlib import Path
 from typing import Any
 
 from ..events import EventSink
-from ..protocol import Channel, ProtocolError, handoff_path, widen_pipe
+from ..messages import (
+    ErrorInfo,
+    Exit,
+    Handoff,
+    Reply,
+    Result,
+    Run,
+    WorkerMessage,
+)
+from ..protocol import Channel, ProtocolError, widen_pipe
+from ..result import RankFailure
 from .output import StreamPump, log_folder, new_tail
+
+
+def _is_installed() -> bool:
+    try:
+        importlib.metadata.distribution("elastic-magic")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+_INSTALLED = _is_installed()
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 class WorkerState(str, Enum):
@@ -39,12 +63,11 @@ class WorkerState(str, Enum):
 
 @dataclass(frozen=True)
 class WorkerReport:
-    """A message from a worker (kind "running", "result", "error"), or its channel's EOF."""
+    """A message from a worker of ``attempt``, or None when its report pipe closed."""
 
     attempt: int
     local_rank: int
-    kind: str
-    body: Any
+    message: WorkerMessage | None
     time: float
 
 
@@ -59,8 +82,8 @@ class Worker:
     log_dir: Path | None = None
     tail: deque[str] = field(default_factory=new_tail)
     threads: list[threading.Thread] = field(default_factory=list)
-    result: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
+    result: Result | None = None
+    error: ErrorInfo | None = None
     channel_closed_at: float | None = None
     exited_at: float | None = None
     running: bool = False
@@ -77,7 +100,7 @@ class Worker:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def send(self, message: Any) -> bool:
+    def send(self, message: Run | Reply | Exit) -> bool:
         """Send on the control pipe; False when the worker has already gone."""
         if self.control is None:
             return False
@@ -91,6 +114,61 @@ class Worker:
         if self.control is not None:
             self.control.close()
             self.control = None
+
+    def failure(self) -> RankFailure:
+        """Why this worker failed: its own report, or its exit code or signal."""
+        failure = RankFailure(
+            rank=self.global_rank, local_rank=self.local_rank, attempt=self.attempt,
+            pid=self.pid, log_dir=str(self.log_dir),
+            time=self.channel_closed_at or self.exited_at or time.time(),
+        )
+        if self.error is not None:
+            e = self.error
+            return dataclasses.replace(
+                failure, time=e.time, exc_type=e.exc_type, message=e.message,
+                traceback=e.traceback, exit_code=e.exit_code, cell_line=e.cell_line,
+                source_line=e.source_line)
+        code = self.proc.returncode if self.proc else None
+        signal_name = _signal_name(-code) if code is not None and code < 0 else None
+        return dataclasses.replace(failure, exit_code=code, signal=signal_name)
+
+
+def torchrun_env(worker: Worker, *, nproc: int, world_size: int, node_rank: int,
+                 nnodes: int, master_addr: str, master_port: int, restart_count: int,
+                 max_restarts: int, run_id: str, error_file: Path,
+                 extra: dict[str, str]) -> dict[str, str]:
+    """The kernel's environment plus every variable torchrun sets, with its meaning."""
+    env = dict(os.environ)
+    if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
+        del env["MPLBACKEND"]  # the inline backend needs a kernel; workers have none
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: workers sharing a machine
+    if not _INSTALLED:  # running from a source checkout: workers must find the package
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT,
+                                                          env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"  # lines reach the notebook as they are printed
+    env.update({
+        "RANK": str(worker.global_rank),
+        "LOCAL_RANK": str(worker.local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(worker.global_rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_ERROR_FILE": str(error_file),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                          "1"),
+    })
+    env.update(extra)
+    return env
 
 
 def spawn(
@@ -139,26 +217,26 @@ def spawn(
 def _read_reports(worker: Worker, channel: Channel, inbox: queue.Queue[Any]) -> None:
     while True:
         try:
-            kind, body = channel.recv()
+            message = channel.recv()
         except (EOFError, ProtocolError, OSError):
             # EOF marks the moment the worker died (or exited): the failure's time.
-            inbox.put(WorkerReport(worker.attempt, worker.local_rank, "closed", None, time.time()))
+            inbox.put(WorkerReport(worker.attempt, worker.local_rank, None, time.time()))
             channel.close()
             return
-        inbox.put(WorkerReport(worker.attempt, worker.local_rank, kind, body, time.time()))
+        inbox.put(WorkerReport(worker.attempt, worker.local_rank, message, time.time()))
 
 
-def take_handoff(worker: Worker, handoff: dict[str, int]) -> int | None:
+def take_handoff(worker: Worker, offer: Handoff) -> int | None:
     """Open the anonymous memory file a worker wrote a snapshot into (its descriptor, seen
     through /proc while the worker waits for our reply): our own descriptor of it, or None
     where it cannot be opened."""
-    if handoff["pid"] != worker.pid:
+    if offer.pid != worker.pid:
         return None
     try:
-        fd = os.open(handoff_path(handoff), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(offer.path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    if os.fstat(fd).st_size != handoff["size"]:
+    if os.fstat(fd).st_size != offer.size:
         os.close(fd)
         return None
     return fd
@@ -198,3 +276,10 @@ def join_threads(workers: list[Worker], timeout: float = 5.0) -> None:
     for worker in workers:
         for thread in worker.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -147,8 +147,8 @@ function render({ model, el }) {
   function drawTimeline() {
     timeline.replaceChildren(...model.get("timeline").map((e) =>
       h("li", { "data-kind": e.kind },
-        h("span", { class: "em-time" }, new Date(e.time * 1000).toLocaleTimeString()), " ",
-        h("b", {}, e.kind), ` ${e.text}`)));
+        h("span", { class: "em-time" }, new Date(e.time * 1000).toLocaleTimeString()),
+        ` ${e.text}`)));
   }
 
   function drawAll() { drawHeader(); drawFailure(); drawTabs(); drawLines(); drawTimeline(); }

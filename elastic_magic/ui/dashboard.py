@@ -26,12 +26,12 @@ class Dashboard(anywidget.AnyWidget):
     _css = Path(__file__).with_name("dashboard.css")
 
     header = traitlets.Dict().tag(sync=True)
-    ranks = traitlets.List().tag(sync=True)
+    ranks = traitlets.List[int]().tag(sync=True)
     lines = traitlets.Dict().tag(sync=True)  # "rank" -> [[stream, text], ...], bounded
-    merged = traitlets.List().tag(sync=True)  # [[rank, stream, text], ...], bounded
+    merged = traitlets.List[list[Any]]().tag(sync=True)  # [[rank, stream, text], ...], bounded
     hidden = traitlets.Dict().tag(sync=True)  # "rank" -> lines only in the log
     logs = traitlets.Dict().tag(sync=True)  # "rank" -> {"stdout": path, "stderr": path}
-    timeline = traitlets.List().tag(sync=True)
+    timeline = traitlets.List[dict[str, Any]]().tag(sync=True)
     failure = traitlets.Dict().tag(sync=True)
     controls = traitlets.Dict().tag(sync=True)  # which controls are live
 

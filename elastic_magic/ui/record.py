@@ -45,7 +45,7 @@ def record_text(state: DashboardState) -> str:
         lines.append(f"--- rank {rank} (last {len(state.lines[rank])} lines{more}) ---")
         lines += [f"[rank {rank}] {text}" for _, text in state.lines[rank]]
     lines.append("timeline:")
-    lines += [f"  {_clock(e['time'])} {e['kind']}: {e['text']}" for e in state.timeline]
+    lines += [f"  {_clock(e['time'])} {e['text']}" for e in state.timeline]
     lines.append(f"logs: {state.log_dir}")
     return "\n".join(lines)
 
@@ -83,9 +83,8 @@ def record_html(state: DashboardState) -> str:
             f'<details open style="{_BOX}"><summary>Rank {rank} '
             f'<span style="color:#57606a">({more}full log: {escape(logs[rank]["stdout"])})'
             f'</span></summary><pre style="{_PRE}">{body}</pre></details>')
-    events = "".join(
-        f"<li>{_clock(e['time'])} "
-        f"<b>{escape(e['kind'])}</b> {escape(e['text'])}</li>" for e in state.timeline)
+    events = "".join(f"<li>{_clock(e['time'])} {escape(e['text'])}</li>"
+                     for e in state.timeline)
     parts.append(f'<details style="{_BOX}"><summary>Timeline</summary><ul>{events}</ul>'
                  "</details></div>")
     return "".join(parts)

@@ -9,23 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from ..events import (
-    AcceptingNodes,
     Committed,
     Event,
     JobFinished,
-    JobState,
     MembershipChanged,
-    NodeConnected,
     Output,
     RendezvousCompleted,
     ResizeRequested,
-    Restarting,
     StateChanged,
-    WorkerFailed,
     WorkersStarted,
 )
 from ..logs import rank_dir
-from ..result import JobResult, RankFailure, group_failures
+from ..result import JobResult, JobState, RankFailure, group_failures
+from .describe import describe
 
 RANK_LINES = 150  # per rank, in the browser; the full output is in the logs
 MERGED_LINES = 300
@@ -59,59 +55,46 @@ class DashboardState:
         return JobState(self.header["state"]).is_final
 
     def apply(self, event: Event) -> None:
-        if isinstance(event, Output):
-            self._output(event)
-        elif isinstance(event, StateChanged):
-            self.header["state"] = event.state.value
-            if self.header["started_at"] is None:
-                self.header["started_at"] = event.time
-            if event.state.is_final:
-                self.header["finished_at"] = event.time
-        elif isinstance(event, RendezvousCompleted):
-            self.header.update(world_size=event.world_size, nnodes=event.nnodes,
-                               round=event.round)
-            self._note(event.time, "rendezvous",
-                       f"round {event.round}: world size {event.world_size}, "
-                       f"{event.nnodes} node{'s' if event.nnodes > 1 else ''}")
-        elif isinstance(event, WorkersStarted):
-            self.attempt = event.attempt
-            self.lines = {rank: deque(maxlen=RANK_LINES) for rank in event.ranks}
-            self.local_ranks = set(event.ranks)
-            self.merged.clear()
-            self.counts = dict.fromkeys(event.ranks, 0)
-            self.header["restarts"] = event.restart_count
-            self._note(event.time, "start",
-                       f"attempt {event.attempt}: started ranks "
-                       f"{', '.join(map(str, event.ranks))} (pids "
-                       f"{', '.join(map(str, event.pids))})")
-        elif isinstance(event, WorkerFailed):
-            self._note(event.time, "failure",
-                       f"rank {event.failure.rank} failed: {event.failure.headline}")
-        elif isinstance(event, Restarting):
-            self._note(event.time, "restart",
-                       f"restart {event.restart_count}/{event.max_restarts} after rank "
-                       f"{event.root_cause.rank}: {event.root_cause.headline}")
-        elif isinstance(event, Committed):
-            self.header["last_commit"] = {"step": event.step, "time": event.time,
-                                          "world_size": event.world_size,
-                                          "nbytes": event.nbytes}
-            if event.origin == "checkpoint":
-                self._note(event.time, "checkpoint", f"resuming from step {event.step}")
-        elif isinstance(event, ResizeRequested):
-            self.header["pending_resize"] = event.target
-            when = "at the next commit" if event.graceful else "now"
-            self._note(event.time, "resize", f"to {event.target} workers requested ({when})")
-        elif isinstance(event, MembershipChanged):
-            self.header["pending_resize"] = None
-            self._note(event.time, "membership",
-                       f"{event.old_nproc} -> {event.new_nproc} workers (not a restart)")
-        elif isinstance(event, AcceptingNodes):
-            self._note(event.time, "nodes", f"other machines join with: {event.command}")
-        elif isinstance(event, NodeConnected):
-            verb = f"joined with {event.nproc} workers" if event.connected else "left"
-            self._note(event.time, "nodes", f"machine {event.peer} {verb}")
-        elif isinstance(event, JobFinished):
-            self._finished(event)
+        self._update(event)
+        note = describe(event)
+        if note is not None:
+            self.timeline.append({"time": event.time, "kind": note.kind, "text": note.text})
+
+    def _update(self, event: Event) -> None:
+        """The header and the lines; the timeline's sentences come from ``describe``."""
+        match event:
+            case Output():
+                self._output(event)
+            case StateChanged():
+                self.header["state"] = event.state.value
+                if self.header["started_at"] is None:
+                    self.header["started_at"] = event.time
+                if event.state.is_final:
+                    self.header["finished_at"] = event.time
+            case RendezvousCompleted():
+                self.header.update(world_size=event.world_size, nnodes=event.nnodes,
+                                   round=event.round)
+            case WorkersStarted():
+                self.attempt = event.attempt
+                self.lines = {rank: deque(maxlen=RANK_LINES) for rank in event.ranks}
+                self.local_ranks = set(event.ranks)
+                self.merged.clear()
+                self.counts = dict.fromkeys(event.ranks, 0)
+                self.header["restarts"] = event.restart_count
+            case Committed():
+                self.header["last_commit"] = {"step": event.step, "time": event.time,
+                                              "world_size": event.world_size,
+                                              "nbytes": event.nbytes}
+            case ResizeRequested():
+                self.header["pending_resize"] = event.target
+            case MembershipChanged():
+                self.header["pending_resize"] = None
+            case JobFinished():
+                result = self.result = event.result
+                self.header["restarts"] = result.restarts
+                self.header["pending_resize"] = None
+                if result.failure is not None:
+                    self.failure = failure_view(result.failure, result.failures)
 
     def _output(self, event: Output) -> None:
         if event.attempt != self.attempt:
@@ -123,20 +106,6 @@ class DashboardState:
             self.lines[event.rank].append((event.stream, line))
             self.merged.append((event.rank, event.stream, line))
         self.counts[event.rank] += len(event.lines)
-
-    def _note(self, when: float, kind: str, text: str) -> None:
-        self.timeline.append({"time": when, "kind": kind, "text": text})
-
-    def _finished(self, event: JobFinished) -> None:
-        result = self.result = event.result
-        self.header["restarts"] = result.restarts
-        self.header["pending_resize"] = None
-        text = result.summary()
-        if result.stop_reason:
-            text += f" ({result.stop_reason})"
-        self._note(event.time, result.state.value, text)
-        if result.failure is not None:
-            self.failure = failure_view(result.failure, result.failures)
 
     def hidden(self) -> dict[int, int]:
         """Lines of this attempt no longer in the browser, per rank (they are in the logs)."""

@@ -5,20 +5,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from ..events import (
-    AcceptingNodes,
-    Committed,
-    Event,
-    JobFinished,
-    MembershipChanged,
-    NodeConnected,
-    Output,
-    RendezvousCompleted,
-    ResizeRequested,
-    Restarting,
-    WorkerFailed,
-    WorkersStarted,
-)
+from ..events import Event, Output
+from .describe import describe
 
 
 class TextRenderer:
@@ -53,36 +41,5 @@ class TextRenderer:
         if isinstance(event, Output):
             prefix = f"[rank {event.rank}] "
             return [(event.stream, [prefix + line for line in event.lines])]
-        if not self.status:
-            return []
-        if isinstance(event, RendezvousCompleted):
-            nodes = "1 node" if event.nnodes == 1 else f"{event.nnodes} nodes"
-            text = f"rendezvous round {event.round}: world size {event.world_size} on {nodes}"
-        elif isinstance(event, WorkersStarted) and event.restart_count:
-            text = f"restart {event.restart_count}: started ranks {_ranks(event.ranks)}"
-        elif isinstance(event, WorkerFailed):
-            text = f"rank {event.failure.rank} failed: {event.failure.headline}"
-        elif isinstance(event, Restarting):
-            text = f"restarting the group ({event.restart_count}/{event.max_restarts})"
-        elif isinstance(event, ResizeRequested):
-            when = "at the next commit" if event.graceful else "now"
-            text = f"resize to {event.target} workers requested ({when})"
-        elif isinstance(event, MembershipChanged):
-            text = f"resizing: {event.old_nproc} -> {event.new_nproc} workers"
-        elif isinstance(event, AcceptingNodes):
-            text = f"other machines join this job with: {event.command}"
-        elif isinstance(event, NodeConnected):
-            verb = f"joined with {event.nproc} workers" if event.connected else "left"
-            text = f"machine {event.peer} {verb}"
-        elif isinstance(event, Committed) and event.origin == "checkpoint":
-            text = f"resuming from the checkpoint of step {event.step}"
-        elif isinstance(event, JobFinished):
-            result = event.result
-            text = f"{result.summary()}; logs: {result.log_dir}"
-        else:
-            return []
-        return [("stdout", [f"[elastic] {text}"])]
-
-
-def _ranks(ranks: tuple[int, ...]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 else ", ".join(map(str, ranks))
+        note = describe(event) if self.status else None
+        return [("stdout", [f"[elastic] {note.text}"])] if note else []

@@ -1,8 +1,8 @@
 """Worker entrypoint: a fresh interpreter that runs payloads until told to exit.
 
 argv: CONTROL_FD REPORT_FD PARENT_PID. The agent first writes the job's secret on the
-control pipe, then signed messages: ("run", Payload) or ("exit", None). The control pipe is
-also the lifeline: EOF without an "exit" means the kernel is gone, and the worker ends its
+control pipe, then signed messages (``messages.py``): Run, Reply or Exit. The control pipe
+is also the lifeline: EOF without an Exit means the kernel is gone, and the worker ends its
 whole process group at once.
 """
 
@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 
+from elastic_magic.messages import Exit, Reply, Run
 from elastic_magic.protocol import KEY_BYTES, Channel
 from elastic_magic.worker import client as agent_client
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
@@ -60,7 +61,7 @@ def main() -> None:
     control, report = Channel(control_fd, key), Channel(report_fd, key)
     client = agent_client.AgentClient(report)
     agent_client.install(client)
-    inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+    inbox: queue.Queue[Run | Exit] = queue.Queue()
     exiting = threading.Event()
 
     def listen() -> None:
@@ -71,20 +72,18 @@ def main() -> None:
                 if not exiting.is_set():  # lifeline lost: the kernel is gone
                     os.killpg(os.getpgrp(), signal.SIGKILL)
                 return
-            if message[0] == "reply":
-                client.deliver(message[1])
-                continue
-            if message[0] == "exit":
-                exiting.set()
-            inbox.put(message)
+            match message:
+                case Reply():
+                    client.deliver(message)
+                case Exit():
+                    exiting.set()
+                    inbox.put(message)
+                case Run():
+                    inbox.put(message)
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
-    while True:
-        kind, body = inbox.get()
-        if kind == "exit":
-            break
-        if kind == "run":
-            run_payload(body, client)  # exits the process itself when the payload fails
+    while isinstance(message := inbox.get(), Run):
+        run_payload(message.payload, client)  # exits the process itself when it fails
     shutdown_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

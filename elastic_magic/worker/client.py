@@ -9,11 +9,23 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from elastic_magic.messages import Reply, StateRequest, WorkerMessage
 from elastic_magic.protocol import Channel
 
 _current: AgentClient | None = None
+
+
+class ResizeExit(BaseException):
+    """Raised in every rank by a commit that applies a pending resize. The worker leaves
+    cleanly and the agent starts the new group from this commit. A BaseException, so user
+    code's ``except Exception`` does not swallow it."""
+
+    def __init__(self, step: Any) -> None:
+        super().__init__(f"resizing after the commit of step {step}")
+        self.step = step
 
 
 class AgentClient:
@@ -23,26 +35,26 @@ class AgentClient:
         self._ids = itertools.count(1)
         self._replies: dict[int, queue.Queue[Any]] = {}
 
-    def send(self, kind: str, body: Any) -> None:
+    def send(self, message: WorkerMessage) -> None:
         with self._lock:
-            self._report.send((kind, body))
+            self._report.send(message)
 
-    def request(self, kind: str, body: dict[str, Any]) -> Any:
-        """Send a request and block until the agent answers it."""
+    def request(self, make: Callable[[int], StateRequest]) -> Any:
+        """Send the request ``make(request_id)`` and block until the agent answers it."""
         request_id = next(self._ids)
         answer: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._replies[request_id] = answer
         try:
-            self.send(kind, {**body, "request_id": request_id})
+            self.send(make(request_id))
             return answer.get()
         finally:
             del self._replies[request_id]
 
-    def deliver(self, body: dict[str, Any]) -> None:
-        """Called by the control listener for each ("reply", body) message."""
-        answer = self._replies.get(body["request_id"])
+    def deliver(self, reply: Reply) -> None:
+        """Called by the control listener for each Reply."""
+        answer = self._replies.get(reply.request_id)
         if answer is not None:
-            answer.put(body["value"])
+            answer.put(reply.value)
 
 
 def install(client: AgentClient) -> None:

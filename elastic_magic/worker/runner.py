@@ -17,24 +17,24 @@ from typing import Any
 
 import cloudpickle
 
+from elastic_magic.messages import ErrorInfo, Failed, Resized, Result, Running
 from elastic_magic.payload import CELL_FILENAME, Payload
 from elastic_magic.result import Unpicklable
-from elastic_magic.state import ResizeExit
-from elastic_magic.worker.client import AgentClient
+from elastic_magic.worker.client import AgentClient, ResizeExit
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def run_payload(payload: Payload, report: AgentClient) -> None:
-    """Run the payload and send ("result", ...) or ("error", ...); on error, exit."""
+    """Run the payload and send its Result, or Failed and exit."""
     namespace: dict[str, Any] = {}
     value = None
     try:
         namespace = _prepare(payload)
-        report.send("running", {"time": time.time()})
+        report.send(Running(time.time()))
         value = _execute(payload, namespace)
     except ResizeExit as exc:  # a resize was applied at a commit: leave cleanly
-        report.send("resized", {"step": exc.step, "time": time.time()})
+        report.send(Resized(exc.step, time.time()))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -43,7 +43,7 @@ def run_payload(payload: Payload, report: AgentClient) -> None:
             _fail(report, exc, exit_code=exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # user code may raise anything, KeyboardInterrupt included
         _fail(report, exc, exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1)
-    report.send("result", _result_message(payload, value, namespace))
+    report.send(_result_message(payload, value, namespace))
 
 
 def _prepare(payload: Payload) -> dict[str, Any]:
@@ -97,8 +97,9 @@ def _execute(payload: Payload, namespace: dict[str, Any]) -> Any:
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
     tree = ast.parse(source, filename=CELL_FILENAME)
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):  # the cell's value, as in IPython
-        last = ast.Expression(tree.body.pop().value)
+    if tree.body and isinstance(final := tree.body[-1], ast.Expr):  # the value, as IPython
+        tree.body.pop()
+        last = ast.Expression(final.value)
     exec(compile(tree, CELL_FILENAME, "exec"), namespace)
     return eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None
 
@@ -110,15 +111,16 @@ def _encode(value: Any) -> bytes:
         return cloudpickle.dumps(Unpicklable(repr(value)[:500], f"{type(exc).__name__}: {exc}"))
 
 
-def _result_message(payload: Payload, value: Any, namespace: dict[str, Any]) -> dict[str, Any]:
-    message: dict[str, Any] = {"value": _encode(value), "pulled": {}, "missing": []}
+def _result_message(payload: Payload, value: Any, namespace: dict[str, Any]) -> Result:
+    pulled: dict[str, bytes] = {}
+    missing: list[str] = []
     if int(os.environ.get("RANK", "0")) == 0:
         for name in payload.pull:
             if name in namespace:
-                message["pulled"][name] = _encode(namespace[name])
+                pulled[name] = _encode(namespace[name])
             else:
-                message["missing"].append(name)
-    return message
+                missing.append(name)
+    return Result(_encode(value), pulled, tuple(missing))
 
 
 def _user_traceback(exc: BaseException) -> types.TracebackType | None:
@@ -129,30 +131,26 @@ def _user_traceback(exc: BaseException) -> types.TracebackType | None:
     return tb or exc.__traceback__
 
 
-def describe_exception(exc: BaseException) -> dict[str, Any]:
+def describe_exception(exc: BaseException, exit_code: int) -> ErrorInfo:
     tb = _user_traceback(exc)
     text = "".join(traceback.TracebackException(type(exc), exc, tb).format())
     text = text.replace(f'File "{CELL_FILENAME}", line', "Cell line")
     cell_frames = [f for f in traceback.extract_tb(tb) if f.filename == CELL_FILENAME]
-    info: dict[str, Any] = {
-        "exc_type": type(exc).__qualname__,
-        "message": str(exc),
-        "traceback": text,
-    }
-    if cell_frames:
-        info["cell_line"] = cell_frames[-1].lineno
-        info["source_line"] = (cell_frames[-1].line or "").strip() or None
-    return info
+    where = cell_frames[-1] if cell_frames else None
+    return ErrorInfo(
+        exc_type=type(exc).__qualname__, message=str(exc), traceback=text, time=time.time(),
+        exit_code=exit_code, cell_line=where.lineno if where else None,
+        source_line=((where.line or "").strip() or None) if where else None,
+    )
 
 
 def _fail(report: AgentClient, exc: BaseException, exit_code: int) -> None:
-    info = describe_exception(exc)
-    info.update(time=time.time(), exit_code=exit_code)
-    sys.stderr.write(info["traceback"])
+    info = describe_exception(exc, exit_code)
+    sys.stderr.write(info.traceback)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        report.send("error", info)
+        report.send(Failed(info))
     finally:
         # Skip interpreter teardown: it can hang in collectives with peers already gone.
         os._exit(exit_code)

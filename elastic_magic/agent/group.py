@@ -1,0 +1,179 @@
+"""A WorkerGroup: one attempt's workers on this machine, as the loop sees them."""
+
+from __future__ import annotations
+
+import queue
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from ..events import EventSink
+from ..messages import Exit, Failed, Resized, Result, Run, Running, StateRequest
+from ..result import RankFailure, root_cause_order
+from .policy import GroupStatus
+from .workers import (
+    INTERRUPT_ESCALATION,
+    TEARDOWN_ESCALATION,
+    Worker,
+    WorkerReport,
+    WorkerState,
+    join_threads,
+    spawn,
+    stop,
+    wait_for_exit,
+)
+
+# A worker that exited without its report pipe closing (a forked grandchild holds it) is
+# judged on its exit code after this long.
+_CHANNEL_CLOSE_GRACE = 1.0
+_EXIT_AFTER_RESULTS_TIMEOUT = 30.0
+
+
+class WorkerGroup:
+    """One attempt's workers on this machine. It reports what happened (``record``,
+    ``poll``) and carries out what the loop decides (``tear_down``, ``interrupt``,
+    ``release``); it decides nothing itself."""
+
+    def __init__(self, attempt: int, base_rank: int, nproc: int) -> None:
+        self.attempt = attempt
+        self.workers = [Worker(local_rank=i, global_rank=base_rank + i, attempt=attempt)
+                        for i in range(nproc)]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(w.global_rank for w in self.workers)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(w.pid for w in self.workers)
+
+    def live_pids(self) -> dict[int, int]:
+        return {w.global_rank: w.pid for w in self.workers if not w.reaped()}
+
+    def start(self, payload: Any, env_for: Any, *, cwd: str, key: bytes, log_root: Path,
+              inbox: queue.Queue[Any], emit: EventSink) -> None:
+        """Spawn every worker (``env_for(worker)`` gives its environment) and send it the
+        payload."""
+        for worker in self.workers:
+            spawn(worker, env=env_for(worker), cwd=cwd, key=key, log_root=log_root,
+                  inbox=inbox, emit=emit)
+            worker.send(Run(payload))
+
+    def record(self, report: WorkerReport) -> StateRequest | None:
+        """Take in one report of this attempt; a State request is returned to be served."""
+        if report.attempt != self.attempt:
+            return None
+        worker = self.workers[report.local_rank]
+        match report.message:
+            case None:
+                worker.channel_closed_at = report.time
+            case Running():
+                worker.running = True
+            case Result() as result:
+                worker.result = result
+                worker.state = WorkerState.SUCCEEDED
+            case Failed(error):
+                worker.error = error
+                worker.state = WorkerState.FAILED
+            case Resized():
+                worker.resized = True
+                worker.state = WorkerState.STOPPED
+            case request:
+                return request
+        return None
+
+    def poll(self) -> GroupStatus:
+        """Look at exits, then say where the group stands."""
+        self._note_exits()
+        return GroupStatus(
+            failed=any(self._has_failed(w) for w in self.workers),
+            succeeded=all(w.state is WorkerState.SUCCEEDED for w in self.workers),
+            resized=all(w.resized for w in self.workers),
+            running=all(w.running for w in self.workers),
+        )
+
+    def _note_exits(self) -> None:
+        now = time.time()
+        for worker in self.workers:
+            code = worker.proc.poll() if worker.proc else None
+            if code is None or worker.exited_at is not None:
+                continue
+            worker.exited_at = now
+            if code == 0 and worker.state is WorkerState.HEALTHY and worker.result is None \
+                    and not worker.resized:
+                # Exited cleanly without a result (os._exit(0) in the cell): success, no value.
+                worker.result = Result(cloudpickle.dumps(None))
+                worker.state = WorkerState.SUCCEEDED
+
+    @staticmethod
+    def _has_failed(worker: Worker) -> bool:
+        if worker.error is not None:
+            return True
+        code = worker.proc.poll() if worker.proc else None
+        if code is None or code == 0 or worker.exited_at is None:
+            return False
+        # Wait for its report pipe to close so an error report in flight is not missed.
+        return worker.channel_closed_at is not None or (
+            time.time() - worker.exited_at > _CHANNEL_CLOSE_GRACE
+        )
+
+    def tear_down(self) -> float:
+        """Stop every worker at once (no waiting for collective timeouts); the time of the
+        teardown, to tell who failed on their own from who was stopped by it."""
+        teardown_at = time.time()
+        self.stop_now()
+        return teardown_at
+
+    def failures_before(self, teardown_at: float) -> list[RankFailure]:
+        """After a teardown (and once its reports are recorded): the workers that failed on
+        their own, root cause first. Every worker is marked FAILED or STOPPED."""
+        self._note_exits()
+        failures = [
+            w.failure() for w in self.workers
+            if (w.error is not None and w.error.time <= teardown_at)
+            or (w.error is None and w.exited_at is not None and w.exited_at <= teardown_at
+                and w.proc is not None and w.proc.returncode != 0)
+        ]
+        for worker in self.workers:
+            worker.state = WorkerState.FAILED if worker.error else WorkerState.STOPPED
+        return root_cause_order(failures)
+
+    def stop_now(self) -> None:
+        """SIGTERM, then SIGKILL: a teardown or a regroup."""
+        stop(self.workers, TEARDOWN_ESCALATION)
+        join_threads(self.workers, timeout=2.0)
+        for worker in self.workers:
+            if worker.state is not WorkerState.SUCCEEDED:
+                worker.state = WorkerState.STOPPED
+
+    def interrupt(self) -> None:
+        """A stop request: SIGINT first (the cell sees KeyboardInterrupt), then escalate."""
+        stop(self.workers, INTERRUPT_ESCALATION)
+        join_threads(self.workers, timeout=2.0)
+        for worker in self.workers:
+            if worker.state is not WorkerState.SUCCEEDED:
+                worker.state = WorkerState.STOPPED
+
+    def release(self) -> None:
+        """Every rank has its result (or left at a commit): let the workers exit, then
+        collect their output."""
+        for worker in self.workers:
+            worker.send(Exit())
+        if not wait_for_exit(self.workers, _EXIT_AFTER_RESULTS_TIMEOUT):
+            stop(self.workers, TEARDOWN_ESCALATION)
+        for worker in self.workers:
+            worker.close_control()
+        join_threads(self.workers)
+
+    def close(self) -> None:
+        """Whatever happened: no worker left running, every pump drained."""
+        stop(self.workers, TEARDOWN_ESCALATION)
+        join_threads(self.workers)
+
+    def results(self) -> dict[int, Result]:
+        return {w.global_rank: w.result for w in self.workers if w.result is not None}
+
+    def tails(self) -> dict[int, list[str]]:
+        return {w.global_rank: list(w.tail) for w in self.workers}

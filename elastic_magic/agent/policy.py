@@ -1,0 +1,143 @@
+"""The agent's decisions, apart from the mechanisms they steer: what to do while a group
+runs, after it ends, and when membership changes. Pure values in, values out, so every rule
+is tested without processes (tests/test_policy.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from ..messages import Action
+from ..result import JobState
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """What ``WorkerGroup.poll()`` saw: a value, decided on by the loop."""
+
+    failed: bool = False  # a worker reported an error, or died with a non-zero code
+    succeeded: bool = False  # every worker reported its result
+    resized: bool = False  # every worker left at a commit that applied a resize
+    running: bool = False  # every worker is in user code
+
+
+class Step(Enum):
+    """What the loop does next while a group runs."""
+
+    WAIT = "wait"
+    STOP = "stop"  # a stop request: interrupt the workers, end the job
+    REGROUP = "regroup"  # membership changes now: stop the group, next round
+    NODE_FAILED = "node_failed"  # another machine failed for good: end here too
+    FAILED = "failed"  # tear the group down at once; restart if allowed
+    SUCCEEDED = "succeeded"
+    RESIZED = "resized"  # every rank left at a commit: next round at the new size
+
+
+def while_running(action: Action | None, regroup_due: bool, status: GroupStatus) -> Step:
+    """Commands first (a stop beats everything), then membership, then the group itself."""
+    if action is Action.STOP:
+        return Step.STOP
+    if action is Action.REGROUP or regroup_due:
+        return Step.REGROUP
+    if action is Action.NODE_FAILED:
+        return Step.NODE_FAILED
+    if status.failed:
+        return Step.FAILED
+    if status.succeeded:
+        return Step.SUCCEEDED
+    if status.resized:
+        return Step.RESIZED
+    return Step.WAIT
+
+
+class Next(Enum):
+    """What follows a group that has ended."""
+
+    END = "end"
+    RESTART = "restart"  # counts against --max-restarts
+    NEW_ROUND = "new_round"  # a membership change: does not count
+
+
+def after_group(step: Step, restarts_used: int, max_restarts: int) -> Next:
+    if step in (Step.REGROUP, Step.RESIZED):
+        return Next.NEW_ROUND
+    if step is Step.FAILED and restarts_used < max_restarts:
+        return Next.RESTART
+    return Next.END  # another machine's failure for good ends the job whatever is left
+
+
+def final_state(step: Step) -> JobState:
+    """How the job ends after a group that ended with ``step`` (and no new round)."""
+    if step is Step.SUCCEEDED:
+        return JobState.SUCCEEDED
+    if step is Step.STOP:
+        return JobState.STOPPED
+    return JobState.FAILED
+
+
+class Resize(Enum):
+    NONE = "none"  # already that size
+    AT_COMMIT = "at_commit"  # every rank leaves at the next commit
+    NOW = "now"  # stop the group; the next round resumes from the last commit
+
+
+@dataclass
+class Membership:
+    """This machine's worker count and the resize waiting to be applied."""
+
+    nproc: int
+    pending: int | None = None
+    resizes: int = 0
+
+    def request(self, target: int, *, graceful: bool) -> Resize:
+        """Note a resize to ``target``: applied at the next commit when ``graceful`` (no
+        step lost), else now."""
+        if target == self.nproc and self.pending is None:
+            return Resize.NONE
+        self.pending = target
+        return Resize.AT_COMMIT if graceful else Resize.NOW
+
+    @property
+    def resize_pending(self) -> bool:
+        return self.pending is not None and self.pending != self.nproc
+
+    def apply(self) -> tuple[int, int] | None:
+        """Before a new round: take the pending size; (old, new) when it changed."""
+        old, new = self.nproc, self.pending
+        self.pending = None
+        if new is None or new == old:
+            return None
+        self.nproc = new
+        self.resizes += 1
+        return old, new
+
+
+@dataclass
+class RegroupClock:
+    """torch's waiting-node mechanism: when a machine waits for the next round, every
+    machine leaves its group and re-rendezvous. A group with State first gets
+    ``graceful_wait`` seconds to leave at its next commit (which then answers "resize").
+    The rendezvous is asked at most every ``check_interval`` seconds (a store read)."""
+
+    check_interval: float = 0.5
+    graceful_wait: float = 10.0
+    _next_check: float = 0.0
+    _due_at: float | None = None
+
+    def due(self, now: float, nodes_waiting: bool | None, graceful: bool) -> bool:
+        """``nodes_waiting`` is None when the check is skipped (see :meth:`check_now`)."""
+        if nodes_waiting is None:
+            return self._due_at is not None and now >= self._due_at
+        self._next_check = now + self.check_interval
+        if not nodes_waiting:
+            self._due_at = None
+            return False
+        if self._due_at is None:
+            self._due_at = now + (self.graceful_wait if graceful else 0.0)
+        return now >= self._due_at
+
+    def check_now(self, now: float) -> bool:
+        return now >= self._next_check
+
+    def reset(self) -> None:
+        self._due_at = None

@@ -1,0 +1,249 @@
+"""Every message that crosses a process or machine boundary, as frozen dataclasses.
+
+Three conversations share this vocabulary, each over signed frames (``protocol.py``):
+
+- agent -> worker (control pipe): :class:`Run`, :class:`Reply`, :class:`Exit`;
+- worker -> agent (report pipe): :class:`Running`, :class:`Result`, :class:`Failed`,
+  :class:`Resized`, and the State requests :class:`StateGet` and :class:`Commit`;
+- head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
+  :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
+  :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`.
+
+Receivers dispatch with ``match``. Workers import this module, so it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from .result import JobState, RankFailure
+
+if TYPE_CHECKING:
+    from .payload import Payload
+    from .spec import JobSpec
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A memory file offered to the peer, which opens it through /proc (same user, no copy
+    through a pipe)."""
+
+    pid: int
+    fd: int
+    size: int
+
+    @classmethod
+    def of(cls, fd: int) -> Handoff:
+        """Offer this process's descriptor ``fd``."""
+        return cls(os.getpid(), fd, os.fstat(fd).st_size)
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{self.pid}/fd/{self.fd}"
+
+
+# -- agent -> worker ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a worker's request (``StateGet`` or ``Commit``)."""
+
+    request_id: int
+    value: StateReply | CommitReply
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Leave the worker loop (after the last payload)."""
+
+
+# -- worker -> agent ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Running:
+    """The worker is set up (device, process group, globals) and runs user code."""
+
+    time: float
+
+
+@dataclass(frozen=True)
+class Result:
+    """A rank's outcome: its value and pulled variables, cloudpickled."""
+
+    value: bytes
+    pulled: dict[str, bytes] = field(default_factory=dict)
+    missing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """What a worker knows about the exception that ended it."""
+
+    exc_type: str
+    message: str
+    traceback: str
+    time: float
+    exit_code: int
+    cell_line: int | None = None
+    source_line: str | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ErrorInfo
+
+
+@dataclass(frozen=True)
+class Resized:
+    """The worker left at a commit that applied a resize."""
+
+    step: Any
+    time: float
+
+
+@dataclass(frozen=True)
+class StateGet:
+    """Ask for the latest snapshot; ``inline`` asks for bytes rather than a memory file."""
+
+    request_id: int
+    inline: bool = False
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A new snapshot: in ``snapshot`` (bytes), or in a memory file the worker offers."""
+
+    request_id: int
+    step: Any
+    time: float
+    snapshot: bytes | None = None
+    handoff: Handoff | None = None
+
+
+StateRequest = StateGet | Commit
+WorkerMessage = Running | Result | Failed | Resized | StateGet | Commit
+
+
+@dataclass(frozen=True)
+class StateReply:
+    commit_id: int
+    snapshot: bytes | None = None
+    handoff: Handoff | None = None
+
+
+@dataclass(frozen=True)
+class CommitReply:
+    resize: bool = False  # every rank leaves at this commit
+    handoff_failed: bool = False  # the agent cannot read the memory file: use the pipe
+
+
+# -- commands into an agent (from any kernel thread) ----------------------------------
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    reason: str = "stopped"
+
+
+@dataclass(frozen=True)
+class ScaleCommand:
+    nproc: int
+    immediate: bool = False
+
+
+class Action(Enum):
+    """What an incoming message asks the agent's loop to do."""
+
+    STOP = "stop"  # end the job
+    REGROUP = "regroup"  # leave the group now; the next round re-forms it
+    NODE_FAILED = "node_failed"  # another machine failed for good: end here too
+
+
+# -- head <-> joined machines ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobOffer:
+    """The head's first frame to a machine that proved the token."""
+
+    run_id: str
+    spec: JobSpec
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class Hello:
+    host: str
+    nproc: int
+
+
+@dataclass(frozen=True)
+class Forward:
+    """An event of the machine's ranks (output, failures) for the notebook to show."""
+
+    event: Any
+
+
+@dataclass(frozen=True)
+class NodeRequest:
+    """A joined machine's worker asks for State (the head holds the snapshots)."""
+
+    attempt: int
+    local_rank: int
+    request: StateRequest
+
+
+@dataclass(frozen=True)
+class NodeReply:
+    attempt: int
+    local_rank: int
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """A joined machine's group succeeded in round ``round_id``."""
+
+    round_id: str
+    node_rank: int
+    results: dict[int, Result]
+    tails: dict[int, list[str]]
+
+
+@dataclass(frozen=True)
+class NodeFinished:
+    state: JobState
+    failures: list[RankFailure]
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """A joined machine is about to stop its ranks: regroup without it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """The head: leave the group now and re-rendezvous."""
+
+
+@dataclass(frozen=True)
+class EndJob:
+    """The head: the job is over."""
+
+    reason: str
+
+
+LinkMessage = (JobOffer | Hello | Forward | NodeRequest | NodeReply | GroupResult
+               | NodeFinished | Leaving | Regroup | EndJob)

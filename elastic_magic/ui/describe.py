@@ -1,0 +1,71 @@
+"""One sentence per event, for people: the dashboard's timeline and the text renderer's
+``[elastic]`` lines both come from here, so they say the same thing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..events import (
+    AcceptingNodes,
+    Committed,
+    Event,
+    JobFinished,
+    MembershipChanged,
+    NodeConnected,
+    RendezvousCompleted,
+    ResizeRequested,
+    Restarting,
+    WorkerFailed,
+    WorkersStarted,
+)
+
+
+@dataclass(frozen=True)
+class Note:
+    kind: str  # what happened, in a word: "rendezvous", "failure", "succeeded", ...
+    text: str  # a sentence that reads on its own
+
+
+def describe(event: Event) -> Note | None:
+    """What to tell a person about ``event``; None for events that are not news (output,
+    state changes, ordinary commits)."""
+    match event:
+        case RendezvousCompleted(round=round_, world_size=world_size, nnodes=nnodes):
+            return Note("rendezvous", f"rendezvous round {round_}: world size {world_size} "
+                                      f"on {_count(nnodes, 'node')}")
+        case WorkersStarted(attempt=attempt, ranks=ranks, pids=pids):
+            return Note("start", f"attempt {attempt}: started ranks {_ranks(ranks)} "
+                                 f"(pids {', '.join(map(str, pids))})")
+        case WorkerFailed(failure=failure):
+            return Note("failure", f"rank {failure.rank} failed: {failure.headline}")
+        case Restarting(restart_count=count, max_restarts=most, root_cause=cause):
+            return Note("restart", f"restarting the group ({count}/{most}) after rank "
+                                   f"{cause.rank}: {cause.headline}")
+        case Committed(origin="checkpoint", step=step):
+            return Note("checkpoint", f"resuming from the checkpoint of step {step}")
+        case ResizeRequested(target=target, graceful=graceful):
+            when = "at the next commit" if graceful else "now"
+            return Note("resize", f"resize to {_count(target, 'worker')} requested ({when})")
+        case MembershipChanged(old_nproc=old, new_nproc=new):
+            return Note("membership", f"resizing: {old} -> {_count(new, 'worker')} "
+                                      "(not a restart)")
+        case AcceptingNodes(command=command):
+            return Note("nodes", f"other machines join this job with: {command}")
+        case NodeConnected(peer=peer, nproc=nproc, connected=connected):
+            verb = f"joined with {_count(nproc, 'worker')}" if connected else "left"
+            return Note("nodes", f"machine {peer} {verb}")
+        case JobFinished(result=result):
+            reason = f" ({result.stop_reason})" if result.stop_reason else ""
+            return Note(result.state.value,
+                        f"{result.summary()}{reason}; logs: {result.log_dir}")
+        case _:
+            return None
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    """Ranks on one machine are contiguous: 0-7 rather than eight numbers."""
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 else ", ".join(map(str, ranks))

@@ -1,0 +1,118 @@
+"""The agent's decisions, without processes: what the loop does while a group runs, after it
+ends, on resize requests and when other machines wait; and the status board other threads
+read."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from elastic_magic.agent.policy import (
+    GroupStatus,
+    Membership,
+    Next,
+    RegroupClock,
+    Resize,
+    Step,
+    after_group,
+    final_state,
+    while_running,
+)
+from elastic_magic.agent.status import StatusBoard
+from elastic_magic.messages import Action
+from elastic_magic.result import JobState
+
+FAILED = GroupStatus(failed=True)
+SUCCEEDED = GroupStatus(succeeded=True, running=True)
+RESIZED = GroupStatus(resized=True)
+BUSY = GroupStatus(running=True)
+
+
+@pytest.mark.parametrize(("action", "regroup_due", "status", "step"), [
+    (None, False, BUSY, Step.WAIT),
+    (None, False, GroupStatus(), Step.WAIT),
+    # a stop beats everything, a failure included: the user asked for it
+    (Action.STOP, True, FAILED, Step.STOP),
+    (Action.STOP, False, SUCCEEDED, Step.STOP),
+    # membership changes come before the group's own state: a rank that fails because a
+    # machine left is part of the regroup, not a failure
+    (Action.REGROUP, False, FAILED, Step.REGROUP),
+    (None, True, FAILED, Step.REGROUP),
+    (Action.NODE_FAILED, False, BUSY, Step.NODE_FAILED),
+    (None, False, FAILED, Step.FAILED),
+    # a failure and a success in the same poll: the failure decides
+    (None, False, GroupStatus(failed=True, succeeded=True), Step.FAILED),
+    (None, False, SUCCEEDED, Step.SUCCEEDED),
+    (None, False, RESIZED, Step.RESIZED),
+])
+def test_while_running(action, regroup_due, status, step):
+    assert while_running(action, regroup_due, status) is step
+
+
+@pytest.mark.parametrize(("step", "used", "allowed", "next_", "final"), [
+    (Step.FAILED, 0, 1, Next.RESTART, JobState.FAILED),
+    (Step.FAILED, 1, 1, Next.END, JobState.FAILED),
+    (Step.FAILED, 0, 0, Next.END, JobState.FAILED),
+    # membership changes never spend a restart, even with none left
+    (Step.REGROUP, 3, 3, Next.NEW_ROUND, JobState.FAILED),
+    (Step.RESIZED, 0, 0, Next.NEW_ROUND, JobState.FAILED),
+    # another machine failed for good: the job ends whatever restarts are left here
+    (Step.NODE_FAILED, 0, 5, Next.END, JobState.FAILED),
+    (Step.STOP, 0, 5, Next.END, JobState.STOPPED),
+    (Step.SUCCEEDED, 0, 5, Next.END, JobState.SUCCEEDED),
+])
+def test_after_group(step, used, allowed, next_, final):
+    assert after_group(step, used, allowed) is next_
+    if next_ is Next.END:
+        assert final_state(step) is final
+
+
+def test_membership_resizes_at_a_commit_or_now_and_counts_only_real_changes():
+    m = Membership(nproc=2)
+    assert m.request(2, graceful=True) is Resize.NONE and not m.resize_pending
+    assert m.request(3, graceful=True) is Resize.AT_COMMIT and m.resize_pending
+    assert m.request(4, graceful=False) is Resize.NOW  # the latest request wins
+    assert m.apply() == (2, 4) and m.nproc == 4 and m.resizes == 1
+    assert m.apply() is None and m.resizes == 1  # nothing pending any more
+    # asked to go back to the current size before the change applied: nothing changes
+    m.request(1, graceful=True)
+    m.request(4, graceful=True)
+    assert not m.resize_pending and m.apply() is None and m.resizes == 1
+
+
+def test_regroup_clock_waits_for_a_commit_only_when_graceful():
+    clock = RegroupClock(check_interval=0.5, graceful_wait=10.0)
+    assert clock.check_now(0.0)
+    assert not clock.due(0.0, nodes_waiting=False, graceful=True)
+    assert not clock.check_now(0.2)  # the rendezvous is asked at most every 0.5 s
+    assert not clock.due(0.2, nodes_waiting=None, graceful=True)
+    # a machine waits: a group with State gets 10 s to leave at its next commit
+    assert not clock.due(1.0, nodes_waiting=True, graceful=True)
+    assert not clock.due(5.0, nodes_waiting=True, graceful=True)
+    assert clock.due(11.0, nodes_waiting=None, graceful=True)
+    # the machine stopped waiting (it joined): the deadline is forgotten
+    assert not clock.due(12.0, nodes_waiting=False, graceful=True)
+    # without State there is nothing to wait for
+    assert clock.due(13.0, nodes_waiting=True, graceful=False)
+    clock.reset()  # a new group
+    assert not clock.due(13.0, nodes_waiting=None, graceful=False)
+
+
+def test_status_board_is_immutable_and_waits_without_polling():
+    board = StatusBoard()
+    first = board.current
+    board.publish(state=JobState.RUNNING, pids={0: 11})
+    assert first.state is JobState.RENDEZVOUS  # a snapshot never changes under a reader
+    with pytest.raises(TypeError):
+        board.current.pids[1] = 12  # type: ignore[index]
+
+    def commit_later():
+        board.publish(last_commit={"step": 3})
+
+    threading.Timer(0.05, commit_later).start()
+    status = board.wait_for(lambda s: s.last_commit is not None, timeout=10)
+    assert status.last_commit == {"step": 3}
+    # a waiter is released when the job is done, whatever it waited for
+    threading.Timer(0.05, lambda: board.publish(done=True)).start()
+    assert board.wait_for(lambda s: False, timeout=10).done
