@@ -71,4 +71,9 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
+    """Stop this kernel's running jobs and remove both magics."""
+    magics = ipython.magics_manager.registry.pop("ElasticMagics", None)
+    if magics is not None:
+        magics.stop_all()
     ipython.magics_manager.magics["cell"].pop("elastic", None)
+    ipython.magics_manager.magics["line"].pop("elastic", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shlex
 import threading
 from collections import deque
@@ -19,6 +20,9 @@ from .payload import Payload, PayloadError, build_payload, uses_ipython_syntax
 from .result import JobFailedError, JobResult
 from .spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
 from .ui.text import TextRenderer
+
+# Finished jobs that `%elastic jobs` keeps listing; running jobs are always kept.
+JOB_HISTORY = 100
 
 _SUBCOMMANDS = """\
 %elastic jobs                     list this kernel's jobs
@@ -55,7 +59,8 @@ class ElasticMagics(Magics):
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        self.jobs: dict[int, Job] = {}
+        self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
+        self._numbers = itertools.count(1)
 
     @_with_flags
     @cell_magic
@@ -95,22 +100,28 @@ class ElasticMagics(Magics):
         except ValueError as exc:  # shlex: unbalanced quotes in the flags
             raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
         spec = self._spec(opts)
-        job = Job(spec, self._payload(cell, spec)).start()
-        self.jobs[len(self.jobs) + 1] = job
-        view = self._view(job, opts.text)
-        if opts.bg:
-            if opts.out:
-                self.shell.user_ns[opts.out] = job
-            threading.Thread(target=self._follow, args=(job, view), daemon=True,
-                             name=f"elastic-view-{job.run_id}").start()
-            return job
-        try:
+        job = Job(spec, self._payload(cell, spec))
+        view: Renderer | None = None
+        try:  # from here on, an interrupt or error anywhere must not orphan the job
+            job.start()
+            self._remember(job)
+            view = self._view(job, opts.text)
+            if opts.bg:
+                if opts.out:
+                    self.shell.user_ns[opts.out] = job
+                threading.Thread(target=self._follow, args=(job, view), daemon=True,
+                                 name=f"elastic-view-{job.run_id}").start()
+                return job
             result = job.wait(view)
+        except BaseException:
+            job.end("interrupted")
+            self._finish_view(view)  # the record of what ran
+            raise
         finally:
-            # On interrupt too: the record of what ran, and the result if there is one.
-            self._finish_view(view)
-            if opts.out and job.result is not None:
+            # On interrupt too: the result if there is one.
+            if opts.out and not opts.bg and job.result is not None:
                 self.shell.user_ns[opts.out] = job.result
+        self._finish_view(view)
         return self._deliver(result)
 
     @line_magic("elastic")  # type: ignore[arg-type]  # IPython mistypes line_magic(name)
@@ -167,7 +178,7 @@ class ElasticMagics(Magics):
         return TextRenderer()
 
     @staticmethod
-    def _finish_view(view: Renderer) -> None:
+    def _finish_view(view: Renderer | None) -> None:
         finish = getattr(view, "finish", None)
         if finish is not None:
             finish()
@@ -192,6 +203,19 @@ class ElasticMagics(Magics):
             )
         # Like IPython's own cells: show a value only when the cell produced one.
         return result if any(v is not None for v in result.values.values()) else None
+
+    def _remember(self, job: Job) -> None:
+        """Number the job for %elastic; keep a bounded history of finished jobs (each
+        keeps its result, which may hold a snapshot)."""
+        self.jobs[next(self._numbers)] = job
+        finished = [n for n, j in self.jobs.items() if j.done]
+        for number in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:
+            del self.jobs[number]
+
+    def stop_all(self) -> None:
+        """End every job of this kernel that still runs (the extension is unloaded)."""
+        for job in list(self.jobs.values()):
+            job.end("the extension was unloaded")
 
     # -- %elastic helpers ----------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import shlex
 import socket
@@ -20,6 +21,13 @@ from typing import Any
 
 BACKENDS = ("auto", "gloo", "nccl")
 NPROC_WORDS = ("auto", "cpu", "gpu")
+
+# Bounds that keep every number meaningful where it ends up: torch's timedelta timeouts,
+# environment variables, process tables.
+MAX_WORKERS = 1024  # on one machine
+MAX_RESTARTS = 10_000
+MAX_SECONDS = 30 * 24 * 3600.0
+MAX_MONITOR_INTERVAL = 60.0
 
 
 class SpecError(ValueError):
@@ -62,8 +70,13 @@ def resolve_nproc(nproc: int | str | None, gpus: int) -> int:
             raise SpecError(
                 f"--nproc {nproc!r}: expected a whole number or one of {', '.join(NPROC_WORDS)}."
             ) from None
+    if isinstance(nproc, bool) or not isinstance(nproc, int):
+        raise SpecError(f"--nproc {nproc!r}: expected a whole number or one of "
+                        f"{', '.join(NPROC_WORDS)}.")
     if nproc < 1:
         raise SpecError(f"--nproc {nproc}: a job needs at least 1 worker.")
+    if nproc > MAX_WORKERS:
+        raise SpecError(f"--nproc {nproc}: at most {MAX_WORKERS} workers on one machine.")
     return nproc
 
 
@@ -143,22 +156,31 @@ def _number(label: str, value: Any, kind: type[int] | type[float]) -> Any:
     return number
 
 
-def _zero_or_more(label: str, value: Any) -> int:
+def _zero_or_more(label: str, value: Any, high: int = MAX_RESTARTS) -> int:
     number: int = _number(label, value, int)
-    if number < 0:
-        raise SpecError(f"{label} {value}: must be 0 or more.")
+    if not 0 <= number <= high:
+        raise SpecError(f"{label} {value}: must be between 0 and {high}.")
     return number
 
 
-def _seconds(label: str, value: Any) -> float:
+def _seconds(label: str, value: Any, high: float = MAX_SECONDS) -> float:
     number = float(_number(label, value, float))
-    if not number > 0:
-        raise SpecError(f"{label} {value}: must be above 0 seconds.")
+    if not (math.isfinite(number) and 0 < number <= high):  # nan fails every comparison
+        raise SpecError(f"{label} {value}: must be above 0 and at most {high:g} seconds.")
     return number
+
+
+def _interval(label: str, value: Any) -> float:
+    return _seconds(label, value, MAX_MONITOR_INTERVAL)
 
 
 def _optional_count(label: str, value: Any) -> int | None:
-    return None if value is None else int(_number(label, value, int))
+    if value is None:
+        return None
+    number = int(_number(label, value, int))
+    if not 1 <= number <= MAX_WORKERS:
+        raise SpecError(f"{label} {value}: must be between 1 and {MAX_WORKERS} workers.")
+    return number
 
 
 def _gpus(label: str, value: Any) -> int:
@@ -257,7 +279,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_restarts", "--max-restarts", 0, "restarts of the whole group after a "
            "failure", "N", _zero_or_more),
     Option("monitor_interval", "--monitor-interval", 0.1, "seconds between health checks "
-           "of the workers", "S", _seconds),
+           "of the workers", "S", _interval),
     Option("env", "--env", None, "set an environment variable in the workers (repeatable)",
            "K=V", lambda _, v: parse_env(v), action="append"),
     Option("argv", "--args", None, "the cell's sys.argv[1:], as one string: \"--lr 0.1\"",

@@ -91,3 +91,79 @@ def test_help_lists_every_flag(ip):
     for flag in ("-o", "--out", "--bg", "--text"):
         assert f" {flag} " in doc
     ip.run_cell("%%elastic?")  # the help page itself renders without error
+
+
+class _Reached(BaseException):
+    """The cell got to its wait loop: the counting run ends there."""
+
+
+def _line_events(package: str, stop_at: int | None):
+    """A tracer for the main thread that numbers every line run in ``package`` and raises
+    KeyboardInterrupt at line number ``stop_at`` (a Ctrl-C at that very point), or
+    ``_Reached`` once the job's wait loop renders its first batch."""
+    seen: list[tuple[str, str, int]] = []
+
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(package):
+            return None
+        if event == "call" and frame.f_code.co_name == "_render_batch":
+            raise _Reached
+        if event == "line":
+            seen.append((frame.f_code.co_filename, frame.f_code.co_name, frame.f_lineno))
+            if len(seen) == stop_at:
+                raise KeyboardInterrupt
+        return tracer
+
+    return tracer, seen
+
+
+def test_an_interrupt_anywhere_in_a_cells_start_leaves_no_job_running(ip, log_dir):
+    """Ctrl-C can land on any line between the magic's start and its wait for the job (a
+    dashboard being built, the job being registered): the job is stopped either way."""
+    import sys
+    from pathlib import Path
+
+    package = str(Path(em.__file__).parent)
+    line, cell = f"--nproc 2 --text --log-dir {log_dir}", "import time\ntime.sleep(120)\n"
+    magics = ip.magics_manager.registry["ElasticMagics"]
+
+    def run(stop_at):
+        tracer, seen = _line_events(package, stop_at)
+        sys.settrace(tracer)
+        try:
+            ip.run_cell_magic("elastic", line, cell)
+        except (_Reached, KeyboardInterrupt) as exc:
+            outcome = type(exc)
+        finally:
+            sys.settrace(None)
+        return outcome, seen
+
+    outcome, lines = run(stop_at=None)  # count the lines, then stop the job it started
+    assert outcome is _Reached
+    started_at = next(i for i, (_, name, _) in enumerate(lines, 1) if name == "start")
+    assert 0 < started_at < len(lines)
+    points = sorted({*range(1, started_at, max(1, started_at // 8)),
+                     *range(started_at, len(lines) + 1)})
+    assert len(points) >= 10
+    for point in points:
+        outcome, _ = run(stop_at=point)
+        assert outcome is KeyboardInterrupt, f"line {point}: {lines[point - 1]}"
+        assert all(job.done for job in magics.jobs.values()), f"line {point} orphaned a job"
+        assert not tagged_workers(), f"line {point}: {lines[point - 1]} left workers"
+
+
+def test_unload_stops_background_jobs_and_removes_both_magics(log_dir):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "elastic_magic")
+    job = shell.run_cell_magic("elastic", f"--nproc 1 --bg --text --log-dir {log_dir}",
+                               "import time\ntime.sleep(120)\n")
+    assert job.wait_for_running(timeout=60) or job.done
+    shell.run_line_magic("unload_ext", "elastic_magic")
+    assert job.done and job.state is em.JobState.STOPPED
+    assert "elastic" not in shell.magics_manager.magics["cell"]
+    assert "elastic" not in shell.magics_manager.magics["line"]
+    assert not tagged_workers()
+    shell.run_line_magic("load_ext", "elastic_magic")  # and it loads again
+    assert "elastic" in shell.magics_manager.magics["line"]

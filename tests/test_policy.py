@@ -17,6 +17,7 @@ from elastic_magic.agent.policy import (
     Step,
     after_group,
     final_state,
+    settle,
     while_running,
 )
 from elastic_magic.agent.status import StatusBoard
@@ -40,6 +41,8 @@ BUSY = GroupStatus(running=True)
     (Action.REGROUP, False, FAILED, Step.REGROUP),
     (None, True, FAILED, Step.REGROUP),
     (Action.NODE_FAILED, False, BUSY, Step.NODE_FAILED),
+    # a machine that failed for good ends the job even while others wait to join
+    (Action.NODE_FAILED, True, BUSY, Step.NODE_FAILED),
     (None, False, FAILED, Step.FAILED),
     # a failure and a success in the same poll: the failure decides
     (None, False, GroupStatus(failed=True, succeeded=True), Step.FAILED),
@@ -66,6 +69,20 @@ def test_after_group(step, used, allowed, next_, final):
     assert after_group(step, used, allowed) is next_
     if next_ is Next.END:
         assert final_state(step) is final
+
+
+@pytest.mark.parametrize(("step", "stop", "node_failed", "settled"), [
+    (Step.FAILED, False, False, Step.FAILED),
+    # a stop that arrived while the failed group was torn down: no restart, stopped
+    (Step.FAILED, True, False, Step.STOP),
+    # another machine failed for good meanwhile: no restart here either
+    (Step.FAILED, False, True, Step.NODE_FAILED),
+    (Step.REGROUP, False, True, Step.NODE_FAILED),
+    (Step.RESIZED, True, True, Step.STOP),
+    (Step.SUCCEEDED, True, True, Step.SUCCEEDED),  # the work is done: a success stays one
+])
+def test_what_arrives_during_a_teardown_outranks_a_restart(step, stop, node_failed, settled):
+    assert settle(step, stop_requested=stop, node_failed=node_failed) is settled
 
 
 def test_membership_resizes_at_a_commit_or_now_and_counts_only_real_changes():

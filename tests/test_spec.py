@@ -39,7 +39,7 @@ def test_backend_resolution_and_errors(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"max_restarts": -1}, "0 or more"),
+        ({"max_restarts": -1}, "between 0 and"),
         ({"monitor_interval": 0}, "above 0"),
         ({"timeout": -5}, "above 0"),
         ({"pull": ["not a name"]}, "not a Python variable name"),
@@ -48,6 +48,36 @@ def test_backend_resolution_and_errors(tmp_path):
 def test_bad_values(tmp_path, kwargs, fragment):
     with pytest.raises(SpecError, match=fragment):
         JobSpec.create(1, gpus=0, log_dir=tmp_path, **kwargs)
+
+
+WHOLE_NUMBERS = ("nproc", "min_nproc", "max_nproc", "max_restarts")
+SECONDS = ("timeout", "monitor_interval")
+MEANINGLESS = ["inf", "-inf", "nan", "-1", "1e300", str(10**30), float("inf"), float("nan"),
+               10**30, -3, True]
+
+
+@pytest.mark.parametrize("value", [*MEANINGLESS, "0", 0.0])
+@pytest.mark.parametrize("name", SECONDS)
+def test_every_seconds_option_refuses_what_it_cannot_mean(tmp_path, name, value):
+    """As flag text or Python values: a clear SpecError before anything starts, never a
+    crash in the agent (``--timeout inf`` once overflowed torch's timedelta there)."""
+    with pytest.raises(SpecError, match=r"seconds|number"):
+        JobSpec.create(2, gpus=0, log_dir=tmp_path, **{name: value})
+
+
+@pytest.mark.parametrize("value", [*MEANINGLESS, 2.5, "2.5"])
+@pytest.mark.parametrize("name", WHOLE_NUMBERS)
+def test_every_count_option_refuses_what_it_cannot_mean(tmp_path, name, value):
+    options = {"nproc": 2, name: value}
+    with pytest.raises(SpecError, match=r"number|between|at least|at most"):
+        JobSpec.create(gpus=0, log_dir=tmp_path, **options)
+
+
+def test_numbers_at_their_bounds_are_kept(tmp_path):
+    spec = JobSpec.create(2, gpus=0, log_dir=tmp_path, timeout=30 * 24 * 3600,
+                          monitor_interval=60, max_restarts=10_000, max_nproc=1024)
+    assert (spec.timeout, spec.monitor_interval, spec.max_restarts) == (2592000.0, 60.0,
+                                                                         10_000)
 
 
 def test_env_parsing():

@@ -10,7 +10,7 @@ from typing import Any
 import cloudpickle
 
 from ..events import EventSink
-from ..messages import Exit, Failed, Resized, Result, Run, Running, StateRequest
+from ..messages import Commit, Exit, Failed, Resized, Result, Run, Running, StateGet, StateRequest
 from ..result import RankFailure, root_cause_order
 from .policy import GroupStatus
 from .workers import (
@@ -80,9 +80,16 @@ class WorkerGroup:
             case Resized():
                 worker.resized = True
                 worker.state = WorkerState.STOPPED
-            case request:
+            case StateGet() | Commit() as request:
                 return request
+            case other:
+                raise TypeError(f"unexpected message from a worker: {other!r}")
         return None
+
+    @property
+    def running(self) -> bool:
+        """Every worker has reached user code."""
+        return all(w.running for w in self.workers)
 
     def poll(self) -> GroupStatus:
         """Look at exits, then say where the group stands."""
@@ -91,7 +98,7 @@ class WorkerGroup:
             failed=any(self._has_failed(w) for w in self.workers),
             succeeded=all(w.state is WorkerState.SUCCEEDED for w in self.workers),
             resized=all(w.resized for w in self.workers),
-            running=all(w.running for w in self.workers),
+            running=self.running,
         )
 
     def _note_exits(self) -> None:

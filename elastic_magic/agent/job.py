@@ -112,6 +112,12 @@ class Job:
             return None
         return self._board.wait_for(lambda s: s.join_command is not None, timeout).join_command
 
+    def wait_for_running(self, timeout: float | None = None) -> bool:
+        """Block until every rank is in user code; False if the job ended first or the
+        timeout passed."""
+        status = self._board.wait_for(lambda s: s.state is JobState.RUNNING, timeout)
+        return status.state is JobState.RUNNING
+
     def status(self) -> dict[str, Any]:
         """A snapshot for people: state, size, restarts, elapsed, live worker PIDs."""
         s = self._board.current
@@ -162,6 +168,23 @@ class Job:
     def stop(self, reason: str = "stopped") -> None:
         """Ask the agent to stop every worker (SIGINT, then SIGTERM, then SIGKILL)."""
         self._inbox.put(StopCommand(reason))
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def end(self, reason: str) -> None:
+        """Stop the job if it runs and return once it has ended, whatever interrupts
+        the wait (a second Ctrl-C must not leave workers behind)."""
+        if not self.started or self.done:
+            return
+        self.stop(reason)
+        while True:
+            try:
+                self._done.wait()
+                return
+            except KeyboardInterrupt:
+                continue
 
     def wait(self, render: Renderer | None = None) -> JobResult:
         """Block until the job ends, handing batched events to ``render``.

@@ -37,10 +37,10 @@ def while_running(action: Action | None, regroup_due: bool, status: GroupStatus)
     """Commands first (a stop beats everything), then membership, then the group itself."""
     if action is Action.STOP:
         return Step.STOP
+    if action is Action.NODE_FAILED:  # no regroup can save a job whose machine is done
+        return Step.NODE_FAILED
     if action is Action.REGROUP or regroup_due:
         return Step.REGROUP
-    if action is Action.NODE_FAILED:
-        return Step.NODE_FAILED
     if status.failed:
         return Step.FAILED
     if status.succeeded:
@@ -56,6 +56,18 @@ class Next(Enum):
     END = "end"
     RESTART = "restart"  # counts against --max-restarts
     NEW_ROUND = "new_round"  # a membership change: does not count
+
+
+def settle(step: Step, *, stop_requested: bool, node_failed: bool) -> Step:
+    """What ended the group, counting what arrived while it was torn down: a stop, or
+    another machine's failure for good, outranks a restart or a new round."""
+    if step is Step.SUCCEEDED:
+        return step
+    if stop_requested:
+        return Step.STOP
+    if node_failed:
+        return Step.NODE_FAILED
+    return step
 
 
 def after_group(step: Step, restarts_used: int, max_restarts: int) -> Next:

@@ -130,8 +130,12 @@ class Head(SingleMachine):
     def open(self) -> Rendezvous:
         rendezvous = super().open()
         offer = JobOffer(self.run_id, self.spec, self.payload)
-        self.hub = Hub(self.spec.rdzv_host, self.token, offer, self.inbox)
-        rendezvous.store.set(HUB_KEY, self.hub.address)
+        try:
+            self.hub = Hub(self.spec.rdzv_host, self.token, offer, self.inbox)
+            rendezvous.store.set(HUB_KEY, self.hub.address)
+        except BaseException:
+            self.close_rendezvous(rendezvous)
+            raise
         self.join_command = join_command(rendezvous.endpoint, self.token)
         self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
         return rendezvous
@@ -153,7 +157,7 @@ class Head(SingleMachine):
             case GroupResult() as result:
                 self.results.setdefault(result.round_id, {})[result.node_rank] = result
             case NodeFinished(JobState.FAILED, failures) if failures:
-                self.node_failures = failures  # that machine has no restarts left
+                self.node_failures += failures  # that machine has no restarts left
                 return Action.NODE_FAILED
             case Leaving():  # its ranks are about to go: regroup without them
                 self._left(item.node)

@@ -135,3 +135,5 @@ class StateServer:
                 return Reply(request.request_id, self.get(inline or request.inline))
             case Commit():
                 return Reply(request.request_id, self.commit(request, world_size))
+            case other:
+                raise TypeError(f"not a State request: {other!r}")

@@ -28,14 +28,32 @@ from ..events import (
     WorkersStarted,
 )
 from ..logs import rank_dir
-from ..messages import Action, Commit, CommitReply, Reply, ScaleCommand, StateRequest, StopCommand
+from ..messages import (
+    Action,
+    Commit,
+    CommitReply,
+    NodeRequest,
+    Reply,
+    ScaleCommand,
+    StateRequest,
+    StopCommand,
+)
 from ..payload import Payload
 from ..protocol import new_secret
 from ..result import JobResult, JobState, assemble_result, root_cause_order
 from ..spec import JobSpec
 from .group import WorkerGroup
 from .hub import FromLink
-from .policy import Membership, Next, RegroupClock, Resize, Step, after_group, final_state
+from .policy import (
+    Membership,
+    Next,
+    RegroupClock,
+    Resize,
+    Step,
+    after_group,
+    final_state,
+    settle,
+)
 from .policy import while_running as decide
 from .rendezvous import Rendezvous, RoundInfo
 from .roles import Head, JoinedJob, JoinedMachine, SingleMachine
@@ -84,6 +102,7 @@ class Agent:
         self.failures: list[Any] = []
         self.stop_reason: str | None = None
         self.stop_requested = False
+        self.node_failed = False  # another machine failed for good: latched, as a stop
         self.uses_state = False  # a worker asked for the elastic State
 
     # -- the loop ------------------------------------------------------------------------
@@ -106,13 +125,15 @@ class Agent:
                     final = JobState.STOPPED
                     break
                 self._start_group(info)
-                step = self._end_group(self._monitor(), info)
+                step = settle(self._end_group(self._monitor(), info),
+                              stop_requested=self.stop_requested, node_failed=self.node_failed)
                 final = final_state(step)
                 next_ = after_group(step, self.restarts, self.spec.max_restarts)
                 if next_ is Next.END:
                     break
                 if next_ is Next.RESTART:
                     self.restarts += 1
+                    self.board.publish(restarts=self.restarts)
                     self._set_state(JobState.RESTARTING)
                     self.emit(Restarting(self.restarts, self.spec.max_restarts,
                                          self.failures[0]))
@@ -130,11 +151,10 @@ class Agent:
         while True:
             action = self._next_action(self.spec.monitor_interval)
             status = self.group.poll()
-            if status.running and self.state is JobState.STARTING:
-                self._set_state(JobState.RUNNING)
             step = decide(action, self._regroup_due(), status)
             if step is not Step.WAIT:
                 self._carry_out(step)
+                self.board.publish(pids=self.group.live_pids())
                 return step
 
     def _carry_out(self, step: Step) -> None:
@@ -191,10 +211,27 @@ class Agent:
 
         attempt(self._close_group)
         attempt(lambda: self.role.close_rendezvous(self.rendezvous))
+        result: JobResult | None = None
+        try:
+            result = self._result(final)
+        finally:
+            attempt(self.snapshots.close)
+            self._set_state(final)
+            attempt(lambda: self.role.finished(final, self.failures))
+            if result is not None:
+                self.emit(JobFinished(result))
+            # The State server calls back into this agent: without this, the stores and
+            # pipes would wait for the garbage collector (a notebook ran out of files).
+            self.server = self.rendezvous = self.group = None
+        if errors:
+            raise errors[0]
+        return result
+
+    def _result(self, final: JobState) -> JobResult:
         others, other_tails = self.role.other_ranks(self.round) \
             if final is JobState.SUCCEEDED else ({}, {})
         group = self.group
-        result = assemble_result(
+        return assemble_result(
             run_id=self.run_id, state=final, world_size=self.world_size,
             restarts=self.restarts, max_restarts=self.spec.max_restarts,
             started=self.board.current.started, log_dir=self.log_root,
@@ -204,13 +241,6 @@ class Agent:
             ranks={**(group.results() if group else {}), **others},
             tails={**(group.tails() if group else {}), **other_tails},
         )
-        attempt(self.snapshots.close)
-        self._set_state(final)
-        attempt(lambda: self.role.finished(final, self.failures))
-        self.emit(JobFinished(result))
-        if errors:
-            raise errors[0]
-        return result
 
     def _close_group(self) -> None:
         if self.group is not None:
@@ -289,11 +319,12 @@ class Agent:
         try:
             item = self.inbox.get(timeout=timeout)
         except queue.Empty:
-            return Action.STOP if self.stop_requested else None
+            return self._latched()
         return _most_urgent(self._handle(item), self._drain())
 
     def _drain(self) -> Action | None:
-        """Handle queued items without waiting. A stop, once asked, stays asked."""
+        """Handle queued items without waiting. A stop, or another machine's failure for
+        good, once heard, stays in force."""
         action = None
         while True:
             try:
@@ -301,7 +332,12 @@ class Agent:
             except queue.Empty:
                 break
             action = _most_urgent(action, self._handle(item))
-        return Action.STOP if self.stop_requested else action
+        return _most_urgent(action, self._latched())
+
+    def _latched(self) -> Action | None:
+        if self.stop_requested:
+            return Action.STOP
+        return Action.NODE_FAILED if self.node_failed else None
 
     def _handle(self, item: Any) -> Action | None:
         match item:
@@ -320,11 +356,17 @@ class Agent:
                 request = self.group.record(item)
                 if request is not None:
                     self._serve(self.group.workers[item.local_rank], request)
+                elif self.state is JobState.STARTING and self.group.running:
+                    self._set_state(JobState.RUNNING)
             case FromLink():
+                if isinstance(item.message, NodeRequest):
+                    self.uses_state = True  # another machine's ranks use State
                 action = self.role.handle(item, self.group, self.server, self.world_size)
                 if action is Action.STOP:
                     self.stop_reason = self.role.stop_reason
                     self.stop_requested = True
+                elif action is Action.NODE_FAILED:
+                    self.node_failed = True
                 return action
         return None
 
