@@ -68,11 +68,12 @@ class ElasticMagics(Magics):
         """Run the cell as an elastic distributed PyTorch job on local worker processes.
 
         Each worker is a fresh Python interpreter with torchrun's environment (RANK,
-        LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); the process group is initialised for
-        the cell unless --no-init. Kernel variables the cell reads are sent to every
-        worker. In a notebook a live dashboard shows the job (state, world size, restarts,
-        every rank's output, a Stop button) and leaves a static record when the cell ends;
-        elsewhere each rank's output appears with a [rank N] prefix. The cell's last
+        LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); the process group is made when the
+        cell first uses it, unless the cell calls init_process_group itself (or --no-init).
+        Kernel variables the cell reads are sent to every worker. In a notebook a live
+        dashboard shows the job (state, world size, restarts, every rank's output, a Stop
+        button) and leaves a static record when the cell ends; elsewhere each rank's
+        output appears with a [rank N] prefix. The cell's last
         expression is each rank's value (JobResult.values). A failed rank stops the whole
         group at once; with --max-restarts the group starts again.
 

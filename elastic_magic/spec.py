@@ -272,8 +272,9 @@ OPTIONS: tuple[Option, ...] = (
            "--nproc)", "N", _optional_count, per_machine=True),
     Option("backend", "--backend", "auto", "process-group backend: auto (nccl with CUDA, "
            "else gloo), gloo or nccl", "auto|gloo|nccl", _backend),
-    Option("init_process_group", "--no-init", True, "do not call init_process_group for the "
-           "cell; it does so itself", action="store_false", check=lambda _, v: bool(v)),
+    Option("init_process_group", "--no-init", True, "never make the process group for the "
+           "cell (by default it is made when the cell first uses it, unless the cell calls "
+           "init_process_group itself)", action="store_false", check=lambda _, v: bool(v)),
     Option("timeout", "--timeout", 300.0, "seconds workers wait for each other: rendezvous "
            "and collectives", "S", _seconds),
     Option("max_restarts", "--max-restarts", 0, "restarts of the whole group after a "

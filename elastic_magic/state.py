@@ -28,9 +28,15 @@ _STATEFUL = ("model", "optimizer", "scheduler", "sampler")
 
 
 def _dist() -> Any:
+    """torch.distributed when the job has a default group (the automatic one is made
+    now if nothing used it yet: State may come before any collective); else None."""
     import torch.distributed as dist
 
-    return dist if dist.is_available() and dist.is_initialized() else None
+    if not dist.is_available():
+        return None
+    from .worker import default_group
+
+    return dist if default_group.ensure() else None
 
 
 def _unwrap(model: Any) -> Any:

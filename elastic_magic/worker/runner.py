@@ -11,7 +11,6 @@ import sys
 import time
 import traceback
 import types
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +55,10 @@ def _prepare(payload: Payload) -> dict[str, Any]:
     sys.modules["__main__"] = module
     namespace = module.__dict__
     _set_device()
-    if payload.init_process_group:
-        _init_process_group(payload)
+    if payload.init_process_group:  # made when the cell first uses it, unless it makes its own
+        from elastic_magic.worker import default_group
+
+        default_group.arm(payload.backend, payload.timeout)
     for name, module_name in payload.modules.items():
         namespace[name] = importlib.import_module(module_name)
     for name, blob in payload.globals.items():
@@ -73,19 +74,16 @@ def _set_device() -> None:
         torch.cuda.set_device(local_rank)
 
 
-def _init_process_group(payload: Payload) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend=payload.backend, timeout=timedelta(seconds=payload.timeout)
-        )
-
-
 def shutdown_process_group() -> None:
-    """Leave the process group cleanly if the payload (or we) created one."""
+    """Leave the process group cleanly if the payload (or we) created one; one that was
+    armed but never used is not made now."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist is None or not dist.is_available():
+        return
+    from elastic_magic.worker import default_group
+
+    default_group.disarm()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
