@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..events import EventSink
+from ..logs import make_rank_dir
 from ..messages import (
     ErrorInfo,
     Exit,
@@ -38,7 +39,7 @@ from ..messages import (
 from ..protocol import Channel, ProtocolError, widen_pipe
 from ..result import RankFailure
 from ..worker.shepherd import END_ALL
-from .output import StreamPump, log_folder, new_tail
+from .output import StreamPump, new_tail
 
 
 def _is_installed() -> bool:
@@ -211,7 +212,7 @@ def spawn(
             os.close(fd)
     worker.state = WorkerState.HEALTHY
     worker.control = Channel(control_w, key)
-    worker.log_dir = log_folder(log_root, worker.attempt, worker.global_rank)
+    worker.log_dir = make_rank_dir(log_root, worker.attempt, worker.global_rank)
     for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
         worker.threads.append(StreamPump(
             fd, worker.log_dir / f"{stream}.log", rank=worker.global_rank, stream=stream,
