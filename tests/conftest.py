@@ -17,44 +17,33 @@ os.environ["ELASTIC_MAGIC_TEST_TAG"] = TAG  # inherited by workers and by test k
 SHEPHERD = "em-shepherd"  # the process name of a rank's shepherd (worker/shepherd.py)
 
 
-def _tagged_processes() -> dict[int, psutil.Process]:
-    """Live processes started by this test run, directly or not."""
-    found = {}
-    for proc in psutil.process_iter(["ppid", "name", "cmdline", "status"]):
+def job_processes() -> list[psutil.Process]:
+    """Live processes of this test run that a job started: workers, their shepherds, and
+    whatever those started (all inherit the TORCHELASTIC_RUN_ID the agent gives a rank;
+    kernels, servers and browsers the tests start do not have it)."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(
-                "ELASTIC_MAGIC_TEST_TAG"
-            ) == TAG:
-                found[proc.pid] = proc
+            env = proc.environ()
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and \
+                    env.get("ELASTIC_MAGIC_TEST_TAG") == TAG and "TORCHELASTIC_RUN_ID" in env:
+                found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
 
 
-def _runs_a_rank(proc: psutil.Process) -> bool:
-    """A worker or its shepherd (a fork of it: the same command line)."""
-    return "elastic_magic.worker" in " ".join(proc.info["cmdline"] or [])
-
-
 def tagged_workers() -> list[psutil.Process]:
-    """Live worker processes started by this test run (one per rank; shepherds not
-    counted)."""
-    return [p for p in _tagged_processes().values()
-            if _runs_a_rank(p) and p.info["name"] != SHEPHERD]
-
-
-def leftovers() -> list[psutil.Process]:
-    """Processes of this run that should be gone: any worker or shepherd, and any orphan
-    (a process whose parent is neither ours nor this test process: re-parented to init
-    after whatever started it ended, as a worker's forked children were)."""
-    procs = _tagged_processes()
-    return [p for p in procs.values() if _runs_a_rank(p)
-            or (p.info["ppid"] not in procs and p.info["ppid"] != os.getpid())]
+    """Live worker processes started by this test run: one per rank (not their shepherds,
+    though children a worker forked count too: they share its command line)."""
+    return [p for p in job_processes()
+            if "elastic_magic.worker" in " ".join(p.info["cmdline"] or [])
+            and p.info["name"] != SHEPHERD]
 
 
 def wait_until_no_workers(timeout: float) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
-    while (left := leftovers()) and time.monotonic() < deadline:
+    while (left := job_processes()) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
