@@ -1,9 +1,36 @@
 """Where per-rank logs live: ``<log_dir>/<run_id>/attempt_<n>/rank_<r>/{stdout,stderr}.log``.
-One place for the layout; ``attempt`` counts worker groups (restarts and resizes)."""
+One place for the layout; ``attempt`` counts worker groups (restarts and resizes).
+
+Logs hold all the ranks print, so they are private: the folders a job creates are 0700 and
+its log files 0600, whatever the umask. Without --log-dir they go to a folder of the user's
+own, ``$XDG_CACHE_HOME/elastic_magic/logs`` (``~/.cache/elastic_magic/logs``), or, where
+that cannot be created, ``<temp dir>/elastic_magic-<uid>/logs``; the ``elastic_magic``
+folder is checked first (not a link, owned by the user, closed to others), because whoever
+created it could read every job's output. That default folder is pruned as each job
+starts: only the newest ``KEEP_RUNS`` runs, and of those only the ones from the last
+``KEEP_DAYS`` days, are kept. A run that a job still writes is never removed (the job holds
+a lock on its folder, see ``open_run``). A folder given with --log-dir is never pruned;
+``prune(folder)`` does it on request.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import shutil
+import stat
+import tempfile
+import time
 from pathlib import Path
+
+KEEP_RUNS = 50
+KEEP_DAYS = 7.0
+RUN_PREFIX = "em-"  # run ids are em-<hex>; nothing else in a log folder is ever removed
+
+
+class NotPrivate(Exception):
+    """The default log folder exists but others could read it. The message says what to do."""
 
 
 def rank_dir(job_logs: Path, attempt: int, rank: int) -> Path:
@@ -22,3 +49,137 @@ def rank_log(job_logs: Path, rank: int, stream: str = "stdout",
     if attempt is None:
         return None
     return rank_dir(job_logs, attempt, rank) / f"{stream}.log"
+
+
+# -- private folders and files ------------------------------------------------------------
+
+def make_rank_dir(job_logs: Path, attempt: int, rank: int) -> Path:
+    """A rank's log folder, created with its run's and attempt's folders, each 0700."""
+    folder = rank_dir(job_logs, attempt, rank)
+    for level in (job_logs, folder.parent, folder):
+        with contextlib.suppress(FileExistsError):
+            level.mkdir(mode=0o700)  # the umask can only take bits away
+    return folder
+
+
+def private_file(path: str, flags: int) -> int:
+    """An ``opener`` for ``open()``: a new file is created 0600."""
+    return os.open(path, flags | os.O_CLOEXEC, 0o600)
+
+
+def open_run(job_logs: Path) -> int:
+    """Create a run's folder (0700) and hold a shared lock on it while the job runs, so
+    that ``prune`` (in this kernel or another) leaves it alone. Closing the returned
+    descriptor releases it; so does the process's death."""
+    with contextlib.suppress(FileExistsError):
+        job_logs.mkdir(mode=0o700)
+    fd = os.open(job_logs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # shared: machines of one job on one host both hold it
+    return fd
+
+
+# -- the default folder -------------------------------------------------------------------
+
+def default_roots() -> list[Path]:
+    """The folders that may hold the default log folder, in order of preference."""
+    roots = []
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):  # the XDG rule: a relative path is ignored
+        with contextlib.suppress(RuntimeError):  # no home directory
+            cache = str(Path.home() / ".cache")
+    if os.path.isabs(cache):
+        roots.append(Path(cache) / "elastic_magic")
+    roots.append(Path(tempfile.gettempdir()) / f"elastic_magic-{os.getuid()}")
+    return roots
+
+
+def default_log_dir() -> Path:
+    """The default log folder, created if need be, in the first root that can hold it.
+    Raises NotPrivate where a root exists but is not private, OSError where none can be
+    created."""
+    error: OSError | None = None
+    for root in default_roots():
+        try:
+            private_folder(root)
+        except NotPrivate:
+            raise
+        except OSError as exc:  # a home that is read-only or missing: the next root
+            error = exc
+            continue
+        logs = root / "logs"
+        with contextlib.suppress(FileExistsError):
+            logs.mkdir(mode=0o700)
+        return logs
+    assert error is not None
+    raise error
+
+
+def is_default(log_dir: Path) -> bool:
+    """Whether ``log_dir`` is the default folder (or one it could be): the one pruned."""
+    return any(log_dir == root / "logs" for root in default_roots())
+
+
+def private_folder(path: Path) -> None:
+    """Create ``path`` 0700, or check the one there: a folder, not a link, of this user,
+    closed to group and others. Raises NotPrivate saying what to do."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+        return
+    except FileExistsError:
+        pass
+    info = os.lstat(path)  # a link planted there is not followed
+    uid = os.getuid()
+    instead = "or give a log folder of your own with --log-dir DIR (log_dir=... in Python)"
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a folder"
+        raise NotPrivate(f"the default log folder {path} is {kind}. Remove it if it is yours "
+                         f"to remove, {instead}.")
+    if info.st_uid != uid:
+        raise NotPrivate(
+            f"the default log folder {path} belongs to user id {info.st_uid}, not to you "
+            f"(uid {uid}): its owner could read every job's output. Ask them or an "
+            f"administrator to remove it, {instead}.")
+    if info.st_mode & 0o077:
+        raise NotPrivate(
+            f"the default log folder {path} is open to other users (mode "
+            f"{stat.S_IMODE(info.st_mode):o}). Run `chmod 700 {path}`, {instead}.")
+
+
+# -- pruning ------------------------------------------------------------------------------
+
+def prune(folder: Path, keep: int = KEEP_RUNS, days: float = KEEP_DAYS) -> list[Path]:
+    """Remove runs from ``folder`` beyond the ``keep`` newest, and runs older than
+    ``days`` (by when their folder last changed: a run's last attempt started). A run
+    that a job still writes is kept; so is anything not named like a run. Returns the
+    runs removed."""
+    runs = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):  # pruned by another kernel
+                if entry.name.startswith(RUN_PREFIX) and entry.is_dir(follow_symlinks=False):
+                    runs.append((entry.stat(follow_symlinks=False).st_mtime,
+                                 Path(entry.path)))
+    runs.sort(reverse=True)
+    oldest_kept = time.time() - days * 24 * 3600
+    removed = []
+    for index, (changed, run) in enumerate(runs):
+        if (index >= keep or changed < oldest_kept) and _remove_finished(run):
+            removed.append(run)
+    return removed
+
+
+def _remove_finished(run: Path) -> bool:
+    try:
+        fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a job holds it: still running
+        shutil.rmtree(run, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)

@@ -13,11 +13,12 @@ import math
 import os
 import shlex
 import socket
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from . import logs
 
 BACKENDS = ("auto", "gloo", "nccl")
 NPROC_WORDS = ("auto", "cpu", "gpu")
@@ -35,7 +36,15 @@ class SpecError(ValueError):
 
 
 def default_log_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"elastic_magic-{os.getuid()}" / "logs"
+    """Where logs go without --log-dir: a private folder of this user's, created if need
+    be (``logs.py`` says where, and how it is checked and pruned)."""
+    try:
+        return logs.default_log_dir()
+    except logs.NotPrivate as exc:
+        raise SpecError(f"--log-dir not given, and {exc}") from None
+    except OSError as exc:
+        raise SpecError(f"--log-dir not given, and no default log folder can be created "
+                        f"({exc}). Give one with --log-dir DIR.") from None
 
 
 def cuda_device_count() -> int:
@@ -295,9 +304,11 @@ OPTIONS: tuple[Option, ...] = (
            "as the others reach it (the rendezvous listens there only; default 127.0.0.1, a "
            "port the OS picks)", "HOST[:PORT]", lambda _, v: parse_endpoint(v),
            per_machine=True),
-    Option("log_dir", "--log-dir", None, "where full per-rank logs go (default: a folder in "
-           "the temp dir)", "DIR", lambda flag, v: _usable_dir(v or default_log_dir(), flag),
-           per_machine=True),
+    Option("log_dir", "--log-dir", None, "where full per-rank logs go (default: "
+           "~/.cache/elastic_magic/logs, private to you and pruned as jobs start: the newest "
+           f"{logs.KEEP_RUNS} runs of the last {logs.KEEP_DAYS:g} days are kept; a folder you "
+           "give is never pruned)", "DIR",
+           lambda flag, v: _usable_dir(v, flag) if v else default_log_dir(), per_machine=True),
     Option("checkpoint_dir", "--checkpoint-dir", None, "also keep the last committed elastic "
            "State here (atomic writes); a job started with a checkpoint in it resumes from "
            "it", "DIR", lambda flag, v: _usable_dir(v, flag) if v else None, per_machine=True),

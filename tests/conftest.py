@@ -3,47 +3,109 @@ this run (and only from this run) can be found in the process table."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
 
 TAG = f"em-test-{uuid.uuid4().hex[:10]}"
 os.environ["ELASTIC_MAGIC_TEST_TAG"] = TAG  # inherited by workers and by test kernels
+SHEPHERD = "em-shepherd"  # the process name of a rank's shepherd (worker/shepherd.py)
 
 
-def tagged_workers() -> list[psutil.Process]:
-    """Live worker processes started by this test run."""
+def job_processes() -> list[psutil.Process]:
+    """Live processes of this test run that a job started: workers, their shepherds, and
+    whatever those started (all inherit the TORCHELASTIC_RUN_ID the agent gives a rank;
+    kernels, servers and browsers the tests start do not have it)."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if "elastic_magic.worker" in cmdline and proc.environ().get(
-                "ELASTIC_MAGIC_TEST_TAG"
-            ) == TAG and proc.status() != psutil.STATUS_ZOMBIE:
+            env = proc.environ()
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and \
+                    env.get("ELASTIC_MAGIC_TEST_TAG") == TAG and "TORCHELASTIC_RUN_ID" in env:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
 
 
+def tagged_workers() -> list[psutil.Process]:
+    """Live worker processes started by this test run: one per rank (not their shepherds,
+    though children a worker forked count too: they share its command line)."""
+    return [p for p in job_processes()
+            if "elastic_magic.worker" in " ".join(p.info["cmdline"] or [])
+            and p.info["name"] != SHEPHERD]
+
+
 def wait_until_no_workers(timeout: float) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
-    while (left := tagged_workers()) and time.monotonic() < deadline:
+    while (left := job_processes()) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
 
 @pytest.fixture(autouse=True)
 def no_leftover_workers():
-    """After every test the process table holds no worker of ours."""
+    """After every test the process table holds no worker of ours, nor anything a worker
+    started."""
     yield
     left = wait_until_no_workers(timeout=3.0)
     for proc in left:  # ours by tag; end them so one leak does not cascade
-        proc.kill()
-    assert not left, f"worker processes left behind: {[p.pid for p in left]}"
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    assert not left, f"processes left behind: {[(p.pid, p.info['cmdline']) for p in left]}"
+
+
+# A cell that forks, in every rank, two children that ignore SIGINT and SIGTERM: one stays
+# in the worker's process group, one calls setsid() (as a daemon would). Each marks itself
+# with an empty file PID_DIR/<pid>.pid once its signals are ignored; the cell waits for both.
+FORK_STUBBORN_CHILDREN = """
+import os, signal, time
+
+def fork_child(new_session):
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the child: never returns into the worker's code
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if new_session:
+            os.setsid()
+        open(os.path.join(PID_DIR, f"{os.getpid()}.pid"), "w").close()
+        while True:
+            time.sleep(1)
+    finally:
+        os._exit(0)
+
+kids = [fork_child(False), fork_child(True)]
+while not all(os.path.exists(os.path.join(PID_DIR, f"{k}.pid")) for k in kids):
+    time.sleep(0.01)
+print("children up", flush=True)
+"""
+
+
+def forked_children(pid_dir: Path) -> list[int]:
+    return sorted(int(path.stem) for path in pid_dir.glob("*.pid"))
+
+
+def survivors(pid_dir: Path) -> list[int]:
+    """The children that FORK_STUBBORN_CHILDREN marked in ``pid_dir`` and that still run
+    (checked by tag too, so a reused PID does not count)."""
+    left = []
+    for pid in forked_children(pid_dir):
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(
+                "ELASTIC_MAGIC_TEST_TAG"
+            ) == TAG:
+                left.append(pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return left
 
 
 @pytest.fixture

@@ -8,7 +8,13 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import tagged_workers, wait_until_no_workers
+from conftest import (
+    FORK_STUBBORN_CHILDREN,
+    forked_children,
+    survivors,
+    tagged_workers,
+    wait_until_no_workers,
+)
 from jupyter_client.manager import start_new_kernel
 
 LONG_CELL = """%%elastic --nproc 2 --max-restarts 1 --text
@@ -111,6 +117,27 @@ def test_workers_die_with_the_kernel(kernel, how):
         km.shutdown_kernel(now=False)
     left = wait_until_no_workers(timeout=5.0)
     assert not left, f"workers outlived the kernel ({how}): {[p.pid for p in left]}"
+
+
+@pytest.mark.parametrize("how", ["killed", "shut down"])
+def test_what_workers_forked_dies_with_the_kernel(kernel, tmp_path, how):
+    """Children that ignore SIGINT and SIGTERM, one in a session of its own, end too."""
+    km, kc = kernel
+    execute(kc, f"PID_DIR = {str(tmp_path)!r}")
+    kc.execute("%%elastic --nproc 2 --text\n" + FORK_STUBBORN_CHILDREN + "time.sleep(600)\n")
+    deadline = time.monotonic() + 60
+    while len(forked_children(tmp_path)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(forked_children(tmp_path)) == 4
+    if how == "killed":
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+    else:
+        km.shutdown_kernel(now=False)
+    deadline = time.monotonic() + 5
+    while survivors(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not survivors(tmp_path), f"forked children outlived the kernel ({how})"
+    assert not wait_until_no_workers(timeout=5.0)
 
 
 def collect(kc, code: str, timeout: float = 180) -> tuple[dict, list[dict], float]:

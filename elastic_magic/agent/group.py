@@ -140,7 +140,7 @@ class WorkerGroup:
         failures = [
             w.failure() for w in self.workers
             if (w.error is not None and w.error.time <= teardown_at)
-            or (w.error is None and w.exited_at is not None and w.exited_at <= teardown_at
+            or (w.error is None and w.ended_at is not None and w.ended_at <= teardown_at
                 and w.proc is not None and w.proc.returncode != 0)
         ]
         for worker in self.workers:

@@ -8,7 +8,7 @@ from collections import deque
 from pathlib import Path
 
 from ..events import EventSink, Output
-from ..logs import rank_dir
+from ..logs import private_file
 
 TAIL_LINES = 200
 _CHUNK = 1 << 16
@@ -32,7 +32,7 @@ class StreamPump(threading.Thread):
 
     def run(self) -> None:
         pending = b""
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "wb", opener=private_file) as log:
             while True:
                 try:
                     chunk = os.read(self.fd, _CHUNK)
@@ -57,9 +57,3 @@ class StreamPump(threading.Thread):
 
 def new_tail() -> deque[str]:
     return deque(maxlen=TAIL_LINES)
-
-
-def log_folder(log_root: Path, attempt: int, rank: int) -> Path:
-    folder = rank_dir(log_root, attempt, rank)
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder

@@ -7,6 +7,7 @@ machine) and the State server carry it out and report back."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -27,7 +28,7 @@ from ..events import (
     WorkerFailed,
     WorkersStarted,
 )
-from ..logs import rank_dir
+from ..logs import is_default, open_run, prune, rank_dir
 from ..messages import (
     Action,
     Commit,
@@ -78,6 +79,7 @@ class Agent:
         self.board = board
         self.key = new_secret()
         self.log_root = spec.log_dir / run_id
+        self.run_lock: int | None = None  # held while the job runs: see logs.open_run
         self.role: SingleMachine
         if joined is not None:
             self.role = JoinedMachine(spec, run_id, emit, joined, inbox)
@@ -111,6 +113,9 @@ class Agent:
         final = JobState.FAILED
         try:
             self._set_state(JobState.RENDEZVOUS)
+            self.run_lock = open_run(self.log_root)  # first, so no prune takes this run
+            if is_default(self.spec.log_dir):
+                prune(self.spec.log_dir)
             self._resume_from_checkpoint()
             self.rendezvous = self.role.open()
             self.board.publish(join_command=self.role.join_command)
@@ -210,6 +215,7 @@ class Agent:
                 errors.append(exc)
 
         attempt(self._close_group)
+        attempt(self._release_run_lock)
         attempt(lambda: self.role.close_rendezvous(self.rendezvous))
         result: JobResult | None = None
         try:
@@ -241,6 +247,11 @@ class Agent:
             ranks={**(group.results() if group else {}), **others},
             tails={**(group.tails() if group else {}), **other_tails},
         )
+
+    def _release_run_lock(self) -> None:
+        if self.run_lock is not None:
+            os.close(self.run_lock)
+            self.run_lock = None
 
     def _close_group(self) -> None:
         if self.group is not None:

@@ -1,7 +1,10 @@
-"""Worker processes: spawn fresh interpreters, read their reports, stop them by group.
+"""Worker processes: spawn fresh interpreters, read their reports, stop them.
 
-Every function here runs on the agent thread, the only thread that polls or signals worker
-processes, so a PID is never signalled after it was reaped.
+The process spawned for a rank is its shepherd (``worker/shepherd.py``), which forks the
+worker and outlives everything below it: ``Worker.proc`` is the shepherd, and its exit
+means the rank and all it started have ended. Every function here runs on the agent
+thread, the only thread that polls or signals these processes, so a PID is never
+signalled after it was reaped.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..events import EventSink
+from ..logs import make_rank_dir
 from ..messages import (
     ErrorInfo,
     Exit,
@@ -34,7 +38,8 @@ from ..messages import (
 )
 from ..protocol import Channel, ProtocolError, widen_pipe
 from ..result import RankFailure
-from .output import StreamPump, log_folder, new_tail
+from ..worker.shepherd import END_ALL
+from .output import StreamPump, new_tail
 
 
 def _is_installed() -> bool:
@@ -91,7 +96,15 @@ class Worker:
 
     @property
     def pid(self) -> int:
+        """The rank's shepherd: the process we spawned, signal and reap."""
         return self.proc.pid if self.proc else -1
+
+    @property
+    def ended_at(self) -> float | None:
+        """When the worker was seen to end: its report pipe closing (that is its death;
+        its shepherd exits a little later, once all the worker started has ended), else
+        the shepherd's exit."""
+        return self.channel_closed_at or self.exited_at
 
     def reaped(self) -> bool:
         """Known to have exited; no system call, so safe from any thread."""
@@ -119,8 +132,7 @@ class Worker:
         """Why this worker failed: its own report, or its exit code or signal."""
         failure = RankFailure(
             rank=self.global_rank, local_rank=self.local_rank, attempt=self.attempt,
-            pid=self.pid, log_dir=str(self.log_dir),
-            time=self.channel_closed_at or self.exited_at or time.time(),
+            pid=self.pid, log_dir=str(self.log_dir), time=self.ended_at or time.time(),
         )
         if self.error is not None:
             e = self.error
@@ -200,7 +212,7 @@ def spawn(
             os.close(fd)
     worker.state = WorkerState.HEALTHY
     worker.control = Channel(control_w, key)
-    worker.log_dir = log_folder(log_root, worker.attempt, worker.global_rank)
+    worker.log_dir = make_rank_dir(log_root, worker.attempt, worker.global_rank)
     for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
         worker.threads.append(StreamPump(
             fd, worker.log_dir / f"{stream}.log", rank=worker.global_rank, stream=stream,
@@ -230,7 +242,7 @@ def take_handoff(worker: Worker, offer: Handoff) -> int | None:
     """Open the anonymous memory file a worker wrote a snapshot into (its descriptor, seen
     through /proc while the worker waits for our reply): our own descriptor of it, or None
     where it cannot be opened."""
-    if offer.pid != worker.pid:
+    if _parent_pid(offer.pid) != worker.pid:  # the worker is the child of our shepherd
         return None
     try:
         fd = os.open(offer.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -242,20 +254,33 @@ def take_handoff(worker: Worker, offer: Handoff) -> int | None:
     return fd
 
 
-# (signal, seconds to wait for exit before the next step)
-INTERRUPT_ESCALATION = ((signal.SIGINT, 3.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0))
-TEARDOWN_ESCALATION = ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0))
+def _parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rpartition(b")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# (signal to the shepherd, seconds to wait for its exit before the next step). It relays
+# SIGINT and SIGTERM to the worker's process group; on END_ALL it SIGKILLs everything
+# below it. SIGKILL is for a shepherd that cannot finish (a descendant in uninterruptible
+# sleep), so that a stop always returns; its worker dies with it (PR_SET_PDEATHSIG).
+INTERRUPT_ESCALATION = ((signal.SIGINT, 3.0), (signal.SIGTERM, 3.0), (END_ALL, 5.0),
+                        (signal.SIGKILL, 2.0))
+TEARDOWN_ESCALATION = ((signal.SIGTERM, 3.0), (END_ALL, 5.0), (signal.SIGKILL, 2.0))
 
 
 def stop(workers: list[Worker], escalation: tuple[tuple[signal.Signals, float], ...]) -> None:
-    """Signal each live worker's process group, escalating until all have exited."""
+    """Signal each live rank's shepherd, escalating until all have exited: then nothing
+    the workers started is left."""
     for sig, grace in escalation:
         live = [w for w in workers if w.alive()]
         if not live:
             break
         for worker in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(worker.pid, sig)  # its own session: the group id is its PID
+            with contextlib.suppress(ProcessLookupError):  # not reaped: the PID is ours
+                os.kill(worker.pid, sig)
         wait_for_exit(live, grace)
     for worker in workers:
         worker.close_control()

@@ -1,9 +1,10 @@
 """Worker entrypoint: a fresh interpreter that runs payloads until told to exit.
 
-argv: CONTROL_FD REPORT_FD PARENT_PID. The agent first writes the job's secret on the
-control pipe, then signed messages (``messages.py``): Run, Reply or Exit. The control pipe
-is also the lifeline: EOF without an Exit means the kernel is gone, and the worker ends its
-whole process group at once.
+argv: CONTROL_FD REPORT_FD PARENT_PID. The process the agent spawns forks at once and
+stays behind as the rank's shepherd (``shepherd.py``): it ends everything the worker
+starts. The agent first writes the job's secret on the control pipe, then signed messages
+(``messages.py``): Run, Reply or Exit. The control pipe is also a lifeline: EOF without an
+Exit means the kernel is gone, and the worker ends its whole process group at once.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import threading
 from elastic_magic.messages import Exit, Reply, Run
 from elastic_magic.protocol import KEY_BYTES, Channel
 from elastic_magic.worker import client as agent_client
+from elastic_magic.worker import shepherd
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
 
 PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL us when the agent thread that spawned us exits."""
+    """Ask Linux to SIGKILL us when our shepherd exits (it outlives us unless killed)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -33,13 +35,9 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def accept_signals() -> None:
-    """The agent spawns us with SIGINT and SIGTERM blocked: one that reached us before we
-    left the kernel's process group (a Ctrl-C meant for the kernel) is dropped here, then
-    both are taken again as usual."""
-    for sig, handler in ((signal.SIGINT, signal.default_int_handler),
-                         (signal.SIGTERM, signal.SIG_DFL)):
-        signal.signal(sig, signal.SIG_IGN)  # discards a pending one
-        signal.signal(sig, handler)
+    """Take SIGINT and SIGTERM again: the agent spawns us with both blocked, so that a
+    Ctrl-C meant for the kernel cannot reach us before we leave its process group (the
+    shepherd dropped any such one; a forked child starts with none pending)."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
@@ -55,8 +53,9 @@ def read_secret(fd: int) -> bytes:
 
 def main() -> None:
     control_fd, report_fd, parent_pid = (int(a) for a in sys.argv[1:4])
+    shepherd_pid = shepherd.start(parent_pid, close_in_shepherd=(control_fd, report_fd))
     accept_signals()
-    die_with_parent(parent_pid)
+    die_with_parent(shepherd_pid)
     key = read_secret(control_fd)
     control, report = Channel(control_fd, key), Channel(report_fd, key)
     client = agent_client.AgentClient(report)

@@ -1,0 +1,175 @@
+"""The shepherd: everything a worker starts ends with it.
+
+Frameworks fork their own processes in each rank (Lightning's ddp_notebook, DataLoader
+workers, a shell a user starts); some ignore SIGINT and SIGTERM, some leave the worker's
+process group (setsid). Signalling the worker's group misses those, and the worker itself
+cannot be relied on to clean up: it may be SIGKILLed, stuck in a collective, or killed by
+PR_SET_PDEATHSIG before any of its code runs. So the interpreter the agent spawns for a
+rank forks at once, before torch and before any thread: the child becomes the worker, in a
+process group of its own; the parent stays behind as its shepherd, a single-threaded loop
+that runs no user code:
+
+- It is a child subreaper (PR_SET_CHILD_SUBREAPER): a process below it whose parent exits
+  (after setsid, a double fork, or the worker's own death) is re-parented to it, not to
+  init, so every descendant is found by walking its children.
+- It relays the agent's SIGINT and SIGTERM to the worker's process group. On ``END_ALL``
+  (the agent's last escalation step, and its own PR_SET_PDEATHSIG: the kernel died) it
+  SIGKILLs the worker and every process below it.
+- When the worker exits, however it exits, the shepherd SIGKILLs whatever the worker left
+  running, reaps it all, and exits as the worker did (same code or signal). To the agent,
+  the shepherd is the rank: its exit means nothing of the rank is left.
+
+Signals are taken synchronously (blocked, then ``sigtimedwait``), so the loop never runs
+at an arbitrary point and never waits on a lock another thread holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import resource
+import signal
+import sys
+import time
+from typing import NoReturn
+
+# The agent's request "SIGKILL the rank and everything below it now"; also what Linux
+# sends the shepherd when the kernel's agent thread is gone (PR_SET_PDEATHSIG).
+END_ALL = signal.SIGHUP
+_TO_GROUP = (signal.SIGINT, signal.SIGTERM)  # interrupts, as a terminal sends them
+_TO_WORKER = (signal.SIGUSR1, signal.SIGUSR2)  # for the rank itself (a handler of the cell)
+_WATCHED = {signal.SIGCHLD, END_ALL, *_TO_GROUP, *_TO_WORKER}
+_TICK = 1.0  # seconds between checks that the kernel is still there
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
+NAME = "em-shepherd"  # its name in ps and top (the command line stays the worker's)
+
+
+def _prctl(option: int, value: int | bytes) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def _discard_pending(signals: tuple[signal.Signals, ...]) -> None:
+    """Drop any of ``signals`` that arrived while blocked: the agent spawns with SIGINT
+    and SIGTERM blocked, so one that reached us before we left the kernel's process group
+    (a Ctrl-C meant for the kernel) waits here. Ignoring a signal discards it."""
+    for sig in signals:
+        previous = signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+
+
+def start(parent_pid: int, close_in_shepherd: tuple[int, ...]) -> int:
+    """Fork the worker. Returns in the worker only (the shepherd's PID); the shepherd
+    watches until the rank has ended and exits. ``close_in_shepherd``: the worker's pipes
+    to the agent, which must see EOF when the worker is gone."""
+    _discard_pending(_TO_GROUP)
+    inherited = signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(PR_SET_PDEATHSIG, END_ALL)
+    if os.getppid() != parent_pid:  # the kernel went before prctl took effect
+        os._exit(1)
+    shepherd = os.getpid()
+    worker = os.fork()
+    if worker == 0:
+        os.setpgid(0, 0)  # the worker's group: what SIGINT and SIGTERM are relayed to
+        signal.pthread_sigmask(signal.SIG_SETMASK, inherited)
+        return shepherd
+    with contextlib.suppress(OSError):  # set here too, so no relay finds it missing
+        os.setpgid(worker, worker)
+    for fd in close_in_shepherd:
+        os.close(fd)
+    _prctl(PR_SET_NAME, NAME.encode())
+    _watch(worker, parent_pid)
+
+
+def _watch(worker: int, parent_pid: int) -> NoReturn:
+    status: int | None = None  # the worker's wait status, once reaped
+    while status is None:
+        info = signal.sigtimedwait(_WATCHED, _TICK)
+        sig = info.si_signo if info else None
+        # The worker is not reaped yet: its PID, and so its group id, is still its own.
+        with contextlib.suppress(ProcessLookupError):
+            if sig in _TO_GROUP:
+                os.killpg(worker, sig)
+            elif sig in _TO_WORKER:
+                os.kill(worker, sig)
+        status = _reap(worker)
+        if status is None and (sig == END_ALL or os.getppid() != parent_pid):
+            break  # asked to, or the kernel is gone
+    _exit_as(_end_all(worker, status))
+
+
+def _reap(worker: int) -> int | None:
+    """Reap every child that has exited (orphans re-parented to us included); the
+    worker's wait status if it was one of them."""
+    status = None
+    while True:
+        try:
+            pid, code = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status
+        if pid == 0:
+            return status
+        if pid == worker:
+            status = code
+
+
+def _end_all(worker: int, status: int | None) -> int:
+    """SIGKILL the worker (unless it has exited) and every process below us, until none
+    is left; the worker's wait status."""
+    while True:
+        if status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker, signal.SIGKILL)
+        for pid in _children():  # ours and not reaped, so the PID is still theirs
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        # A killed child's own children are re-parented to us as it dies: the next pass
+        # finds them. Done when no child is left.
+        try:
+            pid, code = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            assert status is not None
+            return status
+        if pid == worker:
+            status = code
+        elif pid == 0:
+            time.sleep(0.01)
+
+
+def _children() -> list[int]:
+    """PIDs whose parent is this process, from /proc (``task/*/children`` is not in
+    every kernel)."""
+    me = os.getpid()
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as stat:
+                    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+                    fields = stat.read().rpartition(b")")[2].split()
+            except OSError:
+                continue
+            if len(fields) > 1 and int(fields[1]) == me:
+                found.append(int(name))
+    return found
+
+
+def _exit_as(status: int) -> NoReturn:
+    """Exit with the worker's code, or die by the signal that killed it."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(
+            resource.RLIMIT_CORE)[1]))  # the worker's core dump is the one that matters
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL keeps its action
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status))

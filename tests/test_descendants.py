@@ -1,0 +1,162 @@
+"""Everything a worker starts ends with it: on stop, on success, on restart. Real jobs
+whose ranks fork children that ignore SIGINT and SIGTERM, one of them in a new session
+(see ``FORK_STUBBORN_CHILDREN``); kernel death is in test_kernel.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from conftest import FORK_STUBBORN_CHILDREN, forked_children, survivors, tagged_workers
+
+import elastic_magic as em
+from elastic_magic.events import JobState, Output
+from elastic_magic.payload import build_payload
+
+
+def test_stop_ends_what_the_ranks_forked(tmp_path, log_dir):
+    spec = em.JobSpec.create(2, log_dir=log_dir)
+    cell = FORK_STUBBORN_CHILDREN + "time.sleep(600)\n"
+    job = em.Job(spec, build_payload(cell, spec, namespace={"PID_DIR": str(tmp_path)}))
+    job.start()
+    up: set[int] = set()
+
+    def watch(events):
+        up.update(e.rank for e in events if isinstance(e, Output) and "children up" in e.lines)
+        if len(up) == 2 and job.state is JobState.RUNNING:
+            job.stop("test")
+
+    started = time.monotonic()
+    result = job.wait(watch)
+    assert result.state is JobState.STOPPED
+    assert len(forked_children(tmp_path)) == 4
+    assert not survivors(tmp_path), "forked children outlived job.stop()"
+    assert not tagged_workers()
+    # SIGINT ends the ranks; what they left is SIGKILLed at once, not after the escalation.
+    assert time.monotonic() - started < 60
+
+
+def test_children_left_running_by_a_successful_job_end_with_it(tmp_path, log_dir):
+    cell = FORK_STUBBORN_CHILDREN + "'done'\n"
+    result = em.launch(cell, nproc=2, namespace={"PID_DIR": str(tmp_path)}, log_dir=log_dir,
+                       render=lambda e: None)
+    assert result.values == {0: "done", 1: "done"}
+    assert len(forked_children(tmp_path)) == 4
+    assert not survivors(tmp_path), "forked children outlived a job that succeeded"
+
+
+RESTART = textwrap.dedent("""
+    import os, psutil, time, torch.distributed as dist
+    if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == 0:
+        PID_DIR = FIRST
+        {children}
+        dist.barrier()
+        if dist.get_rank() == 1:
+            raise RuntimeError("crash with children running")
+        time.sleep(600)
+
+    def running(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    # The new group starts once the failed one has ended, all it started included.
+    [name for name in os.listdir(FIRST) if running(int(name.removesuffix(".pid")))]
+""")
+
+
+def test_a_restart_ends_what_the_failed_attempt_forked(tmp_path, log_dir):
+    first = tmp_path / "first_attempt"
+    first.mkdir()
+    children = textwrap.indent(FORK_STUBBORN_CHILDREN, " " * 4).strip()
+    result = em.launch(RESTART.replace("{children}", children), nproc=2, max_restarts=1,
+                       namespace={"FIRST": str(first)}, log_dir=log_dir,
+                       render=lambda e: None)
+    assert result.restarts == 1
+    assert result.values == {0: [], 1: []}, "children of the failed attempt still ran"
+    assert len(forked_children(first)) == 4 and not survivors(first)
+
+
+def test_the_workers_exit_passes_through_its_shepherd(log_dir):
+    """The agent sees the rank through its shepherd: a signal that killed the worker is
+    the one reported (SIGTERM here; exit codes and SIGKILL in test_jobs.py)."""
+    cell = ("import os, signal, torch.distributed as dist\n"
+            "if dist.get_rank() == 1:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "dist.barrier()\n")
+    with pytest.raises(em.JobFailedError) as err:
+        em.launch(cell, nproc=2, log_dir=log_dir, render=lambda e: None)
+    root = err.value.result.failure
+    assert root.rank == 1 and root.signal == "SIGTERM"
+
+
+SHEPHERDED = textwrap.dedent("""
+    import os, signal, sys, time
+    import elastic_magic as em
+    from elastic_magic.payload import build_payload
+    spec = em.JobSpec.create(1, log_dir=sys.argv[1])
+    job = em.Job(spec, build_payload(sys.argv[2], spec, namespace={"PID_DIR": sys.argv[3]}))
+    job.start()
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("how", ["the kernel is SIGKILLed", "its worker is SIGKILLed"])
+def test_the_shepherd_ends_everything_when(tmp_path, log_dir, how):
+    """Without the agent's help: the process that ran the job is SIGKILLed (the shepherd's
+    PR_SET_PDEATHSIG), or the worker is, leaving its forked children (the shepherd
+    outlives and ends them)."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    cell = FORK_STUBBORN_CHILDREN + "time.sleep(600)\n"
+    kernel = subprocess.Popen([sys.executable, "-c", SHEPHERDED, str(log_dir), cell,
+                               str(pid_dir)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(forked_children(pid_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(forked_children(pid_dir)) == 2
+        # The forked children share the worker's command line.
+        (worker,) = [p for p in tagged_workers() if p.pid not in forked_children(pid_dir)]
+        if how == "the kernel is SIGKILLed":
+            os.kill(kernel.pid, signal.SIGKILL)
+        else:
+            worker.kill()
+        deadline = time.monotonic() + 5
+        while survivors(pid_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not survivors(pid_dir)
+    finally:
+        os.killpg(kernel.pid, signal.SIGKILL)  # our own stand-in kernel, by its group
+        kernel.wait()
+
+
+def test_signals_for_the_rank_reach_the_worker_through_its_shepherd(tmp_path, log_dir):
+    """SIGUSR1 sent to the PID the agent shows (the shepherd) reaches the worker."""
+    cell = textwrap.dedent("""
+        import signal, threading, time
+        got = threading.Event()
+        signal.signal(signal.SIGUSR1, lambda *a: got.set())
+        print("ready", flush=True)
+        while not got.is_set():
+            time.sleep(0.01)
+        "got it"
+    """)
+    spec = em.JobSpec.create(1, log_dir=log_dir)
+    job = em.Job(spec, build_payload(cell, spec, namespace={})).start()
+    sent = threading.Event()
+
+    def watch(events):
+        if not sent.is_set() and any(isinstance(e, Output) and "ready" in e.lines
+                                     for e in events):
+            os.kill(job.status_snapshot.pids[0], signal.SIGUSR1)
+            sent.set()
+
+    assert job.wait(watch).values == {0: "got it"}
