@@ -10,7 +10,17 @@ from typing import Any
 import cloudpickle
 
 from ..events import EventSink
-from ..messages import Exit, Failed, Resized, Result, Run, Running, StateRequest
+from ..messages import (
+    Commit,
+    Exit,
+    Failed,
+    Resized,
+    Result,
+    Run,
+    Running,
+    StateGet,
+    StateRequest,
+)
 from ..result import RankFailure, root_cause_order
 from .policy import GroupStatus
 from .workers import (
@@ -80,7 +90,7 @@ class WorkerGroup:
             case Resized():
                 worker.resized = True
                 worker.state = WorkerState.STOPPED
-            case request:
+            case StateGet() | Commit() as request:
                 return request
         return None
 
