@@ -133,9 +133,10 @@ def test_every_rank_in_a_collective_names_the_odd_one_out():
         "called a different collective: barrier, while ranks 0, 2 wait in all_reduce")
 
 
-def test_every_rank_in_the_same_collective_waits_longer_on_several_machines():
+def test_every_rank_in_the_same_collective_is_a_lost_peer_or_a_mismatch():
     views = [RankView(0, 4, place=WAITING), RankView(1, 5, place=WAITING)]
-    assert judge_stall(views, 3, all_waiting_after=6).kind is Kind.NONE  # give the others time
+    # on several machines the ranks waited for may be busy elsewhere: no verdict here
+    assert judge_stall(views, 3, all_waiting_after=float("inf")).kind is Kind.NONE
     verdict = judge_stall(views, 3, all_waiting_after=3)
     assert verdict == Verdict(Kind.ALL_WAITING, (1,), (0,))
     assert cause_reason(verdict, views[1], {0: WAITING, 1: WAITING}).startswith(

@@ -100,9 +100,10 @@ def _ask(worker: Worker, message: DumpStacks) -> bool:
 class HangWatch:
     def __init__(self, spec: JobSpec, emit: EventSink, role: SingleMachine) -> None:
         self.stall_timeout = spec.stall_timeout
-        # On several machines, a rank at fault elsewhere leaves every rank here waiting:
-        # that machine's agent gets the time to name it before this one gives up.
-        self.all_waiting_after = (spec.stall_timeout or 0.0) * (2 if spec.multi_node else 1)
+        # Every rank here waiting in a collective names no one on several machines: the
+        # ranks they wait for may be busy elsewhere, where that machine's agent watches them.
+        self.all_waiting_after = float("inf") if spec.multi_node \
+            else (spec.stall_timeout or 0.0)
         self.emit = emit
         self.role = role
         self._ids = itertools.count(1)

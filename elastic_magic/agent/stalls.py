@@ -72,9 +72,9 @@ def judge_stall(views: Sequence[RankView], stall_timeout: float,
     A quiet rank outside any collective stalled (the one quiet longest first). Else, when
     ranks wait in a collective while another rank has already returned, it left early.
     Else, when every running rank waits in a collective and none has moved for
-    ``all_waiting_after`` seconds, nothing can complete: a mismatched collective, or a peer
-    lost elsewhere (on several machines the rank at fault may be on another one, whose agent
-    gets the time to name it first). Otherwise someone is still working: keep waiting."""
+    ``all_waiting_after`` seconds, nothing can complete: a mismatched collective, or a lost
+    peer (the agent of a machine among several passes infinity: the ranks its own wait for
+    may be busy on another machine). Otherwise someone is still working: keep waiting."""
     running = [v for v in views if not v.finished]
     quiet = [v for v in running if v.quiet_for >= stall_timeout]
     if not quiet:
