@@ -8,6 +8,8 @@ import threading
 import time
 
 import pytest
+from test_multinode import machines as machines  # the fixture: `elastic-magic join` processes
+from test_multinode import run_head
 
 import elastic_magic as em
 from elastic_magic.events import RanksFinished, WorkerFailed
@@ -141,6 +143,27 @@ def test_stacks_of_a_running_job_without_stopping_it(tmp_path, log_dir, recorder
         assert loader.startswith("Thread loader,") and "in load\n" in loader
         assert "elastic_magic" not in text  # the worker's own frames and threads are left out
     assert job.result is not None and job.result.ok and job.result.values == {0: 0, 1: 1}
+
+
+def test_stacks_cover_the_ranks_of_other_machines(tmp_path, machines, log_dir, recorder):
+    flag = tmp_path / "go"
+    spec = em.JobSpec.create(1, nnodes=2, log_dir=log_dir, timeout=120)
+    found: dict[int, str] = {}
+
+    def drive(job):
+        try:
+            _wait_for_up(recorder.lines, 2, timeout=120)
+            found.update(job.stacks())
+        finally:
+            flag.touch()
+
+    result = run_head(spec, WAITING, recorder, machines, namespace={"FLAG": str(flag)},
+                      on_open=lambda: machines.join(1), drive=drive)
+    assert result.ok, result
+    assert machines.procs[0].wait(timeout=30) == 0, machines.output(0)
+    assert sorted(found) == [0, 1]  # rank 1 runs on the other machine
+    for text in found.values():
+        assert "Cell line 9, in <module>" in text and "Thread loader," in text
 
 
 def test_elastic_stacks_magic_prints_every_rank(ip, tmp_path, log_dir, capsys):
