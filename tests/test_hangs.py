@@ -51,6 +51,16 @@ def test_the_watchdog_names_a_rank_stalled_outside_any_collective(log_dir, recor
     assert [e.failure.rank for e in recorder.of(WorkerFailed)] == [1, 0]
 
 
+def test_a_rank_stuck_in_c_code_holding_the_gil_is_named_though_it_cannot_answer(
+        log_dir, recorder):
+    cell = STALL.replace("time.sleep(120)", "re.match(r'(a+)+$', 'a' * 40 + 'b')  # ages")
+    result = failed("import re" + cell, recorder, log_dir, stall_timeout=3, timeout=60)
+    root = result.failure
+    assert root.rank == 1 and "no answer when asked for its stack" in root.reason
+    assert result.stacks[1].startswith("did not answer within 2s")
+    assert "dist.all_reduce(t)" in result.stacks[0]
+
+
 def test_without_the_watchdog_a_timeout_still_blames_the_stalled_rank(log_dir, recorder):
     result = failed(STALL, recorder, log_dir, timeout=5)
     root = result.failure

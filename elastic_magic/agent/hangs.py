@@ -55,6 +55,7 @@ FINISHED_NOTICE = 1.0  # a rank done this long before the others is news
 NOT_ANSWERING = (f"did not answer within {STACKS_DEADLINE:.0f}s (stuck in C code that holds "
                  "the GIL?)")
 FINISHED = "finished: its cell returned; it waits for the other ranks"
+EXITED = "exited before it could answer"
 
 
 @dataclass
@@ -98,6 +99,9 @@ def _ask(worker: Worker, message: DumpStacks) -> bool:
 
 
 class HangWatch:
+    """One job's hang diagnosis on this machine, on the agent thread. Per group: each rank's
+    last progress, when it finished, the stacks asked for a decision and the verdict."""
+
     def __init__(self, spec: JobSpec, emit: EventSink, role: SingleMachine) -> None:
         self.stall_timeout = spec.stall_timeout
         # Every rank here waiting in a collective names no one on several machines: the
@@ -241,6 +245,7 @@ class HangWatch:
         STACKS_DEADLINE)."""
         now = time.time()
         self._sync(group)
+        self._drop_gone(group)
         self._tick(now)
         self._notice_finished(group, now)
         if self.stalled:
@@ -252,6 +257,16 @@ class HangWatch:
         if self.stall_timeout is not None and self._stall(group, now):
             return dataclasses.replace(status, failed=True)
         return status
+
+    def _drop_gone(self, group: WorkerGroup) -> None:
+        """A rank that has exited cannot answer: stop waiting for it."""
+        if not any(g.asked for g in self.gatherings.values()):
+            return
+        gone = {(w.attempt, w.local_rank) for w in group.workers if not w.alive()}
+        for gathering in self.gatherings.values():
+            for key in gone & gathering.asked.keys():
+                rank = gathering.asked.pop(key)
+                gathering.stacks[rank] = RankStacks(rank, note=EXITED)
 
     def _notice_finished(self, group: WorkerGroup, now: float) -> None:
         for worker in group.workers:
@@ -305,10 +320,10 @@ class HangWatch:
             local, rank = worker.local_rank, worker.global_rank
             finished = worker.state is WorkerState.SUCCEEDED
             if not worker.running or worker.resized or not (
-                    finished or worker.state is WorkerState.HEALTHY):
-                continue
+                    finished or (worker.state is WorkerState.HEALTHY and worker.alive())):
+                continue  # not started, left, failed or gone: the group's own checks see it
             if check is not None and not finished and rank not in check.stacks:
-                continue  # gone before it was asked: the group's own checks see it
+                continue  # not asked: it had already failed
             last = max(self.progress_at.get(local, now),
                        self._output_at.get((worker.attempt, rank), 0.0))
             place = place_of(check.stacks[rank]) if check and rank in check.stacks \
@@ -321,7 +336,7 @@ class HangWatch:
         """Keep the stacks, and the failures that name the verdict's ranks."""
         self.verdict = verdict
         self.kept = {rank: stacks.format() for rank, stacks in check.stacks.items()
-                     if stacks.note != FINISHED}
+                     if stacks.threads or stacks.note == NOT_ANSWERING}
         by_rank = {v.rank: v for v in views}
         places = {v.rank: v.place for v in views if v.place is not None}
         workers = {w.global_rank: w for w in group.workers}
