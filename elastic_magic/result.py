@@ -193,6 +193,8 @@ def _load(blob: bytes) -> Any:
 _PEER_LOSS_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited",
                       "Connection refused", "peer disconnected")
 _TIMEOUT_MARKERS = ("timed out", "timeout")  # gloo "Timed out waiting", NCCL's watchdog
+# ...in torch.distributed, not a timeout of the user's own (a data server, a socket)
+_DISTRIBUTED_MARKERS = ("torch/distributed/", "gloo", "NCCL", "c10d")
 # The agent dates a death by signal when it sees the report pipe close, which can lag
 # behind a surviving peer's exception by this much on a loaded machine.
 _PEER_LOSS_WINDOW = 5.0
@@ -205,9 +207,11 @@ def is_consequence(failure: RankFailure) -> bool:
         return True
     if failure.exc_type is None:
         return False
+    if any(m in failure.message for m in _PEER_LOSS_MARKERS):
+        return True
     lowered = failure.message.lower()
-    return any(m in failure.message for m in _PEER_LOSS_MARKERS) or any(
-        m in lowered for m in _TIMEOUT_MARKERS)
+    return any(m in lowered for m in _TIMEOUT_MARKERS) and any(
+        m in failure.message or m in failure.traceback for m in _DISTRIBUTED_MARKERS)
 
 
 def root_cause_order(failures: list[RankFailure]) -> list[RankFailure]:

@@ -174,6 +174,9 @@ def failure(rank, when, **kwargs):
 def test_timeouts_and_lost_peers_are_consequences(message):
     assert is_consequence(failure(0, 1.0, exc_type="RuntimeError", message=message))
     assert not is_consequence(failure(0, 1.0, exc_type="ValueError", message="boom"))
+    # a timeout of the user's own, outside torch.distributed, is a cause like any error
+    assert not is_consequence(failure(0, 1.0, exc_type="TimeoutError", traceback="Cell line 3",
+                                      message="the data server timed out"))
     assert not is_consequence(failure(0, 1.0, signal="SIGKILL"))
     assert is_consequence(failure(0, 1.0, reason="waited in barrier", consequence=True))
 
