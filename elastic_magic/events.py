@@ -60,6 +60,16 @@ class WorkerFailed:
 
 
 @dataclass(frozen=True)
+class RanksFinished:
+    """Ranks returned their results while others of the group still run (news: a rank that
+    leaves a collective job early makes the others wait in vain)."""
+
+    ranks: tuple[int, ...]
+    running: tuple[int, ...]
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class Restarting:
     restart_count: int  # the restart about to begin (1 for the first)
     max_restarts: int
@@ -123,6 +133,6 @@ class JobFinished:
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
-    | JobFinished
+    | JobFinished | RanksFinished
 )
 EventSink = Callable[[Event], None]

@@ -30,6 +30,7 @@ _SUBCOMMANDS = """\
 %elastic stop [JOB]               stop a job's workers (SIGINT, SIGTERM, SIGKILL)
 %elastic scale N [JOB] [--now]    resize to N workers (at the next commit, or --now)
 %elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
+%elastic stacks [JOB]             every rank's Python stacks (all threads), without stopping
 JOB is a number from `%elastic jobs` or a run id; the default is the latest job."""
 
 # The magic's own flags: how a job is shown, not what it runs (those come from JobSpec).
@@ -130,10 +131,10 @@ class ElasticMagics(Magics):
         """Manage elastic jobs of this kernel.
 
         %elastic jobs | status [JOB] | stop [JOB] | scale N [JOB] [--now]
-        %elastic logs RANK [JOB] [-n N] [--stderr]
+        %elastic logs RANK [JOB] [-n N] [--stderr] | stacks [JOB]
         """
         words = shlex.split(line)
-        if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs"):
+        if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs", "stacks"):
             raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")
         command, rest = words[0], words[1:]
         if command == "jobs":
@@ -144,6 +145,8 @@ class ElasticMagics(Magics):
             self._stop(self._job(rest))
         elif command == "scale":
             self._scale(rest)
+        elif command == "stacks":
+            self._print_stacks(self._job(rest))
         else:
             self._print_logs(rest)
 
@@ -272,6 +275,22 @@ class ElasticMagics(Magics):
         except SpecError as exc:
             raise UsageError(f"%elastic {exc}") from None
         print(f"{job.run_id}: resize to {words[0]} workers requested")
+
+    def _print_stacks(self, job: Job) -> None:
+        """What each rank is doing now; for a finished job, what its stuck ranks were doing
+        when it failed by a timeout or a stall."""
+        if job.done:
+            print(f"{job.run_id} has ended ({job.state.value}); "
+                  + ("the stacks it kept of its stuck ranks:" if job.stacks()
+                     else "it kept no stacks (only a timeout or a stall keeps them)."))
+        try:
+            stacks = job.stacks()
+        except TimeoutError as exc:
+            raise UsageError(f"%elastic stacks: {exc}") from None
+        if not stacks and not job.done:
+            print(f"{job.run_id}: no rank is running ({job.state.value})")
+        for rank, text in stacks.items():
+            print(f"==> rank {rank} <==\n{text}\n")
 
     def _print_logs(self, words: list[str]) -> None:
         lines, stream, rest = 40, "stdout", []

@@ -2,12 +2,15 @@
 
 Three conversations share this vocabulary, each over signed frames (``protocol.py``):
 
-- agent -> worker (control pipe): :class:`Run`, :class:`Reply`, :class:`Exit`;
+- agent -> worker (control pipe): :class:`Run`, :class:`Reply`, :class:`Exit`,
+  :class:`DumpStacks`;
 - worker -> agent (report pipe): :class:`Running`, :class:`Result`, :class:`Failed`,
-  :class:`Resized`, and the State requests :class:`StateGet` and :class:`Commit`;
+  :class:`Resized`, the State requests :class:`StateGet` and :class:`Commit`, and
+  :class:`Progress` and :class:`Stacks` for hang diagnosis;
 - head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
   :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
-  :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`.
+  :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`,
+  :class:`StacksRequest`, :class:`NodeStacks`.
 
 Receivers dispatch with ``match``. Workers import this module, so it imports nothing heavy.
 """
@@ -20,8 +23,11 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from .result import JobState, RankFailure
+from .stacks import ThreadStack
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from .payload import Payload
     from .spec import JobSpec
 
@@ -64,6 +70,14 @@ class Reply:
 @dataclass(frozen=True)
 class Exit:
     """Leave the worker loop (after the last payload)."""
+
+
+@dataclass(frozen=True)
+class DumpStacks:
+    """Report every thread's stack (answered by the control listener: the main thread
+    keeps running)."""
+
+    request_id: int
 
 
 # -- worker -> agent ------------------------------------------------------------------
@@ -130,8 +144,24 @@ class Commit:
     handoff: Handoff | None = None
 
 
+@dataclass(frozen=True)
+class Progress:
+    """The rank's main thread has moved since its last report (sampled; at most one a
+    second)."""
+
+    time: float
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """The answer to :class:`DumpStacks`."""
+
+    request_id: int
+    threads: tuple[ThreadStack, ...]
+
+
 StateRequest = StateGet | Commit
-WorkerMessage = Running | Result | Failed | Resized | StateGet | Commit
+WorkerMessage = Running | Result | Failed | Resized | StateGet | Commit | Progress | Stacks
 
 
 @dataclass(frozen=True)
@@ -159,6 +189,13 @@ class StopCommand:
 class ScaleCommand:
     nproc: int
     immediate: bool = False
+
+
+@dataclass(frozen=True)
+class StacksCommand:
+    """Gather every rank's stacks; the agent sets ``answer`` to {rank: formatted text}."""
+
+    answer: Future[dict[int, str]]
 
 
 class Action(Enum):
@@ -245,5 +282,20 @@ class EndJob:
     reason: str
 
 
+@dataclass(frozen=True)
+class StacksRequest:
+    """The head: send me your ranks' stacks."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class NodeStacks:
+    """A joined machine's answer to :class:`StacksRequest`: {global rank: text}."""
+
+    request_id: int
+    stacks: dict[int, str]
+
+
 LinkMessage = (JobOffer | Hello | Forward | NodeRequest | NodeReply | GroupResult
-               | NodeFinished | Leaving | Regroup | EndJob)
+               | NodeFinished | Leaving | Regroup | EndJob | StacksRequest | NodeStacks)

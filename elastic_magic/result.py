@@ -50,9 +50,16 @@ class RankFailure:
     exit_code: int | None = None
     signal: str | None = None
     log_dir: str | None = None
+    # Set by the agent for a rank that raised nothing itself: it stalled, returned while
+    # others waited, or waited in a collective for the rank that did (``consequence``).
+    reason: str | None = None
+    consequence: bool = False
 
     @property
     def headline(self) -> str:
+        if self.reason:
+            where = f" (cell line {self.cell_line})" if self.cell_line else ""
+            return f"{self.reason}{where}"
         if self.exc_type:
             where = f" (cell line {self.cell_line})" if self.cell_line else ""
             return f"{self.exc_type}: {self.message}{where}".rstrip()
@@ -63,7 +70,8 @@ class RankFailure:
     @property
     def signature(self) -> tuple[Any, ...]:
         """Failures with equal signatures are the same error on different ranks."""
-        return (self.exc_type, self.message, self.traceback, self.exit_code, self.signal)
+        return (self.exc_type, self.message, self.traceback, self.exit_code, self.signal,
+                self.reason)
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,9 @@ class JobResult:
     resizes: int = 0
     commit: dict[str, Any] | None = None  # the last committed State: step, time, world size
     snapshot: bytes | None = field(default=None, repr=False)  # State.load() takes it
+    # A job that failed by a timeout or a stall: each stuck rank's stacks (all threads),
+    # taken before the group was torn down.
+    stacks: dict[int, str] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -146,6 +157,7 @@ def assemble_result(
     started: float, log_dir: Path, failures: list[RankFailure], stop_reason: str | None,
     resizes: int, commit: dict[str, Any] | None, snapshot: bytes | None,
     ranks: Mapping[int, RankOutcome], tails: dict[int, list[str]],
+    stacks: Mapping[int, str] | None = None,
 ) -> JobResult:
     """The JobResult of a job that ended in ``state``: values and pulled variables only on
     success, the root cause only on failure."""
@@ -157,6 +169,7 @@ def assemble_result(
         failures=list(failures) if failed else [],
         tails=dict(tails), stop_reason=stop_reason if state is JobState.STOPPED else None,
         resizes=resizes, commit=dict(commit) if commit else None, snapshot=snapshot,
+        stacks=dict(stacks or {}) if failed else {},
     )
     if state is JobState.SUCCEEDED:
         for rank in sorted(ranks):
@@ -174,34 +187,84 @@ def _load(blob: bytes) -> Any:
         return Unpicklable("<value from worker>", f"{type(exc).__name__}: {exc}")
 
 
-# How a rank reports that a peer vanished (gloo, NCCL, the store): a consequence of another
-# rank's failure, not a cause, unless nothing else failed around it.
+# How a rank reports that a peer vanished (gloo, NCCL, the store), or that it waited for
+# peers too long: a consequence of another rank's failure, not a cause, unless nothing
+# else failed around it.
 _PEER_LOSS_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited",
                       "Connection refused", "peer disconnected")
+_TIMEOUT_MARKERS = ("timed out", "timeout")  # gloo "Timed out waiting", NCCL's watchdog
+# ...in torch.distributed, not a timeout of the user's own (a data server, a socket)
+_DISTRIBUTED_MARKERS = ("torch/distributed/", "gloo", "NCCL", "c10d")
 # The agent dates a death by signal when it sees the report pipe close, which can lag
 # behind a surviving peer's exception by this much on a loaded machine.
 _PEER_LOSS_WINDOW = 5.0
 
 
-def _peer_loss(failure: RankFailure) -> bool:
-    return failure.exc_type is not None and any(m in failure.message
-                                                 for m in _PEER_LOSS_MARKERS)
+def is_consequence(failure: RankFailure) -> bool:
+    """A rank that failed waiting for others: a lost peer or a timeout in its own report,
+    or the agent found it waiting in a collective for the root cause."""
+    if failure.consequence:
+        return True
+    if failure.exc_type is None:
+        return False
+    if any(m in failure.message for m in _PEER_LOSS_MARKERS):
+        return True
+    lowered = failure.message.lower()
+    return any(m in lowered for m in _TIMEOUT_MARKERS) and any(
+        m in failure.message or m in failure.traceback for m in _DISTRIBUTED_MARKERS)
 
 
 def root_cause_order(failures: list[RankFailure]) -> list[RankFailure]:
-    """Failures earliest first, except that a rank's "a peer vanished" error goes after a
-    failure that came up to a few seconds later: the peer's death was the cause."""
+    """Failures earliest first, except that a rank's "a peer vanished" or "timed out" error
+    goes after a failure that came up to a few seconds later (the peer's death was the
+    cause), and ranks the agent marked as consequences go last."""
     by_time = sorted(failures, key=lambda f: f.time)
-    causes = [f for f in by_time if not _peer_loss(f)]
+    causes = [f for f in by_time if not is_consequence(f)]
 
-    def key(failure: RankFailure) -> float:
-        if _peer_loss(failure):
+    def key(failure: RankFailure) -> tuple[bool, float]:
+        if is_consequence(failure) and not failure.consequence:
             later = [c.time for c in causes if 0 <= c.time - failure.time <= _PEER_LOSS_WINDOW]
             if later:
-                return max(later) + 1e-6  # just after the death that caused it
-        return failure.time
+                return False, max(later) + 1e-6  # just after the death that caused it
+        return failure.consequence, failure.time
 
     return sorted(by_time, key=key)
+
+
+def short_message(failure: RankFailure) -> str:
+    """One line for a consequence: its first line, without gloo's "[file.cc:N] " prefix."""
+    if failure.reason:
+        return failure.reason + (f" at cell line {failure.cell_line}" if failure.cell_line
+                                 else "")
+    if not failure.exc_type:
+        return failure.headline
+    text = (failure.message.strip().splitlines() or [""])[0]
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text or failure.headline
+
+
+def after(root: RankFailure) -> str:
+    """What happened to the root cause, as in "(after rank 1 was killed by SIGKILL)"."""
+    if root.reason:  # its first clause: "stalled", "returned early"
+        what = root.reason.split(":")[0]
+    elif root.signal:
+        what = f"was killed by {root.signal}"
+    elif root.exc_type:
+        what = f"raised {root.exc_type}"
+    else:
+        what = f"exited with code {root.exit_code}"
+    return f"after rank {root.rank} {what}"
+
+
+def split_consequences(root: RankFailure, failures: list[RankFailure]
+                       ) -> tuple[list[RankFailure], list[RankFailure]]:
+    """Other ranks' failures: (independent ones, consequences of the root cause)."""
+    others = [f for f in root_cause_order(failures) if f.rank != root.rank]
+    if is_consequence(root):  # nothing explains it: every failure stands on its own
+        return others, []
+    return ([f for f in others if not is_consequence(f)],
+            [f for f in others if is_consequence(f)])
 
 
 def group_failures(failures: list[RankFailure]) -> list[tuple[RankFailure, list[int]]]:
@@ -213,7 +276,8 @@ def group_failures(failures: list[RankFailure]) -> list[tuple[RankFailure, list[
 
 
 def describe_failure(result: JobResult) -> str:
-    """Root cause first, then other ranks' failures grouped; for people, not machines."""
+    """Root cause first, then other ranks' failures grouped, then the consequences (ranks
+    that only waited for the root cause) one line each; for people, not machines."""
     root = result.failure
     if root is None:
         return f"job {result.run_id} {result.state.value}"
@@ -226,17 +290,20 @@ def describe_failure(result: JobResult) -> str:
         lines.append(f"    cell line {root.cell_line}: {root.source_line}")
     if root.traceback:
         lines += ["", root.traceback.rstrip()]
-    others = [(f, ranks) for f, ranks in group_failures(result.failures)]
-    for failure, ranks in others:
-        ranks = [r for r in ranks if r != root.rank]
-        if not ranks:
-            continue
+    independent, consequences = split_consequences(root, result.failures)
+    for failure, ranks in group_failures(independent):
         same = failure.signature == root.signature
         label = "the same error" if same else failure.headline
         plural = "s" if len(ranks) > 1 else ""
         lines.append(f"\nRank{plural} {', '.join(map(str, ranks))} also failed: {label}")
         if not same and failure.traceback:
             lines.append(failure.traceback.rstrip())
+    if consequences:
+        lines.append("\nConsequences (ranks that failed or waited because of it):")
+        lines += [f"  rank {f.rank}: {short_message(f)} ({after(root)})" for f in consequences]
+    if result.stacks:
+        lines.append(f"\nStacks of the stuck ranks ({', '.join(map(str, sorted(result.stacks)))}"
+                     "): result.stacks, or `%elastic stacks`")
     lines.append(f"\nLogs: {result.log_dir}")
     return "\n".join(lines)
 

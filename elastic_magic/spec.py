@@ -172,10 +172,11 @@ def _zero_or_more(label: str, value: Any, high: int = MAX_RESTARTS) -> int:
     return number
 
 
-def _seconds(label: str, value: Any, high: float = MAX_SECONDS) -> float:
+def _seconds(label: str, value: Any, high: float = MAX_SECONDS, above: float = 0) -> float:
     number = float(_number(label, value, float))
-    if not (math.isfinite(number) and 0 < number <= high):  # nan fails every comparison
-        raise SpecError(f"{label} {value}: must be above 0 and at most {high:g} seconds.")
+    if not (math.isfinite(number) and above < number <= high):  # nan fails every comparison
+        raise SpecError(f"{label} {value}: must be above {above:g} and at most {high:g} "
+                        "seconds.")
     return number
 
 
@@ -286,6 +287,9 @@ OPTIONS: tuple[Option, ...] = (
            "init_process_group itself)", action="store_false", check=lambda _, v: bool(v)),
     Option("timeout", "--timeout", 300.0, "seconds workers wait for each other: rendezvous "
            "and collectives", "S", _seconds),
+    Option("stall_timeout", "--stall-timeout", None, "a rank without progress for S seconds "
+           "outside any collective has stalled: the job fails, naming it (default off)", "S",
+           lambda flag, v: None if v is None else _seconds(flag, v, above=2)),
     Option("max_restarts", "--max-restarts", 0, "restarts of the whole group after a "
            "failure", "N", _zero_or_more),
     Option("monitor_interval", "--monitor-interval", 0.1, "seconds between health checks "
@@ -350,6 +354,7 @@ class JobSpec:
     max_restarts: int
     monitor_interval: float
     timeout: float
+    stall_timeout: float | None
     init_process_group: bool
     log_dir: Path
     env: dict[str, str]
@@ -413,14 +418,11 @@ class JobSpec:
         if rdzv_port and max_nodes == 1:
             raise SpecError(f"--rdzv-endpoint {given.get('rdzv_endpoint')}: a fixed port is "
                             "for jobs that other machines join; add --nnodes MIN:MAX.")
-        return cls(
-            nproc=count, backend=backend, max_restarts=v["max_restarts"],
-            monitor_interval=v["monitor_interval"], timeout=v["timeout"],
-            init_process_group=v["init_process_group"], log_dir=v["log_dir"], env=v["env"],
-            argv=v["argv"], pull=v["pull"], gpus=gpus, min_nproc=low, max_nproc=high,
-            checkpoint_dir=v["checkpoint_dir"], min_nodes=min_nodes, max_nodes=max_nodes,
-            rdzv_host=rdzv_host, rdzv_port=rdzv_port,
-        )
+        # Options kept as checked, under their own names; then the ones worked out above.
+        kept = {name: value for name, value in v.items() if name in cls.__dataclass_fields__}
+        return cls(**{**kept, "nproc": count, "backend": backend, "min_nproc": low,
+                      "max_nproc": high}, min_nodes=min_nodes, max_nodes=max_nodes,
+                   rdzv_host=rdzv_host, rdzv_port=rdzv_port)
 
     @classmethod
     def for_machine(cls, head: JobSpec, **own: Any) -> JobSpec:

@@ -144,6 +144,16 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
                 time.sleep(0.2)
             assert len(tagged_workers()) == 3
 
+            # Every rank's stacks while it runs; nothing stops (a subshell carries the click).
+            dash.locator("[data-em=stacks-button]").click()
+            stacks = dash.locator("[data-em=stacks]")
+            expect(stacks.locator("[data-em=stacks-2]")).to_contain_text(
+                "Cell line 4, in <module>", timeout=30_000)
+            expect(stacks.locator("[data-em=stacks-0]")).to_contain_text("time.sleep(600)")
+            expect(dash.locator("[data-em=stacks-button]")).to_have_text("Stacks")
+            expect(dash.locator("[data-em=state]")).to_have_text("running")
+            dash.screenshot(path=str(ARTIFACTS / "dashboard-stacks.png"))
+
             # Stop while the cell is still running: the click travels on a kernel subshell.
             dash.locator("[data-em=stop]").click()
             record = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".elastic-record")

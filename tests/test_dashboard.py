@@ -156,3 +156,38 @@ def test_resize_from_the_dashboard_shows_pending_and_last_commit(log_dir):
     kinds = [e["kind"] for e in w.timeline]
     assert "resize" in kinds and "membership" in kinds and "restart" not in kinds
     assert "last commit: step 12 at world size 3" in record_bundle(view.state)["text/plain"]
+
+
+def test_stacks_button_shows_every_rank_without_stopping_the_job(tmp_path, log_dir):
+    flag = tmp_path / "go"
+    cell = ("import os, time\nprint('up', flush=True)\n"
+            "while not os.path.exists(FLAG):\n    time.sleep(0.2)\n")
+    spec = JobSpec.create(2, log_dir=log_dir)
+    job = Job(spec, build_payload(cell, spec, namespace={"FLAG": str(flag)})).start()
+    view = LiveView(job)
+    seen: dict = {"asked": False, "stacks": None}
+
+    def render(events):
+        view(events)
+        up = {rank for rank, _, text in view.widget.merged if text == "up"}
+        if not seen["asked"] and up == {0, 1}:
+            seen["asked"] = True
+            # what the Stacks button sends; on a subshell thread in JupyterLab >= 4.4
+            view.widget._handle_custom_msg({"command": "stacks"}, [])
+        if seen["asked"] and seen["stacks"] is None and view.widget.stacks:
+            seen["stacks"] = dict(view.widget.stacks)
+            flag.touch()  # the job goes on to succeed
+
+    try:
+        result = job.wait(render)
+    finally:
+        flag.touch()
+        view.finish()
+    assert view.widget.controls["stacks"] is True
+    stacks = seen["stacks"]
+    assert stacks is not None and stacks["title"].startswith("stacks at ")
+    assert sorted(stacks["ranks"]) == ["0", "1"]
+    for text in stacks["ranks"].values():
+        assert "Cell line 4, in <module>\n    time.sleep(0.2)" in text
+    assert result.ok and view.widget.header["state"] == "succeeded"
+    assert "Rank 0" in record_bundle(view.state)["text/html"]

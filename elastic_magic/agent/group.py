@@ -10,7 +10,17 @@ from typing import Any
 import cloudpickle
 
 from ..events import EventSink
-from ..messages import Commit, Exit, Failed, Resized, Result, Run, Running, StateGet, StateRequest
+from ..messages import (
+    Commit,
+    Exit,
+    Failed,
+    Resized,
+    Result,
+    Run,
+    Running,
+    StateGet,
+    StateRequest,
+)
 from ..result import RankFailure, root_cause_order
 from .policy import GroupStatus
 from .workers import (

@@ -9,11 +9,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
 from ..events import Event
-from ..messages import ScaleCommand, StopCommand
+from ..messages import ScaleCommand, StacksCommand, StopCommand
 from ..payload import Payload
 from ..result import JobResult, JobState
 from ..spec import JobSpec
@@ -87,6 +89,18 @@ class Job:
             self._agent = None  # a finished job keeps its result, not its payload or stores
             self._done.set()
             self._board.publish(done=True)
+            self._answer_late_commands()
+
+    def _answer_late_commands(self) -> None:
+        """Commands that came after the agent's last look: nobody will carry them out, but
+        whoever waits for stacks gets an answer (none: no rank runs any more)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, StacksCommand) and not item.answer.done():
+                item.answer.set_result({})
 
     @property
     def status_snapshot(self) -> JobStatus:
@@ -164,6 +178,30 @@ class Job:
 
         status = self._board.wait_for(reached, timeout)
         return reached(status) and not status.done
+
+    def stacks(self, timeout: float = 10.0) -> dict[int, str]:
+        """Every rank's current Python stacks (all threads), by global rank, without
+        stopping anything; ranks on other machines too. A rank that cannot answer (stuck in
+        C code that holds the GIL) says so. After the job has ended: the stacks it kept of
+        its stuck ranks when it failed by a timeout or a stall (often none)."""
+        answer = self.request_stacks()
+        try:
+            return answer.result(timeout)
+        except FutureTimeout:
+            if self.done:
+                return dict(self.result.stacks) if self.result is not None else {}
+            raise TimeoutError(f"{self.run_id}: the agent did not gather the stacks within "
+                               f"{timeout:g}s (it may be tearing a group down); try again.") \
+                from None
+
+    def request_stacks(self) -> Future[dict[int, str]]:
+        """:meth:`stacks` without waiting: the future gets them (from the agent thread)."""
+        answer: Future[dict[int, str]] = Future()
+        if self.done:
+            answer.set_result(dict(self.result.stacks) if self.result is not None else {})
+        else:
+            self._inbox.put(StacksCommand(answer))
+        return answer
 
     def stop(self, reason: str = "stopped") -> None:
         """Ask the agent to stop every worker (SIGINT, then SIGTERM, then SIGKILL)."""

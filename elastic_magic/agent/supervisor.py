@@ -44,6 +44,7 @@ from ..protocol import new_secret
 from ..result import JobResult, JobState, assemble_result, root_cause_order
 from ..spec import JobSpec
 from .group import WorkerGroup
+from .hangs import HangWatch
 from .hub import FromLink
 from .policy import (
     Membership,
@@ -88,6 +89,7 @@ class Agent:
             self.role = Head(spec, run_id, emit, token=token, payload=payload, inbox=inbox)
         else:
             self.role = SingleMachine(spec, run_id, emit)
+        self.hangs = HangWatch(spec, emit, self.role)  # stalls, stacks, early exits
         self.snapshots = SnapshotStore(spec.checkpoint_dir)
         # The head holds the snapshots; a joined machine asks it.
         self.server = None if joined else StateServer(self.snapshots, self._committed,
@@ -155,7 +157,7 @@ class Agent:
         assert self.group is not None
         while True:
             action = self._next_action(self.spec.monitor_interval)
-            status = self.group.poll()
+            status = self.hangs.watch(self.group.poll(), self.group)
             step = decide(action, self._regroup_due(), status)
             if step is not Step.WAIT:
                 self._carry_out(step)
@@ -181,7 +183,7 @@ class Agent:
             self._set_state(JobState.STOPPING)
             teardown_at = group.tear_down()
             self._drain()  # error reports still in flight
-            self.failures = group.failures_before(teardown_at)
+            self.failures = self.hangs.explain(group.failures_before(teardown_at))
             for failure in self.failures:
                 self.emit(WorkerFailed(failure))
         elif step is Step.RESIZED:
@@ -221,6 +223,7 @@ class Agent:
         try:
             result = self._result(final)
         finally:
+            attempt(self.hangs.close)
             attempt(self.snapshots.close)
             self._set_state(final)
             attempt(lambda: self.role.finished(final, self.failures))
@@ -246,6 +249,7 @@ class Agent:
             snapshot=self.snapshots.blob,
             ranks={**(group.results() if group else {}), **others},
             tails={**(group.tails() if group else {}), **other_tails},
+            stacks=self.hangs.kept,
         )
 
     def _release_run_lock(self) -> None:
@@ -317,7 +321,8 @@ class Agent:
                 extra=self.spec.env)
 
         group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
-                    log_root=self.log_root, inbox=self.inbox, emit=self.emit)
+                    log_root=self.log_root, inbox=self.inbox,
+                    emit=self.hangs.noting_output(self.emit))
         self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
                            restarts=self.restarts, pids=group.live_pids())
@@ -351,6 +356,8 @@ class Agent:
         return Action.NODE_FAILED if self.node_failed else None
 
     def _handle(self, item: Any) -> Action | None:
+        if self.hangs.handle(item, self.group):  # stacks and progress
+            return None
         match item:
             case StopCommand(reason):
                 self.stop_reason = reason

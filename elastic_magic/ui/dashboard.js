@@ -1,6 +1,6 @@
 // Live dashboard of one elastic job (anywidget). State comes from the kernel a few times a
-// second; the only messages back are commands ({command: "stop"}), which the kernel queues
-// for the agent.
+// second; the only messages back are commands ({command: "stop"}, "scale", "stacks"), which
+// the kernel queues for the agent.
 
 const h = (tag, attrs = {}, ...children) => {
   const node = document.createElement(tag);
@@ -22,28 +22,39 @@ function render({ model, el }) {
   el.classList.add("em-dash");
   let active = "all";
   let stopping = false;
+  let gathering = false; // stacks asked for, not arrived yet
 
   const badge = h("span", { class: "em-badge", "data-em": "state" });
   const stats = h("span", { class: "em-stats" });
   const clock = h("span", { class: "em-clock", "data-em": "elapsed" });
   const stop = h("button", { class: "em-stop", "data-em": "stop" }, "Stop");
+  const stacksButton = h("button", { class: "em-stacks-button", "data-em": "stacks-button",
+                                     title: "every rank's Python stacks, without stopping it" },
+                         "Stacks");
   const scaleInput = h("input", { type: "number", class: "em-scale-input", "data-em": "scale-input" });
   const scaleButton = h("button", { class: "em-scale-button", "data-em": "scale-button" }, "Resize");
   const scaleSlot = h("span", { class: "em-scale", "data-em": "scale" }, scaleInput, scaleButton);
   const commitLine = h("div", { class: "em-commit", "data-em": "commit" });
   const scaleError = h("div", { class: "em-scale-error", "data-em": "scale-error" });
   const header = h("div", { class: "em-header" }, badge, stats, clock,
-                   h("span", { class: "em-controls" }, scaleSlot, stop));
+                   h("span", { class: "em-controls" }, scaleSlot, stacksButton, stop));
   const failure = h("div", { class: "em-failure", "data-em": "failure" });
+  const stacks = h("details", { class: "em-stacks", "data-em": "stacks", open: "" });
   const tabs = h("div", { class: "em-tabs", role: "tablist" });
   const note = h("div", { class: "em-note", "data-em": "note" });
   const pane = h("pre", { class: "em-lines", "data-em": "lines" });
   const timeline = h("ol", { class: "em-timeline", "data-em": "timeline" });
   const details = h("details", { class: "em-timeline-box" },
                     h("summary", {}, "Timeline"), timeline);
-  el.append(header, commitLine, scaleError, failure, tabs, note, pane, details);
+  el.append(header, commitLine, scaleError, failure, stacks, tabs, note, pane, details);
   scaleButton.addEventListener("click", () => {
     model.send({ command: "scale", nproc: Number(scaleInput.value) });
+  });
+
+  stacksButton.addEventListener("click", () => {
+    gathering = true;
+    model.send({ command: "stacks" });
+    drawHeader();
   });
 
   // Commands are idempotent; resend until the job reacts, in case one was queued behind
@@ -83,6 +94,9 @@ function render({ model, el }) {
       if (!scaleInput.value) scaleInput.value = hd.world_size || bounds.min;
     }
     scaleInput.disabled = scaleButton.disabled = FINAL.has(hd.state);
+    stacksButton.hidden = !controls.stacks;
+    stacksButton.disabled = gathering || FINAL.has(hd.state);
+    stacksButton.textContent = gathering ? "Gathering…" : "Stacks";
     scaleError.textContent = controls.error || "";
     const parts = [];
     if (hd.pending_resize) parts.push(`resize to ${hd.pending_resize} workers pending`);
@@ -105,11 +119,28 @@ function render({ model, el }) {
     failure.hidden = false;
     const others = (f.others || []).map((o) =>
       h("div", {}, `Rank${o.ranks.length > 1 ? "s" : ""} ${o.ranks.join(", ")} also failed: ${o.text}`));
+    const consequences = (f.consequences || []).map((c) =>
+      h("div", { class: "em-consequence" }, `Rank ${c.rank}: ${c.text}`));
     failure.replaceChildren(
       h("div", { class: "em-failure-title" }, `Root cause: rank ${f.rank} (attempt ${f.attempt}): ${f.headline}`),
       h("pre", {}, f.traceback || ""),
       ...others,
+      ...consequences,
     );
+  }
+
+  function drawStacks() {
+    const s = model.get("stacks") || {};
+    gathering = false;
+    drawHeader();
+    const ranks = Object.entries(s.ranks || {});
+    stacks.hidden = !s.title;
+    if (!s.title) { stacks.replaceChildren(); return; }
+    const body = ranks.length ? ranks.flatMap(([rank, text]) => [
+      h("div", { class: "em-stacks-rank" }, `Rank ${rank}`),
+      h("pre", { "data-em": `stacks-${rank}` }, text),
+    ]) : [h("div", {}, "no rank is running")];
+    stacks.replaceChildren(h("summary", {}, s.title), ...body);
   }
 
   function drawTabs() {
@@ -151,10 +182,11 @@ function render({ model, el }) {
         ` ${e.text}`)));
   }
 
-  function drawAll() { drawHeader(); drawFailure(); drawTabs(); drawLines(); drawTimeline(); }
+  function drawAll() { drawHeader(); drawFailure(); drawStacks(); drawTabs(); drawLines(); drawTimeline(); }
   model.on("change:header", drawHeader);
   model.on("change:controls", drawHeader);
   model.on("change:failure", drawFailure);
+  model.on("change:stacks", drawStacks);
   model.on("change:ranks", () => { drawTabs(); drawLines(); });
   model.on("change:lines", drawLines);
   model.on("change:merged", drawLines);

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ class Dashboard(anywidget.AnyWidget):
     logs = traitlets.Dict().tag(sync=True)  # "rank" -> {"stdout": path, "stderr": path}
     timeline = traitlets.List[dict[str, Any]]().tag(sync=True)
     failure = traitlets.Dict().tag(sync=True)
+    stacks = traitlets.Dict().tag(sync=True)  # {"title", "time", "ranks": {"0": text}}
     controls = traitlets.Dict().tag(sync=True)  # which controls are live
 
 
@@ -53,13 +55,14 @@ class LiveView:
         self.job = job
         self.state = DashboardState(job.run_id, str(job.log_dir), job.spec.max_restarts)
         spec = job.spec
-        self.widget = Dashboard(controls={"stop": True, "scale": {
+        self.widget = Dashboard(controls={"stop": True, "stacks": True, "scale": {
             "min": spec.min_nproc, "max": spec.max_nproc}}, **self.state.traits())
         # Comm messages may arrive on a kernel subshell while the cell runs: only enqueue.
         self.widget.on_msg(self._on_message)
         self._handle = display(self.widget, display_id=True)
         self._dirty = False
         self._synced_at = 0.0
+        self._stacks: tuple[dict[int, str], float] | None = None  # arrived, not shown yet
 
     def _on_message(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
         command = content.get("command")
@@ -73,11 +76,29 @@ class LiveView:
                 error = str(exc)
             # Widget state, not print: output from a comm callback may be lost.
             self.widget.controls = {**self.widget.controls, "error": error}
+        elif command == "stacks":
+            self.job.request_stacks().add_done_callback(self._stacks_arrived)
+
+    def _stacks_arrived(self, answer: Future[dict[int, str]]) -> None:
+        """On the agent thread: hand the stacks to the next render (the cell's thread)."""
+        if answer.exception() is None:
+            self._stacks = (answer.result(), time.time())
+
+    def _show_stacks(self) -> bool:
+        arrived, self._stacks = self._stacks, None
+        if arrived is None:
+            return False
+        stacks, when = arrived
+        clock = time.strftime("%H:%M:%S", time.localtime(when))
+        self.state.show_stacks(stacks, f"stacks at {clock} (every thread; nothing was "
+                                       "stopped)", when)
+        return True
 
     def __call__(self, events: list[Event]) -> None:
+        shown = self._show_stacks()  # first: a failure's kept stacks come after an answer
         for event in events:
             self.state.apply(event)
-        self._dirty = self._dirty or bool(events)
+        self._dirty = shown or self._dirty or bool(events)
         due = time.monotonic() - self._synced_at >= SYNC_INTERVAL
         if self._dirty and (due or self.state.final):
             self.sync()

@@ -12,6 +12,7 @@ from ..events import (
     JobFinished,
     MembershipChanged,
     NodeConnected,
+    RanksFinished,
     RendezvousCompleted,
     ResizeRequested,
     Restarting,
@@ -36,8 +37,13 @@ def describe(event: Event) -> Note | None:
         case WorkersStarted(attempt=attempt, ranks=ranks, pids=pids):
             return Note("start", f"attempt {attempt}: started ranks {_ranks(ranks)} "
                                  f"(pids {', '.join(map(str, pids))})")
+        case WorkerFailed(failure=failure) if failure.consequence:
+            return Note("failure", f"rank {failure.rank} stopped: {failure.headline}")
         case WorkerFailed(failure=failure):
             return Note("failure", f"rank {failure.rank} failed: {failure.headline}")
+        case RanksFinished(ranks=ranks, running=running):
+            return Note("finished", f"{_rank_list(ranks)} finished; {_rank_list(running)} "
+                                    "still running")
         case Restarting(restart_count=count, max_restarts=most, root_cause=cause):
             return Note("restart", f"restarting the group ({count}/{most}) after rank "
                                    f"{cause.rank}: {cause.headline}")
@@ -64,6 +70,10 @@ def describe(event: Event) -> Note | None:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _rank_list(ranks: tuple[int, ...]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -40,6 +40,8 @@ def record_text(state: DashboardState) -> str:
         lines += [f"  {line}" for line in f["traceback"].rstrip().splitlines()]
         lines += [f"  ranks {', '.join(map(str, o['ranks']))} also failed: {o['text']}"
                   for o in f["others"]]
+        lines += [f"  rank {c['rank']}: {c['text']}" for c in f.get("consequences", ())]
+    lines += _stacks_text(state)
     for rank, hidden in sorted(state.hidden().items()):
         more = f", {hidden} earlier lines in the log" if hidden else ""
         lines.append(f"--- rank {rank} (last {len(state.lines[rank])} lines{more}) ---")
@@ -48,6 +50,25 @@ def record_text(state: DashboardState) -> str:
     lines += [f"  {_clock(e['time'])} {e['text']}" for e in state.timeline]
     lines.append(f"logs: {state.log_dir}")
     return "\n".join(lines)
+
+
+def _stacks_text(state: DashboardState) -> list[str]:
+    if not state.stacks:
+        return []
+    lines = [f"{state.stacks['title']}:"]
+    for rank, text in state.stacks["ranks"].items():
+        lines.append(f"--- rank {rank} ---")
+        lines += [f"  {line}" for line in text.splitlines()]
+    return lines
+
+
+def _stacks_html(state: DashboardState) -> str:
+    if not state.stacks:
+        return ""
+    ranks = "".join(f'<div>Rank {escape(rank)}</div><pre style="{_PRE}">{escape(text)}</pre>'
+                    for rank, text in state.stacks["ranks"].items())
+    return (f'<details style="{_BOX}"><summary>{escape(state.stacks["title"]).capitalize()}'
+            f"</summary>{ranks}</details>")
 
 
 def _clock(when: float) -> str:
@@ -68,11 +89,14 @@ def record_html(state: DashboardState) -> str:
         others = "".join(
             f"<div>Rank{'s' if len(o['ranks']) > 1 else ''} {', '.join(map(str, o['ranks']))} "
             f"also failed: {escape(o['text'])}</div>" for o in f["others"])
+        others += "".join(f"<div>Rank {c['rank']}: {escape(c['text'])}</div>"
+                          for c in f.get("consequences", ()))
         parts.append(
             f'<div style="{_BOX}border-color:#cf222e;background:#fff5f5">'
             f'<b>Root cause: rank {f["rank"]}</b> (attempt {f["attempt"]}): '
             f'{escape(f["headline"])}<pre style="{_PRE}">{escape(f["traceback"])}</pre>'
             f"{others}</div>")
+    parts.append(_stacks_html(state))
     hidden, logs = state.hidden(), state.log_paths()
     for rank in sorted(state.lines):
         body = "".join(

@@ -20,7 +20,15 @@ from ..events import (
     WorkersStarted,
 )
 from ..logs import rank_dir
-from ..result import JobResult, JobState, RankFailure, group_failures
+from ..result import (
+    JobResult,
+    JobState,
+    RankFailure,
+    after,
+    group_failures,
+    short_message,
+    split_consequences,
+)
 from .describe import describe
 
 RANK_LINES = 150  # per rank, in the browser; the full output is in the logs
@@ -40,6 +48,9 @@ class DashboardState:
     attempt: int = 0
     timeline: list[dict[str, Any]] = field(default_factory=list)
     failure: dict[str, Any] = field(default_factory=dict)
+    # Every rank's stacks: asked for with the Stacks button, or kept by a job that failed
+    # by a timeout or a stall. {"title": ..., "ranks": {"0": text}}
+    stacks: dict[str, Any] = field(default_factory=dict)
     result: JobResult | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +106,9 @@ class DashboardState:
                 self.header["pending_resize"] = None
                 if result.failure is not None:
                     self.failure = failure_view(result.failure, result.failures)
+                if result.stacks:
+                    self.show_stacks(result.stacks, "stacks of the stuck ranks, kept when "
+                                                    "the job failed", event.time)
 
     def _output(self, event: Output) -> None:
         if event.attempt != self.attempt:
@@ -106,6 +120,10 @@ class DashboardState:
             self.lines[event.rank].append((event.stream, line))
             self.merged.append((event.rank, event.stream, line))
         self.counts[event.rank] += len(event.lines)
+
+    def show_stacks(self, stacks: dict[int, str], title: str, when: float) -> None:
+        self.stacks = {"title": title, "time": when,
+                       "ranks": {str(r): text for r, text in sorted(stacks.items())}}
 
     def hidden(self) -> dict[int, int]:
         """Lines of this attempt no longer in the browser, per rank (they are in the logs)."""
@@ -128,18 +146,21 @@ class DashboardState:
             "logs": {str(r): p for r, p in self.log_paths().items()},
             "timeline": list(self.timeline),
             "failure": dict(self.failure),
+            "stacks": dict(self.stacks),
         }
 
 
 def failure_view(root: RankFailure, failures: list[RankFailure]) -> dict[str, Any]:
+    independent, consequences = split_consequences(root, failures)
     others = []
-    for failure, ranks in group_failures(failures):
-        ranks = [r for r in ranks if r != root.rank]
-        if ranks:
-            same = failure.signature == root.signature
-            others.append({"ranks": ranks, "text": "the same error" if same else failure.headline})
+    for failure, ranks in group_failures(independent):
+        same = failure.signature == root.signature
+        others.append({"ranks": ranks, "text": "the same error" if same else failure.headline})
     return {
         "rank": root.rank, "headline": root.headline, "traceback": root.traceback,
         "cell_line": root.cell_line, "source_line": root.source_line,
         "attempt": root.attempt, "others": others,
+        # ranks that failed or waited because of the root cause: one line each
+        "consequences": [{"rank": f.rank, "text": f"{short_message(f)} ({after(root)})"}
+                         for f in consequences],
     }

@@ -16,10 +16,11 @@ import signal
 import sys
 import threading
 
-from elastic_magic.messages import Exit, Reply, Run
+from elastic_magic.messages import DumpStacks, Exit, Reply, Run
 from elastic_magic.protocol import KEY_BYTES, Channel
 from elastic_magic.worker import client as agent_client
 from elastic_magic.worker import shepherd
+from elastic_magic.worker.progress import answer_stacks, report_progress
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
 
 PR_SET_PDEATHSIG = 1
@@ -79,8 +80,11 @@ def main() -> None:
                     inbox.put(message)
                 case Run():
                     inbox.put(message)
+                case DumpStacks(request_id):
+                    answer_stacks(client, request_id)
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
+    report_progress(client)
     while isinstance(message := inbox.get(), Run):
         run_payload(message.payload, client)  # exits the process itself when it fails
     shutdown_process_group()
