@@ -18,8 +18,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .checks import cuda_device_count, resolve_nproc
 from .events import Event, JobState, Output, WorkerFailed
-from .spec import JobSpec, SpecError, cuda_device_count, resolve_nproc
+from .spec import JobSpec, SpecError
 
 # A stop that reaches this machine comes from the head: the job is over, not failed here.
 _EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 0}
