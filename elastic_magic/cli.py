@@ -113,7 +113,7 @@ def _token_from_file(path: Path) -> str:
 
 def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .agent.hub import HubError, connect
-    from .agent.job import Job
+    from .agent.job import AgentError, Job
     from .agent.rendezvous import rendezvous_key
     from .agent.roles import JoinedJob
     from .messages import Forward, Hello
@@ -154,6 +154,9 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
         result = job.wait(TextRenderer())
     except KeyboardInterrupt:
         return _INTERRUPTED
+    except AgentError as exc:  # its workers are stopped; say why, without a traceback
+        print(f"elastic-magic join: {exc.__cause__ or exc}", file=sys.stderr)
+        return 1
     return _EXIT_CODES.get(result.state, 1)
 
 

@@ -243,15 +243,18 @@ class Rendezvous:
                                           last_call=timedelta(seconds=last_call_timeout))
         # The first value that failed verification, on whichever thread read it.
         self.rejected: RendezvousRejected | None = None
-        self.store: TCPStore | None
+        # Only this object holds the server, and torch's handler talks to it as a client:
+        # close() then closes its port even while something (a traceback's frames, say)
+        # still holds the handler.
+        self._server: TCPStore | None = None
         if join is None:
-            self.store = hosted_store(host, port)
-            self._where = f"{host}:{self.store.port}"
+            self._server = hosted_store(host, port)
+            self._where = f"{host}:{self._server.port}"
         else:
-            store_host, _, store_port = join.rpartition(":")
-            self.store = TCPStore(store_host.strip("[]"), int(store_port), is_master=False,
-                                  timeout=timedelta(seconds=60))
             self._where = join
+        store_host, _, store_port = self._where.rpartition(":")
+        self.store: TCPStore | None = TCPStore(store_host.strip("[]"), int(store_port),
+                                               is_master=False, timeout=timedelta(seconds=60))
         self.handler: _Handler | None = self._new_handler(self.store)
         self.rounds = 0
         self._worker_store: TCPStore | None = None
@@ -353,5 +356,6 @@ class Rendezvous:
             handler.release()
         self._worker_store = None
         self.store = None
+        self._server = None
         if error is not None:
             raise error
