@@ -10,6 +10,7 @@ import base64
 import os
 import pickle
 import pty
+import socket
 import struct
 import subprocess
 import sys
@@ -232,12 +233,29 @@ def test_an_oversized_frame_from_a_peer_with_the_token_closes_only_its_link(
         link.close()
         until(lambda: any(not e.connected for e in recorder.of(NodeConnected)), 10)
         seen["state"] = job.state
+        # A token-less client that connects to the hub (its address is in the store) and
+        # says nothing: the hub must not wait out the handshake's timeout when it closes.
+        store = TCPStore("127.0.0.1", int(recorder.of(AcceptingNodes)[0].endpoint
+                                          .rpartition(":")[2]), is_master=False)
+        host, _, port = store.get("elastic_magic/hub").decode().split()[-1].rpartition(":")
+        del store
+        seen["silent"] = socket.create_connection((host, int(port)))
         job.stop()
 
     thread = threading.Thread(target=peer, daemon=True)
     thread.start()
     result = job.wait(recorder)
     thread.join(timeout=30)
+    silent = seen["silent"]
+    assert isinstance(silent, socket.socket)
+    with silent:
+        assert until(lambda: job_threads() <= threads_before, 3), \
+            [t.name for t in job_threads() - threads_before]
+        silent.settimeout(5)
+        received = b""
+        while chunk := silent.recv(1024):  # a timeout here: the hub left it open
+            received += chunk
+        assert len(received) == 32  # the hub's challenge, and nothing after it
     assert seen.get("after") == b"" or isinstance(seen.get("after"), ConnectionError), seen
     joined, left = recorder.of(NodeConnected)
     assert joined.connected and joined.peer == "rogue-peer"

@@ -130,6 +130,7 @@ class Hub:
         self._server.listen(16)
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self.links: dict[int, Link] = {}
+        self._handshaking: set[socket.socket] = set()  # closed with the hub, too
         self._ids = itertools.count(1)
         self._closed = False
         self._lock = threading.Lock()
@@ -145,11 +146,19 @@ class Hub:
                              name="elastic-hub-node", daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            self._handshaking.add(sock)
         try:
             link = self._handshake(sock, peer)
         except (HubError, OSError):
             sock.close()  # a peer without the token never reaches a frame
             return
+        finally:
+            with self._lock:
+                self._handshaking.discard(sock)
         node = next(self._ids)
         with self._lock:
             if self._closed:
@@ -184,10 +193,13 @@ class Hub:
         with self._lock:
             self._closed = True
             links = list(self.links.values())
-        # close() alone would not wake the thread blocked in accept(), which would keep
-        # the port listening; shutdown() does.
-        with contextlib.suppress(OSError):
-            self._server.shutdown(socket.SHUT_RDWR)
+            handshaking = list(self._handshaking)
+        # close() alone would not wake the threads blocked in accept() or in a handshake
+        # (which would keep the port listening, or wait out the handshake's timeout);
+        # shutdown() does.
+        for sock in [self._server, *handshaking]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._server.close()
         for link in links:
             link.close()

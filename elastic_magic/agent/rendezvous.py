@@ -343,19 +343,17 @@ class Rendezvous:
 
     def close(self, shutdown: bool = True) -> None:
         """Stop hosting stores; with ``shutdown``, close the run id for every machine. Each
-        step runs even when one before it raised (the first error is raised at the end):
-        the stores' ports close once nothing here holds them."""
+        step runs even when one before it raised: the stores' ports close whatever
+        happened to the run id."""
         handler, self.handler = self.handler, None
-        error: BaseException | None = None
-        if handler is not None:
-            if shutdown:
+        try:
+            if handler is not None:
                 try:
-                    handler.shutdown()
-                except Exception as exc:
-                    error = exc
-            handler.release()
-        self._worker_store = None
-        self.store = None
-        self._server = None
-        if error is not None:
-            raise error
+                    if shutdown:
+                        handler.shutdown()
+                finally:
+                    handler.release()
+        finally:
+            self._worker_store = None
+            self.store = None
+            self._server = None
