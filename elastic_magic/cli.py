@@ -86,7 +86,10 @@ def read_token(args: argparse.Namespace) -> str:
     elif os.environ.get(TOKEN_VARIABLE):
         token = os.environ[TOKEN_VARIABLE]
     elif sys.stdin.isatty():
-        token = getpass.getpass("job token (as the notebook printed it): ")
+        try:
+            token = getpass.getpass("job token (as the notebook printed it): ")
+        except EOFError:
+            token = ""
     else:
         raise UsageError(
             f"no token: run the command the notebook printed ({TOKEN_VARIABLE}=... "
