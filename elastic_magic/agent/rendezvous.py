@@ -70,13 +70,14 @@ def _rejected(what: str, where: str) -> RendezvousRejected:
 def put_signed(store: Store, key: bytes, name: str, value: str, *, scope: str = "") -> None:
     """Set ``name`` to ``value`` with its MAC; ``scope`` (a run or round id) is signed with
     it, so the value is refused anywhere else."""
-    store.set(name, f"{_mac(key, scope + name, value.encode()).hex()} {value}")
+    mac = _mac(key, f"{scope}/{name}", value.encode())
+    store.set(name, f"{mac.hex()} {value}")
 
 
 def get_signed(store: Store, key: bytes, name: str, where: str, *, scope: str = "") -> str:
     """The value of ``name`` (waiting for it), verified; RendezvousRejected otherwise."""
     mac, _, value = store.get(name).partition(b" ")
-    if not hmac.compare_digest(mac, _mac(key, scope + name, value).hex().encode()):
+    if not hmac.compare_digest(mac, _mac(key, f"{scope}/{name}", value).hex().encode()):
         raise _rejected(f"the value of {name!r} is not signed with this job's key", where)
     return value.decode()
 
