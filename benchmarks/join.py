@@ -20,6 +20,7 @@ import json
 import math
 import os
 import queue
+import shlex
 import signal
 import socket
 import statistics
@@ -77,9 +78,13 @@ def elastic_join() -> float:
         assert command is not None
         job.wait_for_commit(5, timeout=120)
         started.append(time.time())
+        # ELASTIC_MAGIC_TOKEN=... elastic-magic join HOST:PORT: the token goes in the env.
+        assignment, _program, *args = shlex.split(command)
+        variable, _, token = assignment.partition("=")
         joiner.append(subprocess.Popen(
-            [sys.executable, "-m", "elastic_magic.cli", *command.split()[1:], "--nproc", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            [sys.executable, "-m", "elastic_magic.cli", *args, "--nproc", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            env={**os.environ, variable: token}))
         deadline = time.monotonic() + HANG
         while len(stamps) < 2 and time.monotonic() < deadline and not job.done:
             time.sleep(0.02)

@@ -1,21 +1,27 @@
 """``elastic-magic``: take part in a notebook's elastic job from another machine.
 
-    elastic-magic join HOST:PORT --token TOKEN [--nproc N|auto|cpu|gpu]
+    ELASTIC_MAGIC_TOKEN=TOKEN elastic-magic join HOST:PORT [--nproc N|auto|cpu|gpu]
+    elastic-magic join HOST:PORT --token-file PATH
+    elastic-magic join HOST:PORT                      (asks for the token)
 
 The cell that started the job (``%%elastic --nnodes 1:4 --rdzv-endpoint HOST:PORT``) prints
-this command with its token. This machine's agent joins torch's rendezvous, runs the cell on
-its workers, sends their output and results to the notebook, and follows the job through
-restarts and resizes until the job ends or this command is interrupted.
+the first form with its token. The token never goes on the command line, where every user
+of this machine could read it (ps). This machine's agent joins torch's rendezvous, runs the
+cell on its workers, sends their output and results to the notebook, and follows the job
+through restarts and resizes until the job ends or this command is interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import getpass
 import os
 import signal
+import stat
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .checks import cuda_device_count, resolve_nproc
@@ -28,6 +34,11 @@ _INTERRUPTED = 130
 # What a node shows in the notebook: its ranks' lines and failures. Its own states,
 # restarts and rounds stay on this terminal.
 _FORWARDED = (Output, WorkerFailed)
+TOKEN_VARIABLE = "ELASTIC_MAGIC_TOKEN"
+
+
+class UsageError(Exception):
+    """A mistake in how the command was run; the message says what to do."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,8 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     join = commands.add_parser("join", help="run this machine's workers in a notebook's job")
     join.add_argument("endpoint", help="HOST:PORT the cell printed (its --rdzv-endpoint)")
-    join.add_argument("--token", default=os.environ.get("ELASTIC_MAGIC_TOKEN"),
-                      help="the job's token, as printed by the cell (or ELASTIC_MAGIC_TOKEN)")
+    join.add_argument("--token-file", type=Path, default=None,
+                      help=f"a file holding the job's token, readable by you only (chmod "
+                           f"600); without it the token comes from {TOKEN_VARIABLE}, or is "
+                           "asked for")
+    # Refused with an explanation: a token in argv is visible to every user (ps).
+    join.add_argument("--token", help=argparse.SUPPRESS)
     join.add_argument("--nproc", default=None,
                       help="workers on this machine: N, auto, cpu or gpu (default: one per "
                            "GPU, or 1)")
@@ -49,30 +64,67 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if not args.token:
-        print("elastic-magic join: --token is required; copy the join command the cell "
-              "printed.", file=sys.stderr)
-        return 2
-    if not args.endpoint.rpartition(":")[2].isdigit():
-        print(f"elastic-magic join: {args.endpoint!r} is not HOST:PORT.", file=sys.stderr)
-        return 2
     try:
+        if not args.endpoint.rpartition(":")[2].isdigit():
+            raise UsageError(f"{args.endpoint!r} is not HOST:PORT.")
         nproc = resolve_nproc(args.nproc, cuda_device_count())
-    except SpecError as exc:
+        token = read_token(args)
+    except (UsageError, SpecError) as exc:
         print(f"elastic-magic join: {exc}", file=sys.stderr)
         return 2
-    return _join(args, nproc)
+    return _join(args, nproc, token)
 
 
-def _join(args: argparse.Namespace, nproc: int) -> int:
+def read_token(args: argparse.Namespace) -> str:
+    """The job's token from --token-file, the environment or a prompt; never from argv."""
+    if args.token is not None:
+        raise UsageError(
+            "--token is not accepted: a token on the command line is visible to every user "
+            f"of this machine (ps). Run {TOKEN_VARIABLE}=TOKEN elastic-magic join "
+            f"{args.endpoint} (as the notebook prints it), or use --token-file PATH.")
+    if args.token_file is not None:
+        token = _token_from_file(args.token_file)
+    elif os.environ.get(TOKEN_VARIABLE):
+        token = os.environ[TOKEN_VARIABLE]
+    elif sys.stdin.isatty():
+        try:
+            token = getpass.getpass("job token (as the notebook printed it): ")
+        except EOFError:
+            token = ""
+    else:
+        raise UsageError(
+            f"no token: run the command the notebook printed ({TOKEN_VARIABLE}=... "
+            "elastic-magic join HOST:PORT), or pass --token-file PATH.")
+    # This machine's workers (and the cell they run) need not inherit it.
+    os.environ.pop(TOKEN_VARIABLE, None)
+    token = token.strip()
+    if not token:
+        raise UsageError("the token is empty; copy it from the notebook.")
+    return token
+
+
+def _token_from_file(path: Path) -> str:
+    try:
+        with path.open() as file:
+            mode = os.fstat(file.fileno()).st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise UsageError(f"{path} can be read by other users; the token must be "
+                                 f"yours alone: chmod 600 {path}")
+            return file.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read the token file: {exc}") from None
+
+
+def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .agent.hub import HubError, connect
-    from .agent.job import Job
+    from .agent.job import AgentError, Job
+    from .agent.rendezvous import rendezvous_key
     from .agent.roles import JoinedJob
     from .messages import Forward, Hello
     from .ui.text import TextRenderer
 
     try:
-        link, offer = connect(args.endpoint, args.token)
+        link, offer = connect(args.endpoint, token)
     except (HubError, OSError) as exc:
         print(f"elastic-magic join: {exc}", file=sys.stderr)
         return 1
@@ -94,7 +146,8 @@ def _join(args: argparse.Namespace, nproc: int) -> int:
             link.send(Forward(event))
 
     # The job's agent owns the link from here: it reads it and closes it at the end.
-    job = Job(spec, payload, offer.run_id, joined=JoinedJob(link, args.endpoint, host),
+    job = Job(spec, payload, offer.run_id,
+              joined=JoinedJob(link, args.endpoint, host, rendezvous_key(token)),
               forward=forward)
     link.send(Hello(host, nproc))
     print(f"[elastic] joined job {job.run_id} at {args.endpoint} with {nproc} workers; "
@@ -105,6 +158,9 @@ def _join(args: argparse.Namespace, nproc: int) -> int:
         result = job.wait(TextRenderer())
     except KeyboardInterrupt:
         return _INTERRUPTED
+    except AgentError as exc:  # its workers are stopped; say why, without a traceback
+        print(f"elastic-magic join: {exc.__cause__ or exc}", file=sys.stderr)
+        return 1
     return _EXIT_CODES.get(result.state, 1)
 
 

@@ -116,11 +116,12 @@ class AcceptingNodes:
 
 @dataclass(frozen=True)
 class NodeConnected:
-    """A machine connected to (or left) this job's hub."""
+    """A machine connected to (or left) this job's hub; ``reason`` when its link failed."""
 
     peer: str
     nproc: int
     connected: bool
+    reason: str = ""
     time: float = field(default_factory=_now)
 
 

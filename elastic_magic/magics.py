@@ -85,7 +85,8 @@ class ElasticMagics(Magics):
         a membership change: it does not count as a restart.
 
         Several machines: `--nnodes 1:4 --rdzv-endpoint 10.0.0.5:29400` prints
-        `elastic-magic join 10.0.0.5:29400 --token ...`; run it on each other machine. A
+        `ELASTIC_MAGIC_TOKEN=... elastic-magic join 10.0.0.5:29400`; run it on each other
+        machine (the token stays off the command line, where `ps` shows it to everyone). A
         machine that joins or leaves, or a resize here, makes every machine re-rendezvous
         (torch's waiting-node mechanism); their ranks' output shows here.
 

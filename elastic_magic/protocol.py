@@ -1,8 +1,10 @@
-"""Signed, length-prefixed messages between the agent and its workers.
+"""Signed, length-prefixed messages: between the agent and its workers (pipes), and
+between machines (hub links).
 
 Every frame is ``len (8 bytes) | HMAC-SHA256 (32 bytes) | pickled body``. The MAC is
 checked before anything is unpickled, so a peer without the job's secret cannot make the
-other side run code. Used over pipes today; the same frames can cross a network.
+other side run code. A length above the receiver's limit is refused before anything is
+allocated for it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,22 @@ _MAC_BYTES = hashlib.sha256().digest_size
 
 
 class ProtocolError(RuntimeError):
-    """A frame failed verification or the stream ended mid-frame."""
+    """A frame failed verification, was too large, or the stream ended mid-frame."""
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 36  # unknown: 64 GiB
+
+
+# The largest frame a receiver accepts. Pipes and links both carry State snapshots and
+# cell payloads, which can be as large as a model with its optimizer state, so no small
+# fixed cap fits every job; but a frame must fit in this machine's memory to be read at
+# all. A longer length (a corrupt stream, or a peer sending 2**40) is refused with a clear
+# error instead of ending in MemoryError or an out-of-memory kill.
+MAX_FRAME = _memory_bytes()
 
 
 def new_secret() -> bytes:
@@ -72,9 +89,10 @@ def widen_pipe(fd: int) -> None:
 class Channel:
     """One direction of a signed message stream over a file descriptor."""
 
-    def __init__(self, fd: int, key: bytes) -> None:
+    def __init__(self, fd: int, key: bytes, max_frame: int = MAX_FRAME) -> None:
         self.fd = fd
         self.key = key
+        self.max_frame = max_frame
 
     def send(self, message: Any) -> None:
         parts = [memoryview(p) for p in encode(self.key, message)]
@@ -92,6 +110,11 @@ class Channel:
         if header is None:
             raise EOFError
         (length,) = _HEADER.unpack(header)
+        if length > self.max_frame:
+            raise ProtocolError(
+                f"the other side announced a message of {length} bytes, more than the "
+                f"{self.max_frame}-byte limit (this machine's memory); the connection is "
+                "closed")
         mac = _read_exact(self.fd, _MAC_BYTES)
         body = _read_exact(self.fd, length) if length else bytearray()
         if mac is None or body is None:

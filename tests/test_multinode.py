@@ -38,14 +38,17 @@ class Machines:
         self.token: str | None = None
 
     def join(self, nproc: int, token: str | None = None) -> subprocess.Popen[bytes]:
+        """`elastic-magic join` as the notebook prints it: the token in the environment."""
         assert self.endpoint is not None, "the head has not opened its rendezvous yet"
         n = len(self.procs)
         out = (self.tmp_path / f"node{n}.out").open("wb")
+        token = token or self.token
+        assert token is not None
         proc = subprocess.Popen(
             [sys.executable, "-m", "elastic_magic.cli", "join", self.endpoint,
-             "--token", token or self.token, "--nproc", str(nproc),
-             "--log-dir", str(self.tmp_path / f"node{n}-logs")],
+             "--nproc", str(nproc), "--log-dir", str(self.tmp_path / f"node{n}-logs")],
             stdout=out, stderr=subprocess.STDOUT, cwd=self.tmp_path,
+            stdin=subprocess.DEVNULL, env={**os.environ, "ELASTIC_MAGIC_TOKEN": token},
         )
         out.close()
         self.procs.append(proc)
@@ -84,7 +87,7 @@ def run_head(spec, source, recorder, machines, *, namespace=None, on_open=None, 
         for event in events:
             if isinstance(event, AcceptingNodes):
                 machines.endpoint = event.endpoint
-                machines.token = event.command.split("--token ")[1]
+                machines.token = job.token
                 if on_open is not None:
                     on_open()
 
@@ -233,15 +236,15 @@ def test_a_wrong_token_is_refused_before_anything_starts(machines, log_dir, reco
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["join", "127.0.0.1:29400"], "--token is required"),
-        (["join", "127.0.0.1", "--token", "t"], "is not HOST:PORT"),
-        (["join", "127.0.0.1:29400", "--token", "t", "--nproc", "0"], "at least 1 worker"),
+        (["join", "127.0.0.1:29400"], "no token: run the command the notebook printed"),
+        (["join", "127.0.0.1"], "is not HOST:PORT"),
+        (["join", "127.0.0.1:29400", "--nproc", "0"], "at least 1 worker"),
     ],
 )
 def test_join_with_bad_arguments_says_what_to_do(args, fragment):
     env = {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
     done = subprocess.run([sys.executable, "-m", "elastic_magic.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=60)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and fragment in done.stderr, done.stderr
 
 

@@ -66,7 +66,10 @@ def test_multi_node_tutorial_joins_resizes_and_leaves(tmp_path):
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
-    assert "elastic-magic join 127.0.0.1:" in text
+    # The printed command keeps the token off the joining machine's command line.
+    assert re.search(r"ELASTIC_MAGIC_TOKEN=[0-9a-f]{32} elastic-magic join 127\.0\.0\.1:\d+",
+                     text), text
+    assert "--token" not in text
     assert "running: world size 2, machines 2" in text  # the other machine joined
     assert "running: world size 3, machines 2" in text  # this machine grew to 2 workers
     assert "other machine exited with 130" in text

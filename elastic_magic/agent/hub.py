@@ -1,15 +1,17 @@
 """The link between the kernel's agent (the head) and agents on other machines (nodes).
 
-A node (``elastic-magic join HOST:PORT --token T``) finds the hub's address in the
-rendezvous store, connects, proves it knows the job's token and receives the job: run id,
-spec and payload. From then on both sides exchange signed frames over that socket. The node
-forwards its ranks' output and failures, proxies its workers' State requests (the head holds
-the snapshots) and reports its results; the head answers and tells nodes to stop.
+A node (``ELASTIC_MAGIC_TOKEN=T elastic-magic join HOST:PORT``) finds the hub's address in
+the rendezvous store (signed with a key derived from the token, and verified), connects,
+proves it knows the job's token and receives the job: run id, spec and payload. From then
+on both sides exchange signed frames over that socket. The node forwards its ranks' output
+and failures, proxies its workers' State requests (the head holds the snapshots) and
+reports its results; the head answers and tells nodes to stop.
 Membership is not decided here: every agent follows torch's rendezvous.
 
 No frame is read before the peer has proved the token (a challenge-response on fixed-size
 raw bytes), and each connection signs with its own key derived from the token and both
-sides' nonces, so frames cannot be replayed on another connection.
+sides' nonces, so frames cannot be replayed on another connection. A link that fails (a
+bad signature, a frame above the size limit) is closed and reported, never left hanging.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..messages import JobOffer, LinkMessage
-from ..protocol import Channel, ProtocolError
+from ..protocol import Channel
 
 HUB_KEY = "elastic_magic/hub"  # in the rendezvous store: "host:port" of the hub
 _NONCE_BYTES = 32
@@ -88,23 +90,28 @@ class Link:
 @dataclass(frozen=True)
 class FromLink:
     """A message from the other side (machine ``node``, or 0 for the head), or None when
-    the connection ended."""
+    the connection ended (``reason`` says why when it failed rather than closed)."""
 
     link: Link
     node: int
     message: LinkMessage | None
+    reason: str | None = None
 
 
 def read_into(link: Link, node: int, inbox: queue.Queue[Any]) -> None:
     """Put every message from ``link`` on ``inbox`` until it closes (run on a thread)."""
+    reason = None
     while True:
         try:
             message = link.recv()
-        except (EOFError, ProtocolError, OSError):
+        except EOFError:
+            break
+        except Exception as exc:  # told to the agent, never a reader thread dying unseen
+            reason = str(exc) or type(exc).__name__
             break
         inbox.put(FromLink(link, node, message))
     link.close()
-    inbox.put(FromLink(link, node, None))
+    inbox.put(FromLink(link, node, None, reason))
 
 
 class Hub:
@@ -123,6 +130,7 @@ class Hub:
         self._server.listen(16)
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self.links: dict[int, Link] = {}
+        self._handshaking: set[socket.socket] = set()  # closed with the hub, too
         self._ids = itertools.count(1)
         self._closed = False
         self._lock = threading.Lock()
@@ -138,11 +146,19 @@ class Hub:
                              name="elastic-hub-node", daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            self._handshaking.add(sock)
         try:
             link = self._handshake(sock, peer)
         except (HubError, OSError):
             sock.close()  # a peer without the token never reaches a frame
             return
+        finally:
+            with self._lock:
+                self._handshaking.discard(sock)
         node = next(self._ids)
         with self._lock:
             if self._closed:
@@ -177,6 +193,13 @@ class Hub:
         with self._lock:
             self._closed = True
             links = list(self.links.values())
+            handshaking = list(self._handshaking)
+        # close() alone would not wake the threads blocked in accept() or in a handshake
+        # (which would keep the port listening, or wait out the handshake's timeout);
+        # shutdown() does.
+        for sock in [self._server, *handshaking]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._server.close()
         for link in links:
             link.close()
@@ -187,11 +210,18 @@ def connect(endpoint: str, token: str, timeout: float = 60.0) -> tuple[Link, Job
     token, and return the link and the job."""
     from torch.distributed import TCPStore
 
+    from .rendezvous import RendezvousRejected, get_signed, rendezvous_key
+
     host, _, port = endpoint.rpartition(":")
     try:
         store = TCPStore(host.strip("[]"), int(port), is_master=False,
                          timeout=timedelta(seconds=timeout))
-        hub = store.get(HUB_KEY).decode()
+        hub = get_signed(store, rendezvous_key(token), HUB_KEY, endpoint)
+    except RendezvousRejected:
+        raise HubError(f"the job at {endpoint} refused the token: the hub's address there is "
+                       "not signed with it. Copy the token again from the notebook (it "
+                       "changes with every job); if it is right, someone else wrote into "
+                       "the job's rendezvous store.") from None
     except (RuntimeError, ValueError) as exc:
         raise HubError(f"no elastic job is accepting machines at {endpoint}: {exc}. Start "
                        "the cell with --nnodes MIN:MAX --rdzv-endpoint HOST:PORT first.") from None
@@ -205,7 +235,7 @@ def connect(endpoint: str, token: str, timeout: float = 60.0) -> tuple[Link, Job
             answer = _recv_exact(sock, _MAC_BYTES)
         except (HubError, OSError):
             raise HubError(f"the job at {endpoint} refused the token; copy the join command "
-                           "the cell printed (its --token changes with every job).") from None
+                           "the cell printed (its token changes with every job).") from None
         if not hmac.compare_digest(answer, _proof(token, b"head", server_nonce, client_nonce)):
             raise HubError(f"the hub at {hub} could not prove it knows the token; refused")
         sock.settimeout(None)

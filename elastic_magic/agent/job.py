@@ -7,6 +7,7 @@ import queue
 import signal
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -37,6 +38,18 @@ def new_run_id() -> str:
 
 class AgentError(RuntimeError):
     """The agent itself failed (not the user's code); workers were stopped."""
+
+
+def _without_locals(error: BaseException) -> BaseException:
+    """``error`` with its frames' variables dropped (the traceback still prints): they
+    would keep the agent, its stores and their ports alive as long as the error is kept."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    return error
 
 
 class Job:
@@ -84,7 +97,7 @@ class Job:
         try:
             self.result = self._agent.run()
         except BaseException as exc:
-            self.error = exc
+            self.error = _without_locals(exc)
         finally:
             self._agent = None  # a finished job keeps its result, not its payload or stores
             self._done.set()

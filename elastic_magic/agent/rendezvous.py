@@ -4,25 +4,157 @@ The rendezvous itself is torch's (DynamicRendezvousHandler over C10dRendezvousBa
 TCPStore hosted here). Worker process groups do NOT share that store: every round gets a
 fresh TCPStore, hosted by node rank 0's agent on an OS-assigned port, so a restarted group
 can never meet keys left by a dead one (the failure mode of torchrun's shared store).
+
+torch's TCPStore has no authentication, and torch's handler unpickles the rendezvous state
+it reads from it: whoever can write that key could run code in the kernel. So every value
+an agent reads from the rendezvous store and acts on is signed with the job's rendezvous
+key and verified first: the state through :class:`SignedBackend` (torch's c10d backend
+underneath, so the c10d semantics hold), our own keys through :func:`put_signed` and
+:func:`get_signed`. A value that fails verification is never unpickled or used: the job
+ends with :class:`RendezvousRejected`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import socket
+import struct
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import Store, TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousInfo
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
+    RendezvousBackend,
     RendezvousTimeout,
+    Token,
 )
 
 _WORKER_STORE_KEY = "elastic_magic/worker_store"
 _LOCAL_SIZE_PREFIX = "elastic_magic/local_world_size/"
+_VERSION = struct.Struct("!Q")
+_MAC_BYTES = hashlib.sha256().digest_size
+
+
+class RendezvousRejected(RendezvousStateError):
+    """Something in the job's rendezvous store was not written by this job's agents.
+
+    A RendezvousError, so torch's heartbeat thread logs it rather than dying with it; the
+    agent learns of it from :attr:`Rendezvous.rejected`."""
+
+
+def rendezvous_key(token: str) -> bytes:
+    """The key a multi-node job signs its rendezvous store with: every machine of the job
+    holds the join token, and nobody else does."""
+    return hmac.new(token.encode(), b"elastic-magic rendezvous store", hashlib.sha256).digest()
+
+
+def _mac(key: bytes, name: str, value: bytes) -> bytes:
+    # The key's name is signed too: a value cannot be moved to another key.
+    return hmac.new(key, name.encode() + b"\0" + value, hashlib.sha256).digest()
+
+
+def _rejected(what: str, where: str) -> RendezvousRejected:
+    return RendezvousRejected(
+        f"unauthenticated rendezvous state rejected: {what} in the rendezvous store at "
+        f"{where}. It was not written by this job's agents, so it was not used; someone "
+        "who can reach that port wrote into the store, and the job was stopped. Keep the "
+        "rendezvous endpoint on a private network (see the README's Security section).")
+
+
+def put_signed(store: Store, key: bytes, name: str, value: str, *, scope: str = "") -> None:
+    """Set ``name`` to ``value`` with its MAC; ``scope`` (a run or round id) is signed with
+    it, so the value is refused anywhere else."""
+    mac = _mac(key, f"{scope}/{name}", value.encode())
+    store.set(name, f"{mac.hex()} {value}")
+
+
+def get_signed(store: Store, key: bytes, name: str, where: str, *, scope: str = "") -> str:
+    """The value of ``name`` (waiting for it), verified; RendezvousRejected otherwise."""
+    mac, _, value = store.get(name).partition(b" ")
+    if not hmac.compare_digest(mac, _mac(key, f"{scope}/{name}", value).hex().encode()):
+        raise _rejected(f"the value of {name!r} is not signed with this job's key", where)
+    return value.decode()
+
+
+class SignedBackend(RendezvousBackend):
+    """torch's c10d backend, except that every state written is signed with the job's key
+    and every state read is verified before torch's handler unpickles it.
+
+    A stored state is ``version (8 bytes) | HMAC-SHA256 | torch's pickle`` (base64-encoded
+    by the c10d backend, as before). Each write replaces the state it was based on
+    (compare_set) with the next version, so versions only grow: an older state written
+    back (a replay), a reset to "no state", or a deleted key is refused too."""
+
+    def __init__(self, store: Store, run_id: str, key: bytes, where: str,
+                 on_reject: Callable[[RendezvousRejected], None]) -> None:
+        self._inner = C10dRendezvousBackend(store, run_id)
+        self._store = store
+        self._name = f"torch.rendezvous.{run_id}"  # the key torch's backend keeps it under
+        self._key = key
+        self._where = where
+        self._on_reject = on_reject
+        self._seen = 0  # the highest version read so far
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        # A get on a missing key would block until the store's timeout (a minute).
+        if not self._store.check([self._name]):
+            raise self._reject("the rendezvous state was deleted")
+        try:
+            found = self._inner.get_state()
+        except RendezvousStateError:  # not even base64: not ours
+            raise self._reject("the rendezvous state is not signed with this job's key") \
+                from None
+        if found is None:
+            self._no_state()
+            return None
+        state, token = found
+        return self._open(state), token
+
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None:
+        version = _VERSION.pack(self._seen + 1)
+        sealed = version + _mac(self._key, self._name, version + state) + state
+        try:
+            found = self._inner.set_state(sealed, token)
+        except RendezvousStateError:
+            raise self._reject("the rendezvous state is not signed with this job's key") \
+                from None
+        if found is None:
+            self._no_state()
+            return None
+        current, new_token, written = found
+        return self._open(current), new_token, written
+
+    def _open(self, sealed: bytes) -> bytes:
+        version, mac = sealed[:_VERSION.size], sealed[_VERSION.size:_VERSION.size + _MAC_BYTES]
+        state = sealed[_VERSION.size + _MAC_BYTES:]
+        if len(mac) != _MAC_BYTES or not hmac.compare_digest(
+                mac, _mac(self._key, self._name, version + state)):
+            raise self._reject("the rendezvous state is not signed with this job's key")
+        (number,) = _VERSION.unpack(version)
+        if number < self._seen:
+            raise self._reject("an older rendezvous state was written back")
+        self._seen = number
+        return state
+
+    def _no_state(self) -> None:
+        if self._seen:  # only the very first read may find no state
+            raise self._reject("the rendezvous state was reset")
+
+    def _reject(self, what: str) -> RendezvousRejected:
+        error = _rejected(what, self._where)
+        self._on_reject(error)
+        return error
 
 
 def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
@@ -45,19 +177,30 @@ def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
 
 
 class _Handler(DynamicRendezvousHandler):
-    """torch's handler, except that the store it hosts for agents on node rank 0 (unused
-    here: each round gets its own worker store) listens on our host only."""
+    """torch's handler, except that the store it hosts on node rank 0 each round is the
+    round's worker store (on our host only), and it can be released without closing the
+    run id."""
+
+    worker_store: TCPStore | None = None
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> TCPStore:
-        return hosted_store(master_addr, master_port)
+        self.worker_store = hosted_store(master_addr, master_port)
+        return self.worker_store
 
     def next_rendezvous(self) -> RendezvousInfo:
         # torch publishes that store's address in a round's store only in the first round
-        # it hosts it, so a machine joining a later round waits for it forever. Publish it
-        # every round (replacing the store costs little; nothing here uses it).
+        # it hosts it, so a machine joining a later round waits for it forever. A fresh
+        # store every round: torch publishes it every round.
         self._bootstrap_store_info = None
         self._shared_tcp_store_server = None
+        self.worker_store = None
         return super().next_rendezvous()
+
+    def release(self) -> None:
+        """Stop the heartbeat thread and let go of the round's worker store."""
+        self._stop_heartbeats()
+        self._shared_tcp_store_server = None
+        self.worker_store = None
 
 
 @dataclass(frozen=True)
@@ -75,12 +218,14 @@ class RoundInfo:
 
 
 class Rendezvous:
-    """One job's membership: torch's dynamic rendezvous plus per-round worker stores."""
+    """One job's membership: torch's dynamic rendezvous plus per-round worker stores, with
+    everything read from the store verified against ``key``."""
 
     def __init__(
         self,
         run_id: str,
         *,
+        key: bytes,
         host: str = "127.0.0.1",
         port: int = 0,
         join: str | None = None,
@@ -93,58 +238,88 @@ class Rendezvous:
         the store another machine hosts; ``host`` is then this machine's own address."""
         self.run_id = run_id
         self.host = host
+        self.key = key
         self._nodes = (min_nodes, max_nodes)
+        self._timeout = RendezvousTimeout(join=timedelta(seconds=join_timeout),
+                                          last_call=timedelta(seconds=last_call_timeout))
+        # The first value that failed verification, on whichever thread read it.
+        self.rejected: RendezvousRejected | None = None
+        # Only this object holds the server, and torch's handler talks to it as a client:
+        # close() then closes its port even while something (a traceback's frames, say)
+        # still holds the handler.
+        self._server: TCPStore | None = None
         if join is None:
-            self.store = hosted_store(host, port)
+            self._server = hosted_store(host, port)
+            self._where = f"{host}:{self._server.port}"
         else:
-            store_host, _, store_port = join.rpartition(":")
-            self.store = TCPStore(store_host.strip("[]"), int(store_port), is_master=False,
-                                  timeout=timedelta(seconds=60))
-        backend = C10dRendezvousBackend(self.store, run_id)
-        self.handler = _Handler.from_backend(
-            run_id=run_id,
-            store=self.store,
-            backend=backend,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            local_addr=host,
-            timeout=RendezvousTimeout(
-                join=timedelta(seconds=join_timeout),
-                last_call=timedelta(seconds=last_call_timeout),
-            ),
-        )
+            self._where = join
+        store_host, _, store_port = self._where.rpartition(":")
+        self.store: TCPStore | None = TCPStore(store_host.strip("[]"), int(store_port),
+                                               is_master=False, timeout=timedelta(seconds=60))
+        self.handler: _Handler | None = self._new_handler(self.store)
         self.rounds = 0
         self._worker_store: TCPStore | None = None
 
+    def _new_handler(self, store: TCPStore) -> _Handler:
+        backend = SignedBackend(store, self.run_id, self.key, self._where, self._note)
+        handler = _Handler.from_backend(
+            run_id=self.run_id, store=store, backend=backend, min_nodes=self._nodes[0],
+            max_nodes=self._nodes[1], local_addr=self.host, timeout=self._timeout)
+        assert isinstance(handler, _Handler)
+        return handler
+
+    def _note(self, error: RendezvousRejected) -> None:
+        if self.rejected is None:  # a copy: the one raised will carry frames that hold stores
+            self.rejected = RendezvousRejected(str(error))
+
+    def _live(self) -> tuple[TCPStore, _Handler]:
+        if self.store is None or self.handler is None:
+            raise RuntimeError("the rendezvous is closed")
+        return self.store, self.handler
+
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.store.port}"
+        return self._where
+
+    def check(self) -> None:
+        """Raise if anything read from the store failed verification. torch's heartbeat
+        thread reads the state too, and only logs what goes wrong there."""
+        if self.rejected is not None:
+            raise RendezvousRejected(str(self.rejected))
+
+    def publish(self, name: str, value: str) -> None:
+        """A signed job-wide value (machines that join read it with ``get_signed``)."""
+        store, _ = self._live()
+        put_signed(store, self.key, name, value)
 
     def num_nodes_waiting(self) -> int:
         """Machines waiting to join the next round (torch's signal to re-rendezvous)."""
-        return self.handler.num_nodes_waiting()
+        return self._live()[1].num_nodes_waiting()
 
     def next_round(self, local_world_size: int) -> RoundInfo:
         """Join the next round, then agree on ranks and on a fresh worker store."""
-        info = self.handler.next_rendezvous()
+        _, handler = self._live()
+        info = handler.next_rendezvous()
         self.rounds += 1
         round_store: Store = info.store  # torch prefixes it per round
         node_rank, nnodes = info.rank, info.world_size
         if node_rank == 0:
-            self._worker_store = hosted_store(self.host)
-            round_store.set(_WORKER_STORE_KEY,
-                            f"{uuid.uuid4().hex} {self.host}:{self._worker_store.port}")
+            # torch hosted it for this round (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
+            self._worker_store = handler.worker_store or hosted_store(self.host)
+            put_signed(round_store, self.key, _WORKER_STORE_KEY,
+                       f"{uuid.uuid4().hex} {self.host}:{self._worker_store.port}",
+                       scope=self.run_id)
         else:
             self._worker_store = None
-        round_id, _, address = round_store.get(_WORKER_STORE_KEY).decode().partition(" ")
+        round_id, _, address = get_signed(round_store, self.key, _WORKER_STORE_KEY,
+                                          self._where, scope=self.run_id).partition(" ")
         addr, _, port = address.rpartition(":")
         # Ranks as torch assigns them: prefix sums of every node's local world size.
-        round_store.set(f"{_LOCAL_SIZE_PREFIX}{node_rank}", str(local_world_size))
-        sizes = [
-            int(v) for v in round_store.multi_get(
-                [f"{_LOCAL_SIZE_PREFIX}{r}" for r in range(nnodes)]
-            )
-        ]
+        # Signed for this round only: another round's sizes are refused.
+        put_signed(round_store, self.key, f"{_LOCAL_SIZE_PREFIX}{node_rank}",
+                   str(local_world_size), scope=round_id)
+        sizes = [int(get_signed(round_store, self.key, f"{_LOCAL_SIZE_PREFIX}{r}",
+                                self._where, scope=round_id)) for r in range(nnodes)]
         return RoundInfo(
             round=self.rounds,
             round_id=round_id,
@@ -160,18 +335,26 @@ class Rendezvous:
         """Close the run id from a second handler: a next_round() blocked on another thread
         sees the closed state at its next poll (about a second) and raises. (Handlers are
         not thread-safe: the blocked one must not be touched.)"""
-        other = _Handler.from_backend(
-            run_id=self.run_id, store=self.store,
-            backend=C10dRendezvousBackend(self.store, self.run_id),
-            min_nodes=self._nodes[0], max_nodes=self._nodes[1], local_addr=self.host,
-        )
-        other.shutdown()
+        store, _ = self._live()
+        other = self._new_handler(store)
+        try:
+            other.shutdown()
+        finally:
+            other.release()
 
     def close(self, shutdown: bool = True) -> None:
-        """Stop hosting stores; with ``shutdown``, close the run id for every machine."""
+        """Stop hosting stores; with ``shutdown``, close the run id for every machine. Each
+        step runs even when one before it raised: the stores' ports close whatever
+        happened to the run id."""
+        handler, self.handler = self.handler, None
         try:
-            if shutdown:
-                self.handler.shutdown()
+            if handler is not None:
+                try:
+                    if shutdown:
+                        handler.shutdown()
+                finally:
+                    handler.release()
         finally:
             self._worker_store = None
-            self.store = None  # type: ignore[assignment]
+            self.store = None
+            self._server = None

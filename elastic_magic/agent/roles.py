@@ -31,11 +31,12 @@ from ..messages import (
     Result,
     StateRequest,
 )
+from ..protocol import new_secret
 from ..result import JobState, RankFailure
 from ..spec import JobSpec
 from .group import WorkerGroup
 from .hub import HUB_KEY, FromLink, Hub, Link, read_into
-from .rendezvous import Rendezvous, RoundInfo
+from .rendezvous import Rendezvous, RoundInfo, rendezvous_key
 from .snapshots import StateServer
 from .workers import Worker
 
@@ -48,7 +49,9 @@ NextAction = Callable[[float], Action | None]
 
 
 def join_command(endpoint: str, token: str) -> str:
-    return f"elastic-magic join {endpoint} --token {token}"
+    """What other machines run. The token goes in the environment, never on the command
+    line, where every user of that machine would see it (ps)."""
+    return f"ELASTIC_MAGIC_TOKEN={token} elastic-magic join {endpoint}"
 
 
 class SingleMachine:
@@ -63,12 +66,14 @@ class SingleMachine:
         self.emit = emit
         self.stop_reason: str | None = None  # why a link asked this agent to stop
         self.node_failures: list[RankFailure] = []  # another machine's, for good
+        # Signs what the rendezvous store holds: a secret of this job alone.
+        self.rdzv_key = new_secret()
 
     def open(self) -> Rendezvous:
         spec = self.spec
-        return Rendezvous(self.run_id, host=spec.rdzv_host, port=spec.rdzv_port,
-                          min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
-                          join_timeout=spec.timeout)
+        return Rendezvous(self.run_id, key=self.rdzv_key, host=spec.rdzv_host,
+                          port=spec.rdzv_port, min_nodes=spec.min_nodes,
+                          max_nodes=spec.max_nodes, join_timeout=spec.timeout)
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
@@ -121,6 +126,7 @@ class Head(SingleMachine):
                  payload: Payload, inbox: queue.Queue[Any]) -> None:
         super().__init__(spec, run_id, emit)
         self.token = token
+        self.rdzv_key = rendezvous_key(token)  # the machines that join hold the token too
         self.payload = payload
         self.inbox = inbox
         self.hub: Hub | None = None
@@ -132,7 +138,7 @@ class Head(SingleMachine):
         offer = JobOffer(self.run_id, self.spec, self.payload)
         try:
             self.hub = Hub(self.spec.rdzv_host, self.token, offer, self.inbox)
-            rendezvous.store.set(HUB_KEY, self.hub.address)
+            rendezvous.publish(HUB_KEY, self.hub.address)
         except BaseException:
             self.close_rendezvous(rendezvous)
             raise
@@ -163,12 +169,13 @@ class Head(SingleMachine):
                 self._left(item.node)
                 return Action.REGROUP
             case None:
-                self._left(item.node)
+                self._left(item.node, item.link.peer, item.reason)
         return None
 
-    def _left(self, node: int) -> None:
-        if node in self.names:
-            self.emit(NodeConnected(self.names.pop(node), 0, False))
+    def _left(self, node: int, peer: str = "", reason: str | None = None) -> None:
+        """A machine left; one whose link failed is reported even if it never said hello."""
+        if node in self.names or reason:
+            self.emit(NodeConnected(self.names.pop(node, peer), 0, False, reason or ""))
 
     def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
         return rendezvous.num_nodes_waiting() > 0
@@ -208,10 +215,12 @@ class Head(SingleMachine):
         return results, tails
 
     def finished(self, final: JobState, failures: list[RankFailure]) -> None:
-        if self.hub is not None:
-            self.hub.broadcast(EndJob(f"the job {final.value}"))
-            self.hub.close()
-            self.hub = None
+        hub, self.hub = self.hub, None
+        if hub is not None:
+            try:
+                hub.broadcast(EndJob(f"the job {final.value}"))
+            finally:
+                hub.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +230,7 @@ class JoinedJob:
     link: Link  # to the head's hub
     rdzv_endpoint: str  # the rendezvous store the head hosts
     host: str  # this machine's address as the others reach it
+    rdzv_key: bytes  # what the head signs that store with (from the token)
 
 
 class JoinedMachine(SingleMachine):
@@ -234,15 +244,16 @@ class JoinedMachine(SingleMachine):
         super().__init__(spec, run_id, emit)
         self.link = joined.link
         self.joined = joined
+        self.rdzv_key = joined.rdzv_key
         self._reader = threading.Thread(target=read_into, args=(self.link, 0, inbox),
                                         name="elastic-head", daemon=True)
 
     def open(self) -> Rendezvous:
         self._reader.start()
         spec = self.spec
-        return Rendezvous(self.run_id, host=self.joined.host, join=self.joined.rdzv_endpoint,
-                          min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
-                          join_timeout=spec.timeout)
+        return Rendezvous(self.run_id, key=self.rdzv_key, host=self.joined.host,
+                          join=self.joined.rdzv_endpoint, min_nodes=spec.min_nodes,
+                          max_nodes=spec.max_nodes, join_timeout=spec.timeout)
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
@@ -257,7 +268,8 @@ class JoinedMachine(SingleMachine):
                 self.stop_reason = reason
                 return Action.STOP
             case None:
-                self.stop_reason = "the head of the job (the notebook's kernel) went away"
+                self.stop_reason = f"the link to the head failed: {item.reason}" \
+                    if item.reason else "the head of the job (the notebook's kernel) went away"
                 return Action.STOP
         return None
 

@@ -7,6 +7,7 @@ machine) and the State server carry it out and report back."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -225,10 +226,10 @@ class Agent:
         finally:
             attempt(self.hangs.close)
             attempt(self.snapshots.close)
-            self._set_state(final)
+            attempt(lambda: self._set_state(final))
             attempt(lambda: self.role.finished(final, self.failures))
             if result is not None:
-                self.emit(JobFinished(result))
+                attempt(lambda: self.emit(JobFinished(result)))
             # The State server calls back into this agent: without this, the stores and
             # pipes would wait for the garbage collector (a notebook ran out of files).
             self.server = self.rendezvous = self.group = None
@@ -239,6 +240,7 @@ class Agent:
     def _result(self, final: JobState) -> JobResult:
         others, other_tails = self.role.other_ranks(self.round) \
             if final is JobState.SUCCEEDED else ({}, {})
+        # The result is plain data: assembling it cannot fail on a released resource.
         group = self.group
         return assemble_result(
             run_id=self.run_id, state=final, world_size=self.world_size,
@@ -288,7 +290,10 @@ class Agent:
             except queue.Empty:
                 if self._drain() is Action.STOP:
                     if self.role.hosts_rendezvous:  # the job is over for every machine
-                        rendezvous.cancel()
+                        # A stop always stops: if the state cannot even be closed (it was
+                        # forged, say), the job still ends and _finish releases the store.
+                        with contextlib.suppress(Exception):
+                            rendezvous.cancel()
                         helper.join(timeout=10)
                     return None
         if isinstance(error, RendezvousClosedError) and not self.role.hosts_rendezvous:
@@ -331,7 +336,10 @@ class Agent:
 
     def _next_action(self, timeout: float) -> Action | None:
         """Handle what arrives within ``timeout`` (then whatever else is queued); the most
-        urgent action asked for."""
+        urgent action asked for. Raises when the rendezvous store held something this job
+        did not write (torch's heartbeat thread may have been the one to read it)."""
+        if self.rendezvous is not None:
+            self.rendezvous.check()
         try:
             item = self.inbox.get(timeout=timeout)
         except queue.Empty:

@@ -57,9 +57,9 @@ def describe(event: Event) -> Note | None:
                                       "(not a restart)")
         case AcceptingNodes(command=command):
             return Note("nodes", f"other machines join this job with: {command}")
-        case NodeConnected(peer=peer, nproc=nproc, connected=connected):
+        case NodeConnected(peer=peer, nproc=nproc, connected=connected, reason=reason):
             verb = f"joined with {_count(nproc, 'worker')}" if connected else "left"
-            return Note("nodes", f"machine {peer} {verb}")
+            return Note("nodes", f"machine {peer} {verb}" + (f": {reason}" if reason else ""))
         case JobFinished(result=result):
             reason = f" ({result.stop_reason})" if result.stop_reason else ""
             return Note(result.state.value,

@@ -17,7 +17,7 @@ import sys
 import threading
 
 from elastic_magic.messages import DumpStacks, Exit, Reply, Run
-from elastic_magic.protocol import KEY_BYTES, Channel
+from elastic_magic.protocol import KEY_BYTES, Channel, ProtocolError
 from elastic_magic.worker import client as agent_client
 from elastic_magic.worker import shepherd
 from elastic_magic.worker.progress import answer_stacks, report_progress
@@ -71,6 +71,11 @@ def main() -> None:
             except EOFError:
                 if not exiting.is_set():  # lifeline lost: the kernel is gone
                     os.killpg(os.getpgrp(), signal.SIGKILL)
+                return
+            except ProtocolError as exc:  # nothing more from the agent can be read
+                print(f"[elastic] worker: control pipe failed: {exc}", file=sys.stderr,
+                      flush=True)
+                os.killpg(os.getpgrp(), signal.SIGKILL)
                 return
             match message:
                 case Reply():

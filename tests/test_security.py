@@ -1,0 +1,382 @@
+"""Nothing that arrives over a socket a job opens is unpickled or acted on without the job's
+secret (DESIGN decision 11). A rogue client without the token, a plain torch TCPStore
+client in this process, writes forged pickles into every key of every TCPStore the job
+exposes; the job must end with a clear error, never run the pickle, and leave no port,
+thread or worker behind. Real jobs, real `elastic-magic join` processes, on loopback."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import pty
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import tagged_workers
+from test_multinode import Machines, run_head
+from torch.distributed import TCPStore
+
+import elastic_magic as em
+from elastic_magic.agent.hub import connect
+from elastic_magic.agent.job import AgentError, Job
+from elastic_magic.events import AcceptingNodes, NodeConnected, Output, RendezvousCompleted
+from elastic_magic.messages import Hello
+from elastic_magic.payload import build_payload
+from elastic_magic.protocol import MAX_FRAME, Channel, ProtocolError, new_secret
+
+REJECTED = "unauthenticated rendezvous state rejected"
+SLEEPER = "import time\nprint('up', flush=True)\ntime.sleep(300)\n"
+
+
+class _Pwn:
+    """Unpickling this creates the canary file: code execution, made visible."""
+
+    def __init__(self, canary: Path) -> None:
+        self.canary = str(canary)
+
+    def __reduce__(self):
+        return exec, (f"open({self.canary!r}, 'w').write('pwned')",)
+
+
+def forgeries(canary: Path) -> dict[str, bytes]:
+    raw = pickle.dumps(_Pwn(canary))
+    return {"raw": raw, "base64": base64.b64encode(raw)}
+
+
+def listening_ports(pid: int | None = None) -> set[int]:
+    try:
+        connections = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.NoSuchProcess:
+        return set()
+    return {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+
+
+def job_threads() -> set[threading.Thread]:
+    """Our threads, and torch's rendezvous heartbeat."""
+    return {t for t in threading.enumerate()
+            if t.name.startswith(("elastic-", "RendezvousKeepAliveTimer"))}
+
+
+def forge_every_store(ports: set[int], values: list[bytes]) -> dict[int, list[str]]:
+    """Connect to each port as a token-less TCPStore client, list its keys and overwrite
+    every one with each forged value in turn. The keys written, by store port."""
+    written: dict[int, list[str]] = {}
+    for port in sorted(ports):
+        try:
+            store = TCPStore("127.0.0.1", port, is_master=False,
+                             timeout=timedelta(seconds=3))
+            keys = store.list_keys()
+        except Exception:
+            continue  # not a TCPStore (the hub): its handshake refuses us
+        for key in keys:
+            for value in values:
+                try:
+                    store.set(key, value)
+                except Exception:
+                    break  # the job already ended and closed the store
+        written[port] = keys
+        del store
+    return written
+
+
+def until(condition, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def assert_nothing_left(ports_before: set[int], threads_before: set[threading.Thread]) -> None:
+    """The ended job holds no listening port, no thread and no worker of its own."""
+    assert until(lambda: listening_ports() <= ports_before, 10), \
+        f"ports left listening: {listening_ports() - ports_before}"
+    assert until(lambda: job_threads() <= threads_before, 10), \
+        f"threads left: {[t.name for t in job_threads() - threads_before]}"
+    assert not tagged_workers()
+
+
+@pytest.mark.parametrize("encoding", ["raw", "base64"])
+def test_forged_writes_into_a_standalone_jobs_stores_end_it_and_run_nothing(
+        tmp_path, log_dir, recorder, encoding):
+    canary = tmp_path / "pwned"
+    ports_before, threads_before = listening_ports(), job_threads()
+    spec = em.JobSpec.create(1, log_dir=log_dir)
+    job = Job(spec, build_payload(SLEEPER, spec, namespace={})).start()
+    written: dict[int, list[str]] = {}
+
+    def rogue() -> None:
+        until(lambda: "up" in recorder.lines(0) or job.done, 60)
+        # Every local user can reach loopback: whatever the kernel listens on is fair game.
+        written.update(forge_every_store(listening_ports() - ports_before,
+                                         [forgeries(canary)[encoding]]))
+
+    thread = threading.Thread(target=rogue, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(AgentError, match=REJECTED):
+        job.wait(recorder)
+    thread.join(timeout=30)
+    # Noticed within torch's heartbeat interval (5 s), not at some later read.
+    assert time.monotonic() - started < 60
+    keys = [k for ks in written.values() for k in ks]
+    assert f"torch.rendezvous.{job.run_id}" in keys, written  # the state torch unpickles
+    assert len(written) == 2, written  # the rendezvous store and the round's worker store
+    assert not canary.exists(), "a forged pickle ran"
+    assert job.state is em.JobState.FAILED
+    assert_nothing_left(ports_before, threads_before)
+    job.stop()  # after the end: harmless
+
+
+def test_forged_writes_into_a_multi_node_heads_stores_end_the_job_everywhere(
+        tmp_path, log_dir, recorder):
+    canary = tmp_path / "pwned"
+    machines = Machines(tmp_path)
+    ports_before, threads_before = listening_ports(), job_threads()
+    spec = em.JobSpec.create(1, nnodes=2, log_dir=log_dir, timeout=120)
+    seen: dict[str, object] = {}
+    forged = threading.Event()
+
+    def drive(job: Job) -> None:
+        try:
+            # Both machines' ranks run the cell.
+            until(lambda: {0, 1} <= {e.rank for e in recorder.of(Output)} or job.done, 120)
+            (node,) = machines.procs
+            seen["cmdline"] = " ".join(psutil.Process(node.pid).cmdline())
+            # The kernel's stores, and any the other machine hosts.
+            ports = listening_ports() - ports_before | listening_ports(node.pid)
+            seen["written"] = forge_every_store(ports, list(forgeries(canary).values()))
+        finally:
+            forged.set()
+
+    try:
+        with pytest.raises(AgentError, match=REJECTED):
+            run_head(spec, SLEEPER, recorder, machines, on_open=lambda: machines.join(1),
+                     drive=drive)
+        assert forged.wait(timeout=60)
+        (command,) = [e.command for e in recorder.of(AcceptingNodes)]
+        # The machine that joined ended too, and nothing showed the token in ps.
+        assert machines.procs[0].wait(timeout=60) in (0, 1), machines.output(0)
+    finally:
+        machines.reap()
+    assert command.startswith("ELASTIC_MAGIC_TOKEN=") and "--token" not in command
+    assert machines.token and machines.token not in seen["cmdline"]
+    written = seen["written"]
+    assert isinstance(written, dict)
+    keys = [k for ks in written.values() for k in ks]
+    assert any(k.startswith("torch.rendezvous.") and "/" not in k for k in keys), written
+    assert "elastic_magic/hub" in keys, written
+    assert not canary.exists(), "a forged pickle ran"
+    assert_nothing_left(ports_before, threads_before)
+
+
+@pytest.mark.parametrize("then_stop", [False, True], ids=["alone", "with_stop"])
+def test_a_forged_state_while_the_head_waits_for_machines_ends_the_job_at_once(
+        tmp_path, log_dir, recorder, then_stop):
+    canary = tmp_path / "pwned"
+    ports_before, threads_before = listening_ports(), job_threads()
+    # The join timeout is past pytest's limit: only the rejection (or a stop) ends it.
+    spec = em.JobSpec.create(1, nnodes=2, log_dir=log_dir, timeout=900)
+    job = Job(spec, build_payload("x = 1", spec, namespace={})).start()
+
+    def rogue() -> None:
+        until(lambda: bool(recorder.of(AcceptingNodes)), 60)
+        endpoint = recorder.of(AcceptingNodes)[0].endpoint
+        store = TCPStore("127.0.0.1", int(endpoint.rpartition(":")[2]), is_master=False,
+                         timeout=timedelta(seconds=3))
+        store.set(f"torch.rendezvous.{job.run_id}", forgeries(canary)["base64"])
+        del store
+        if then_stop:  # whichever the agent sees first, the job ends
+            job.stop()
+
+    threading.Thread(target=rogue, daemon=True).start()
+    started = time.monotonic()
+    try:
+        result = job.wait(recorder)
+        assert then_stop and result.state is em.JobState.STOPPED, result
+    except AgentError as exc:
+        assert REJECTED in str(exc)
+    assert time.monotonic() - started < 30
+    assert not canary.exists(), "a forged pickle ran"
+    assert_nothing_left(ports_before, threads_before)
+
+
+def test_an_oversized_frame_from_a_peer_with_the_token_closes_only_its_link(
+        tmp_path, log_dir, recorder):
+    ports_before, threads_before = listening_ports(), job_threads()
+    spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir, timeout=120)
+    job = Job(spec, build_payload(SLEEPER, spec, namespace={})).start()
+    seen: dict[str, object] = {}
+
+    def peer() -> None:
+        until(lambda: "up" in recorder.lines(0) or job.done, 60)
+        assert job.token is not None
+        link, _offer = connect(recorder.of(AcceptingNodes)[0].endpoint, job.token)
+        link.send(Hello("rogue-peer", 1))
+        # A valid frame header announcing 2**40 bytes (and a MAC that is never checked).
+        link.sock.sendall(struct.pack("!Q", 1 << 40) + bytes(32))
+        link.sock.settimeout(10)
+        try:
+            seen["after"] = link.sock.recv(1)  # b"": the head closed the link
+        except OSError as exc:
+            seen["after"] = exc
+        link.close()
+        until(lambda: any(not e.connected for e in recorder.of(NodeConnected)), 10)
+        seen["state"] = job.state
+        # A token-less client that connects to the hub (its address is in the store) and
+        # says nothing: the hub must not wait out the handshake's timeout when it closes.
+        store = TCPStore("127.0.0.1", int(recorder.of(AcceptingNodes)[0].endpoint
+                                          .rpartition(":")[2]), is_master=False)
+        host, _, port = store.get("elastic_magic/hub").decode().split()[-1].rpartition(":")
+        del store
+        seen["silent"] = socket.create_connection((host, int(port)))
+        job.stop()
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    result = job.wait(recorder)
+    thread.join(timeout=30)
+    silent = seen["silent"]
+    assert isinstance(silent, socket.socket)
+    with silent:
+        assert until(lambda: job_threads() <= threads_before, 3), \
+            [t.name for t in job_threads() - threads_before]
+        silent.settimeout(5)
+        received = b""
+        while chunk := silent.recv(1024):  # a timeout here: the hub left it open
+            received += chunk
+        assert len(received) == 32  # the hub's challenge, and nothing after it
+    assert seen.get("after") == b"" or isinstance(seen.get("after"), ConnectionError), seen
+    joined, left = recorder.of(NodeConnected)
+    assert joined.connected and joined.peer == "rogue-peer"
+    assert not left.connected and left.peer == "rogue-peer"
+    assert f"{1 << 40} bytes" in left.reason and "limit" in left.reason, left.reason
+    # The job itself went on running until it was stopped.
+    assert seen["state"] is em.JobState.RUNNING
+    assert result.state is em.JobState.STOPPED
+    assert_nothing_left(ports_before, threads_before)
+
+
+def test_a_frame_above_the_limit_is_refused_before_anything_is_allocated():
+    assert MAX_FRAME < 1 << 40  # this machine's memory
+    key = new_secret()
+    for header, limit, refused in (
+        (struct.pack("!Q", 1 << 40) + bytes(32), MAX_FRAME, r"1099511627776 bytes, more than "),
+        (None, 200, None),  # a real frame within the limit passes
+        (None, 64, "more than the 64-byte limit"),
+    ):
+        r, w = os.pipe()
+        try:
+            if header is None:
+                Channel(w, key).send("x" * 100)
+            else:
+                os.write(w, header)
+            if refused is None:
+                assert Channel(r, key, max_frame=limit).recv() == "x" * 100
+            else:
+                with pytest.raises(ProtocolError, match=refused):
+                    Channel(r, key, max_frame=limit).recv()
+        finally:
+            os.close(r)
+            os.close(w)
+
+
+def _join_cli(*args: str, env: dict[str, str] | None = None,
+              stdin: int = subprocess.DEVNULL) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
+    return subprocess.run([sys.executable, "-m", "elastic_magic.cli", "join", *args],
+                          env={**clean, **(env or {})}, stdin=stdin, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_a_token_on_the_command_line_is_refused_and_says_what_to_do():
+    done = _join_cli("127.0.0.1:29400", "--token", "3f1c")
+    assert done.returncode == 2
+    assert "visible to every user" in done.stderr and "ELASTIC_MAGIC_TOKEN=" in done.stderr
+
+
+def test_a_token_file_others_can_read_is_refused(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("3f1c\n")
+    path.chmod(0o644)
+    done = _join_cli("127.0.0.1:29400", "--token-file", str(path))
+    assert done.returncode == 2 and f"chmod 600 {path}" in done.stderr, done.stderr
+
+
+def test_machines_join_with_a_token_file_or_at_a_prompt(tmp_path, log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes="1:3", log_dir=log_dir, timeout=120)
+    job = Job(spec, build_payload(SLEEPER, spec, namespace={})).start()
+    procs: list[subprocess.Popen[bytes]] = []
+    outcome: dict[str, object] = {}
+
+    def join(*extra: str, stdin: int) -> subprocess.Popen[bytes]:
+        endpoint = recorder.of(AcceptingNodes)[0].endpoint
+        clean = {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
+        out = (tmp_path / f"node{len(procs)}.out").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_magic.cli", "join", endpoint, *extra,
+             "--log-dir", str(tmp_path / f"node{len(procs)}-logs")],
+            env=clean, stdin=stdin, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        out.close()
+        procs.append(proc)
+        return proc
+
+    def drive() -> None:
+        until(lambda: "up" in recorder.lines(0) or job.done, 60)
+        assert job.token is not None
+        path = tmp_path / "token"
+        path.write_text(job.token + "\n")
+        path.chmod(0o600)
+        join("--token-file", str(path), stdin=subprocess.DEVNULL)
+        # At a terminal it asks; here the terminal is a pseudo-terminal we type into.
+        master, slave = pty.openpty()
+        try:
+            join(stdin=slave)
+            # Typed once it asks: turning echo off flushes what was typed before.
+            prompt = tmp_path / f"node{len(procs) - 1}.out"
+            until(lambda: "job token" in prompt.read_text(), 60)
+            os.write(master, (job.token + "\n").encode())
+            # Both proved the token and took part in a round (a stop while a machine is
+            # still opening the rendezvous would end it with a connection error instead).
+            until(lambda: any(r.nnodes == 3 for r in recorder.of(RendezvousCompleted))
+                  or job.done, 120)
+            outcome["cmdlines"] = [" ".join(psutil.Process(p.pid).cmdline()) for p in procs]
+        finally:
+            os.close(slave)
+            job.stop()
+            outcome["codes"] = [p.wait(timeout=60) for p in procs]
+            os.close(master)
+
+    thread = threading.Thread(target=drive, daemon=True)
+    thread.start()
+    try:
+        result = job.wait(recorder)
+        thread.join(timeout=120)
+    finally:
+        for proc in procs:  # ours, by PID, if a wait above gave up
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    outputs = [(tmp_path / f"node{i}.out").read_text() for i in range(len(procs))]
+    assert result.state is em.JobState.STOPPED
+    assert sum(e.connected for e in recorder.of(NodeConnected)) == 2, outputs
+    assert "job token" in outputs[1]  # the prompt
+    assert outcome["codes"] == [0, 0], outputs
+    assert job.token and not any(job.token in c for c in outcome["cmdlines"])  # type: ignore[union-attr]
+
+
+def test_the_join_command_the_notebook_shows_keeps_the_token_off_the_command_line():
+    from elastic_magic.agent.roles import join_command
+
+    command = join_command("10.0.0.5:29400", "3f1c")
+    assert command == "ELASTIC_MAGIC_TOKEN=3f1c elastic-magic join 10.0.0.5:29400"
