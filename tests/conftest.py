@@ -34,11 +34,17 @@ def job_processes() -> list[psutil.Process]:
 
 
 def tagged_workers() -> list[psutil.Process]:
-    """Live worker processes started by this test run: one per rank (not their shepherds,
-    though children a worker forked count too: they share its command line)."""
-    return [p for p in job_processes()
-            if "elastic_magic.worker" in " ".join(p.info["cmdline"] or [])
-            and p.info["name"] != SHEPHERD]
+    """Live worker processes started by this test run: one per rank, the child of its
+    shepherd. (Until the shepherd has forked and named itself, a rank has no worker yet:
+    counting by command line alone would count the shepherd for a moment.)"""
+    workers = []
+    for proc in job_processes():
+        try:
+            if proc.info["name"] != SHEPHERD and proc.parent().name() == SHEPHERD:
+                workers.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
+            continue
+    return workers
 
 
 def wait_until_no_workers(timeout: float) -> list[psutil.Process]:

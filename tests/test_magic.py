@@ -49,7 +49,7 @@ def test_failure_raises_with_root_cause_and_keeps_result(ip, log_dir):
         ("--nproc 0", "x = 1", "at least 1"),
         ("--backend nccl", "x = 1", "use gloo"),
         ("--backend mpi", "x = 1", "choose one of"),
-        ("--max-restarts -1", "x = 1", "0 or more"),
+        ("--max-restarts -1", "x = 1", "between 0 and"),
         ("--nnodes 0", "x = 1", "1 <= MIN <= MAX"),
         ("--nnodes 3:2", "x = 1", "1 <= MIN <= MAX"),
         ("--nnodes two", "x = 1", "expected N or MIN:MAX"),

@@ -50,6 +50,14 @@ def while_running(action: Action | None, regroup_due: bool, status: GroupStatus)
     return Step.WAIT
 
 
+_URGENCY = {None: 0, Action.REGROUP: 1, Action.NODE_FAILED: 2, Action.STOP: 3}
+
+
+def most_urgent(a: Action | None, b: Action | None) -> Action | None:
+    """Of two actions asked for, the one to carry out."""
+    return a if _URGENCY[a] >= _URGENCY[b] else b
+
+
 class Next(Enum):
     """What follows a group that has ended."""
 

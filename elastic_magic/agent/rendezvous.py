@@ -16,10 +16,13 @@ ends with :class:`RendezvousRejected`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import queue
 import socket
 import struct
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -330,6 +333,40 @@ class Rendezvous:
             master_addr=addr,
             master_port=int(port),
         )
+
+    def next_round_unless(self, local_world_size: int, stop: Callable[[], bool],
+                          interval: float, *, cancel: bool) -> RoundInfo | None:
+        """``next_round`` on a helper thread (machines may be awaited for long), asking
+        ``stop()`` every ``interval`` seconds meanwhile. On a stop: None, after closing the
+        run id for every machine when ``cancel`` (the machine hosting the job). Errors of
+        the round are raised here."""
+        outcome: queue.Queue[tuple[RoundInfo | None, BaseException | None]] = queue.Queue()
+
+        def join() -> None:
+            try:
+                outcome.put((self.next_round(local_world_size), None))
+            except BaseException as exc:
+                outcome.put((None, exc))
+
+        helper = threading.Thread(target=join, name=f"elastic-rendezvous-{self.run_id}",
+                                  daemon=True)
+        helper.start()
+        while True:
+            try:
+                info, error = outcome.get(timeout=interval)
+                break
+            except queue.Empty:
+                if stop():
+                    if cancel:
+                        # A stop always stops: if the state cannot even be closed (it was
+                        # forged, say), the job still ends and its store is released.
+                        with contextlib.suppress(Exception):
+                            self.cancel()
+                        helper.join(timeout=10)
+                    return None
+        if error is not None:
+            raise error
+        return info
 
     def cancel(self) -> None:
         """Close the run id from a second handler: a next_round() blocked on another thread

@@ -11,12 +11,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..events import AcceptingNodes, EventSink, NodeConnected, Output
 from ..messages import (
     Action,
     Commit,
+    CommitReply,
     EndJob,
     Forward,
     GroupResult,
@@ -38,7 +39,7 @@ from .group import WorkerGroup
 from .hub import HUB_KEY, FromLink, Hub, Link, read_into
 from .rendezvous import Rendezvous, RoundInfo, rendezvous_key
 from .snapshots import StateServer
-from .workers import Worker
+from .workers import Worker, take_handoff
 
 if TYPE_CHECKING:
     from ..payload import Payload
@@ -46,6 +47,18 @@ if TYPE_CHECKING:
 # Waits for the next incoming message up to a timeout, handles it, and says what the loop
 # must do about it (None: nothing).
 NextAction = Callable[[float], Action | None]
+
+
+def _take_memory_file(worker: Worker, request: StateRequest) -> int | Literal[False] | None:
+    """The memory file a commit's snapshot is in, now ours; None for a snapshot sent as
+    bytes; False when the file cannot be read here (the worker is told to use the pipe)."""
+    if not isinstance(request, Commit) or request.handoff is None:
+        return None
+    memory_file = take_handoff(worker, request.handoff)
+    if memory_file is None:
+        worker.send(Reply(request.request_id, CommitReply(handoff_failed=True)))
+        return False
+    return memory_file
 
 
 def join_command(endpoint: str, token: str) -> str:
@@ -79,10 +92,13 @@ class SingleMachine:
                world_size: int) -> Action | None:
         return None  # no links
 
-    def serve(self, worker: Worker, request: StateRequest, memory_file: int | None,
-              server: StateServer | None, world_size: int) -> None:
+    def serve(self, worker: Worker, request: StateRequest, server: StateServer | None,
+              world_size: int) -> None:
         """Answer a local rank's State request from the snapshots held here."""
         assert server is not None
+        memory_file = _take_memory_file(worker, request)
+        if memory_file is False:
+            return
         if isinstance(request, Commit):
             reply = Reply(request.request_id, server.commit(request, world_size, memory_file))
         else:
@@ -273,9 +289,12 @@ class JoinedMachine(SingleMachine):
                 return Action.STOP
         return None
 
-    def serve(self, worker: Worker, request: StateRequest, memory_file: int | None,
-              server: StateServer | None, world_size: int) -> None:
+    def serve(self, worker: Worker, request: StateRequest, server: StateServer | None,
+              world_size: int) -> None:
         """The head holds the snapshots: a snapshot in a memory file crosses as bytes."""
+        memory_file = _take_memory_file(worker, request)
+        if memory_file is False:
+            return
         if memory_file is not None:
             assert isinstance(request, Commit) and request.handoff is not None
             try:
@@ -307,3 +326,14 @@ class JoinedMachine(SingleMachine):
         if rendezvous is not None:  # the run id stays open: the job belongs to the head
             rendezvous.close(shutdown=False)
 
+
+def role_for(spec: JobSpec, run_id: str, emit: EventSink, inbox: queue.Queue[Any],
+             payload: Payload, *, token: str | None, joined: JoinedJob | None
+             ) -> SingleMachine:
+    """This agent's role: a machine that joined, the head of several, or one alone."""
+    if joined is not None:
+        return JoinedMachine(spec, run_id, emit, joined, inbox)
+    if spec.multi_node:
+        assert token is not None
+        return Head(spec, run_id, emit, token=token, payload=payload, inbox=inbox)
+    return SingleMachine(spec, run_id, emit)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..events import Committed, EventSink
+from ..events import Committed
 from ..messages import Commit, CommitReply, Handoff, Reply, StateGet, StateReply, StateRequest
 
 _DATA = "snapshot.pt"
@@ -106,11 +106,19 @@ class StateServer:
     the ranks leave at a commit (a resize, machines waiting) is the loop's call:
     ``leave_at_commit``."""
 
-    def __init__(self, store: SnapshotStore, emit: EventSink,
+    def __init__(self, store: SnapshotStore, emit: Callable[[Committed], None],
                  leave_at_commit: Callable[[], bool]) -> None:
         self.store = store
         self.emit = emit
         self.leave_at_commit = leave_at_commit
+
+    def resume_from_checkpoint(self) -> None:
+        """Take the snapshot a previous job left in the checkpoint folder, if any."""
+        store = self.store
+        if store.load_checkpoint():
+            meta = store.meta or {}
+            self.emit(Committed(meta.get("step"), meta.get("world_size", 0), store.size,
+                                origin="checkpoint"))
 
     def get(self, inline: bool) -> StateReply:
         store = self.store

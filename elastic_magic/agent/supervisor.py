@@ -7,10 +7,8 @@ machine) and the State server carry it out and report back."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,10 +30,7 @@ from ..events import (
 from ..logs import is_default, open_run, prune, rank_dir
 from ..messages import (
     Action,
-    Commit,
-    CommitReply,
     NodeRequest,
-    Reply,
     ScaleCommand,
     StateRequest,
     StopCommand,
@@ -55,14 +50,15 @@ from .policy import (
     Step,
     after_group,
     final_state,
+    most_urgent,
     settle,
 )
 from .policy import while_running as decide
 from .rendezvous import Rendezvous, RoundInfo
-from .roles import Head, JoinedJob, JoinedMachine, SingleMachine
+from .roles import JoinedJob, role_for
 from .snapshots import SnapshotStore, StateServer
 from .status import StatusBoard
-from .workers import Worker, WorkerReport, take_handoff, torchrun_env
+from .workers import Worker, WorkerReport, torchrun_env
 
 
 class Agent:
@@ -82,14 +78,7 @@ class Agent:
         self.key = new_secret()
         self.log_root = spec.log_dir / run_id
         self.run_lock: int | None = None  # held while the job runs: see logs.open_run
-        self.role: SingleMachine
-        if joined is not None:
-            self.role = JoinedMachine(spec, run_id, emit, joined, inbox)
-        elif spec.multi_node:
-            assert token is not None
-            self.role = Head(spec, run_id, emit, token=token, payload=payload, inbox=inbox)
-        else:
-            self.role = SingleMachine(spec, run_id, emit)
+        self.role = role_for(spec, run_id, emit, inbox, payload, token=token, joined=joined)
         self.hangs = HangWatch(spec, emit, self.role)  # stalls, stacks, early exits
         self.snapshots = SnapshotStore(spec.checkpoint_dir)
         # The head holds the snapshots; a joined machine asks it.
@@ -119,7 +108,8 @@ class Agent:
             self.run_lock = open_run(self.log_root)  # first, so no prune takes this run
             if is_default(self.spec.log_dir):
                 prune(self.spec.log_dir)
-            self._resume_from_checkpoint()
+            if self.server is not None:
+                self.server.resume_from_checkpoint()
             self.rendezvous = self.role.open()
             self.board.publish(join_command=self.role.join_command)
             while True:
@@ -267,44 +257,23 @@ class Agent:
     # -- rounds and groups ---------------------------------------------------------------
 
     def _next_round(self) -> RoundInfo | None:
-        """Join the next round. That can take long (machines are awaited), so it runs on a
-        helper thread while this one serves stop requests. None when a stop came first, or
-        when a joined machine finds that the job has ended."""
-        rendezvous = self.rendezvous
-        assert rendezvous is not None
-        outcome: queue.Queue[tuple[RoundInfo | None, BaseException | None]] = queue.Queue()
-
-        def join() -> None:
-            try:
-                outcome.put((rendezvous.next_round(self.membership.nproc), None))
-            except BaseException as exc:
-                outcome.put((None, exc))
-
-        helper = threading.Thread(target=join, name=f"elastic-rendezvous-{self.run_id}",
-                                  daemon=True)
-        helper.start()
-        while True:
-            try:
-                info, error = outcome.get(timeout=self.spec.monitor_interval)
-                break
-            except queue.Empty:
-                if self._drain() is Action.STOP:
-                    if self.role.hosts_rendezvous:  # the job is over for every machine
-                        # A stop always stops: if the state cannot even be closed (it was
-                        # forged, say), the job still ends and _finish releases the store.
-                        with contextlib.suppress(Exception):
-                            rendezvous.cancel()
-                        helper.join(timeout=10)
-                    return None
-        if isinstance(error, RendezvousClosedError) and not self.role.hosts_rendezvous:
+        """Join the next round, serving stop requests meanwhile. None when a stop came
+        first, or when a joined machine finds that the job has ended."""
+        assert self.rendezvous is not None
+        try:
+            info = self.rendezvous.next_round_unless(
+                self.membership.nproc, lambda: self._drain() is Action.STOP,
+                self.spec.monitor_interval, cancel=self.role.hosts_rendezvous)
+        except RendezvousClosedError:
+            if self.role.hosts_rendezvous:
+                raise
             self.stop_reason = "the job ended before this machine joined a round"
             return None
-        if error is not None:
-            raise error
-        self.round = info
-        assert info is not None
-        self.emit(RendezvousCompleted(info.round, info.node_rank, info.nnodes,
-                                      info.world_size, info.master_addr, info.master_port))
+        if info is not None:
+            self.round = info
+            self.emit(RendezvousCompleted(info.round, info.node_rank, info.nnodes,
+                                          info.world_size, info.master_addr,
+                                          info.master_port))
         return info
 
     def _start_group(self, info: RoundInfo) -> None:
@@ -316,14 +285,10 @@ class Agent:
         group = self.group = WorkerGroup(self.attempt, info.base_rank, self.membership.nproc)
 
         def env_for(worker: Worker) -> dict[str, str]:
-            return torchrun_env(
-                worker, nproc=self.membership.nproc, world_size=info.world_size,
-                node_rank=info.node_rank, nnodes=info.nnodes, master_addr=info.master_addr,
-                master_port=info.master_port, restart_count=self.restarts,
-                max_restarts=self.spec.max_restarts, run_id=self.run_id,
-                error_file=rank_dir(self.log_root, self.attempt, worker.global_rank)
-                / "error.json",
-                extra=self.spec.env)
+            error_file = rank_dir(self.log_root, self.attempt, worker.global_rank) / "error.json"
+            return torchrun_env(worker, info, self.spec, nproc=self.membership.nproc,
+                                run_id=self.run_id, restart_count=self.restarts,
+                                error_file=error_file)
 
         group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
                     log_root=self.log_root, inbox=self.inbox,
@@ -344,7 +309,7 @@ class Agent:
             item = self.inbox.get(timeout=timeout)
         except queue.Empty:
             return self._latched()
-        return _most_urgent(self._handle(item), self._drain())
+        return most_urgent(self._handle(item), self._drain())
 
     def _drain(self) -> Action | None:
         """Handle queued items without waiting. A stop, or another machine's failure for
@@ -355,8 +320,8 @@ class Agent:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            action = _most_urgent(action, self._handle(item))
-        return _most_urgent(action, self._latched())
+            action = most_urgent(action, self._handle(item))
+        return most_urgent(action, self._latched())
 
     def _latched(self) -> Action | None:
         if self.stop_requested:
@@ -400,13 +365,7 @@ class Agent:
 
     def _serve(self, worker: Worker, request: StateRequest) -> None:
         self.uses_state = True
-        memory_file = None
-        if isinstance(request, Commit) and request.handoff is not None:
-            memory_file = take_handoff(worker, request.handoff)
-            if memory_file is None:  # unreadable here: the worker sends it down the pipe
-                worker.send(Reply(request.request_id, CommitReply(handoff_failed=True)))
-                return
-        self.role.serve(worker, request, memory_file, self.server, self.world_size)
+        self.role.serve(worker, request, self.server, self.world_size)
 
     def _leave_at_commit(self) -> bool:
         """Every rank leaves at this commit when this machine resizes or others wait."""
@@ -415,17 +374,9 @@ class Agent:
             self._set_state(JobState.RESIZING)
         return leave
 
-    def _committed(self, event: Any) -> None:
-        if isinstance(event, Committed):
-            self.board.publish(last_commit=self.snapshots.meta)
+    def _committed(self, event: Committed) -> None:
+        self.board.publish(last_commit=self.snapshots.meta)
         self.emit(event)
-
-    def _resume_from_checkpoint(self) -> None:
-        if self.snapshots.load_checkpoint():
-            meta = self.snapshots.meta or {}
-            self.board.publish(last_commit=meta)
-            self.emit(Committed(meta.get("step"), meta.get("world_size", 0),
-                                self.snapshots.size, origin="checkpoint"))
 
     # -- membership across machines ------------------------------------------------------
 
@@ -447,9 +398,3 @@ class Agent:
             self.board.publish(state=state, finished=time.time() if state.is_final else None)
             self.emit(StateChanged(state))
 
-
-_URGENCY = {None: 0, Action.REGROUP: 1, Action.NODE_FAILED: 2, Action.STOP: 3}
-
-
-def _most_urgent(a: Action | None, b: Action | None) -> Action | None:
-    return a if _URGENCY[a] >= _URGENCY[b] else b

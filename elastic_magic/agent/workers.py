@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..events import EventSink
 from ..logs import make_rank_dir
@@ -39,6 +39,11 @@ from ..messages import (
 from ..protocol import Channel, ProtocolError, widen_pipe
 from ..result import RankFailure
 from ..worker.shepherd import END_ALL
+
+if TYPE_CHECKING:
+    from ..spec import JobSpec
+    from .rendezvous import RoundInfo
+
 from .output import StreamPump, new_tail
 
 
@@ -145,11 +150,11 @@ class Worker:
         return dataclasses.replace(failure, exit_code=code, signal=signal_name)
 
 
-def torchrun_env(worker: Worker, *, nproc: int, world_size: int, node_rank: int,
-                 nnodes: int, master_addr: str, master_port: int, restart_count: int,
-                 max_restarts: int, run_id: str, error_file: Path,
-                 extra: dict[str, str]) -> dict[str, str]:
-    """The kernel's environment plus every variable torchrun sets, with its meaning."""
+def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,
+                 restart_count: int, error_file: Path) -> dict[str, str]:
+    """The kernel's environment plus every variable torchrun sets, with its meaning, for
+    ``worker`` of this machine's ``nproc`` in round ``info``; then the job's ``--env``."""
+    world_size = info.world_size
     env = dict(os.environ)
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
         del env["MPLBACKEND"]  # the inline backend needs a kernel; workers have none
@@ -164,22 +169,22 @@ def torchrun_env(worker: Worker, *, nproc: int, world_size: int, node_rank: int,
         "LOCAL_RANK": str(worker.local_rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(nproc),
-        "GROUP_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(nnodes),
+        "GROUP_RANK": str(info.node_rank),
+        "GROUP_WORLD_SIZE": str(info.nnodes),
         "ROLE_NAME": "default",
         "ROLE_RANK": str(worker.global_rank),
         "ROLE_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
+        "MASTER_ADDR": info.master_addr,
+        "MASTER_PORT": str(info.master_port),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_ERROR_FILE": str(error_file),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                                           "1"),
     })
-    env.update(extra)
+    env.update(spec.env)
     return env
 
 
