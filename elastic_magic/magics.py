@@ -19,6 +19,7 @@ from .logs import rank_log
 from .payload import Payload, PayloadError, build_payload, uses_ipython_syntax
 from .result import JobFailedError, JobResult
 from .spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
+from .ui.describe import count_of
 from .ui.text import TextRenderer
 
 # Finished jobs that `%elastic jobs` keeps listing; running jobs are always kept.
@@ -275,7 +276,7 @@ class ElasticMagics(Magics):
             job.scale(int(words[0]), immediate=immediate)
         except SpecError as exc:
             raise UsageError(f"%elastic {exc}") from None
-        print(f"{job.run_id}: resize to {words[0]} workers requested")
+        print(f"{job.run_id}: resize to {count_of(int(words[0]), 'worker')} requested")
 
     def _print_stacks(self, job: Job) -> None:
         """What each rank is doing now; for a finished job, what its stuck ranks were doing

@@ -26,6 +26,7 @@ from .policy import GroupStatus
 from .workers import (
     INTERRUPT_ESCALATION,
     TEARDOWN_ESCALATION,
+    Escalation,
     Worker,
     WorkerReport,
     WorkerState,
@@ -159,15 +160,14 @@ class WorkerGroup:
 
     def stop_now(self) -> None:
         """SIGTERM, then SIGKILL: a teardown or a regroup."""
-        stop(self.workers, TEARDOWN_ESCALATION)
-        join_threads(self.workers, timeout=2.0)
-        for worker in self.workers:
-            if worker.state is not WorkerState.SUCCEEDED:
-                worker.state = WorkerState.STOPPED
+        self._stop(TEARDOWN_ESCALATION)
 
     def interrupt(self) -> None:
         """A stop request: SIGINT first (the cell sees KeyboardInterrupt), then escalate."""
-        stop(self.workers, INTERRUPT_ESCALATION)
+        self._stop(INTERRUPT_ESCALATION)
+
+    def _stop(self, escalation: Escalation) -> None:
+        stop(self.workers, escalation)
         join_threads(self.workers, timeout=2.0)
         for worker in self.workers:
             if worker.state is not WorkerState.SUCCEEDED:

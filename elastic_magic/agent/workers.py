@@ -271,12 +271,13 @@ def _parent_pid(pid: int) -> int | None:
 # SIGINT and SIGTERM to the worker's process group; on END_ALL it SIGKILLs everything
 # below it. SIGKILL is for a shepherd that cannot finish (a descendant in uninterruptible
 # sleep), so that a stop always returns; its worker dies with it (PR_SET_PDEATHSIG).
-INTERRUPT_ESCALATION = ((signal.SIGINT, 3.0), (signal.SIGTERM, 3.0), (END_ALL, 5.0),
-                        (signal.SIGKILL, 2.0))
-TEARDOWN_ESCALATION = ((signal.SIGTERM, 3.0), (END_ALL, 5.0), (signal.SIGKILL, 2.0))
+Escalation = tuple[tuple[signal.Signals, float], ...]
+INTERRUPT_ESCALATION: Escalation = ((signal.SIGINT, 3.0), (signal.SIGTERM, 3.0),
+                                    (END_ALL, 5.0), (signal.SIGKILL, 2.0))
+TEARDOWN_ESCALATION: Escalation = ((signal.SIGTERM, 3.0), (END_ALL, 5.0), (signal.SIGKILL, 2.0))
 
 
-def stop(workers: list[Worker], escalation: tuple[tuple[signal.Signals, float], ...]) -> None:
+def stop(workers: list[Worker], escalation: Escalation) -> None:
     """Signal each live rank's shepherd, escalating until all have exited: then nothing
     the workers started is left."""
     for sig, grace in escalation:

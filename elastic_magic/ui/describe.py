@@ -33,7 +33,7 @@ def describe(event: Event) -> Note | None:
     match event:
         case RendezvousCompleted(round=round_, world_size=world_size, nnodes=nnodes):
             return Note("rendezvous", f"rendezvous round {round_}: world size {world_size} "
-                                      f"on {_count(nnodes, 'node')}")
+                                      f"on {count_of(nnodes, 'node')}")
         case WorkersStarted(attempt=attempt, ranks=ranks, pids=pids):
             return Note("start", f"attempt {attempt}: started ranks {_ranks(ranks)} "
                                  f"(pids {', '.join(map(str, pids))})")
@@ -51,14 +51,14 @@ def describe(event: Event) -> Note | None:
             return Note("checkpoint", f"resuming from the checkpoint of step {step}")
         case ResizeRequested(target=target, graceful=graceful):
             when = "at the next commit" if graceful else "now"
-            return Note("resize", f"resize to {_count(target, 'worker')} requested ({when})")
+            return Note("resize", f"resize to {count_of(target, 'worker')} requested ({when})")
         case MembershipChanged(old_nproc=old, new_nproc=new):
-            return Note("membership", f"resizing: {old} -> {_count(new, 'worker')} "
+            return Note("membership", f"resizing: {old} -> {count_of(new, 'worker')} "
                                       "(not a restart)")
         case AcceptingNodes(command=command):
             return Note("nodes", f"other machines join this job with: {command}")
         case NodeConnected(peer=peer, nproc=nproc, connected=connected, reason=reason):
-            verb = f"joined with {_count(nproc, 'worker')}" if connected else "left"
+            verb = f"joined with {count_of(nproc, 'worker')}" if connected else "left"
             return Note("nodes", f"machine {peer} {verb}" + (f": {reason}" if reason else ""))
         case JobFinished(result=result):
             reason = f" ({result.stop_reason})" if result.stop_reason else ""
@@ -68,7 +68,7 @@ def describe(event: Event) -> Note | None:
             return None
 
 
-def _count(n: int, noun: str) -> str:
+def count_of(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
