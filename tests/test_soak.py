@@ -72,6 +72,7 @@ def test_hundreds_of_cells_keep_the_kernel_flat():
             if n + 1 == WARM_UP:
                 baseline = _usage(kc)
         end = _usage(kc)
+        print(f"after {WARM_UP} cells: {baseline}\nafter {CELLS} cells: {end}")  # with -s
         assert baseline is not None
         assert end["fds"] <= baseline["fds"] + 2, (baseline, end)
         assert end["threads"] <= baseline["threads"], (baseline, end)
