@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
+from .stacks import CELL_FILENAME
+
 if TYPE_CHECKING:
     from .spec import JobSpec
 
-CELL_FILENAME = "<cell>"
 
 # Names IPython keeps in the user namespace that no cell means to ship.
 _IPYTHON_NAMES = frozenset(

@@ -17,8 +17,8 @@ from enum import Enum
 from pathlib import Path
 from types import FrameType
 
-CELL_FILENAME = "<cell>"  # as payload.CELL_FILENAME (payload imports cloudpickle)
-_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+CELL_FILENAME = "<cell>"  # the file name a cell runs under in the workers
+PACKAGE_DIR = str(Path(__file__).resolve().parent)  # our frames, not the user's
 # Our own threads in a worker (the control listener, the progress sampler): not the user's.
 SERVICE_THREAD_PREFIX = "elastic-"
 # Files of torch that mean "waiting for the other ranks" when the main thread is in them.
@@ -100,7 +100,7 @@ def _frames(frame: FrameType, *, trim: bool) -> tuple[Frame, ...]:
 
 
 def _ours(frame: Frame) -> bool:
-    return frame.file.startswith((_PACKAGE_DIR, "<frozen "))
+    return frame.file.startswith((PACKAGE_DIR, "<frozen "))
 
 
 def capture() -> tuple[ThreadStack, ...]:

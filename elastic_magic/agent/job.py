@@ -202,7 +202,7 @@ class Job:
             return answer.result(timeout)
         except FutureTimeout:
             if self.done:
-                return dict(self.result.stacks) if self.result is not None else {}
+                return self._kept_stacks()
             raise TimeoutError(f"{self.run_id}: the agent did not gather the stacks within "
                                f"{timeout:g}s (it may be tearing a group down); try again.") \
                 from None
@@ -211,10 +211,13 @@ class Job:
         """:meth:`stacks` without waiting: the future gets them (from the agent thread)."""
         answer: Future[dict[int, str]] = Future()
         if self.done:
-            answer.set_result(dict(self.result.stacks) if self.result is not None else {})
+            answer.set_result(self._kept_stacks())
         else:
             self._inbox.put(StacksCommand(answer))
         return answer
+
+    def _kept_stacks(self) -> dict[int, str]:
+        return dict(self.result.stacks) if self.result is not None else {}
 
     def stop(self, reason: str = "stopped") -> None:
         """Ask the agent to stop every worker (SIGINT, then SIGTERM, then SIGKILL)."""
@@ -254,8 +257,7 @@ class Job:
                     self.stop("interrupted")
                 continue  # keep waiting: the agent escalates to SIGKILL on its own
             except BaseException:
-                self.stop("the cell's output failed")
-                self._done.wait()
+                self.end("the cell's output failed")
                 raise
             if finished:
                 break

@@ -11,17 +11,15 @@ import sys
 import time
 import traceback
 import types
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
 from elastic_magic.messages import ErrorInfo, Failed, Resized, Result, Running
-from elastic_magic.payload import CELL_FILENAME, Payload
+from elastic_magic.payload import Payload
 from elastic_magic.result import Unpicklable
+from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR
 from elastic_magic.worker.client import AgentClient, ResizeExit
-
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def run_payload(payload: Payload, report: AgentClient) -> None:
@@ -124,7 +122,7 @@ def _result_message(payload: Payload, value: Any, namespace: dict[str, Any]) -> 
 def _user_traceback(exc: BaseException) -> types.TracebackType | None:
     """The traceback from the first frame that is not ours (the cell's, usually)."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
         tb = tb.tb_next
     return tb or exc.__traceback__
 
