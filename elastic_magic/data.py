@@ -10,6 +10,7 @@ moves it as the loop receives each batch, whatever is prefetched behind it.
 from __future__ import annotations
 
 import itertools
+import random
 import sys
 from collections import deque
 from collections.abc import Iterator
@@ -123,11 +124,13 @@ class ElasticSampler:
             if len(batch) < step:  # pad the last global batch from the start of the order
                 batch += list(itertools.islice(itertools.cycle(order), step - len(batch)))
             offset = min(offset + step, self.length)
+            mine = batch[rank * local:(rank + 1) * local]
             if handed_out is None:
                 self.offset = offset  # the loop trains on it; the commit after the step keeps it
+                yield mine
             else:
                 handed_out.append(offset)
-            yield batch[rank * local:(rank + 1) * local]
+                yield _Batch(mine, seed=(self.seed * 1_000_003 + self.epoch) % 2**62)
         if handed_out is None:
             self._finished_here = True
 
@@ -152,6 +155,58 @@ def _refuse_torch_dataloader() -> Iterator[list[int]]:
         "prefetched, not the ones the loop trained on; use elastic_magic.DataLoader "
         "(same arguments) instead of torch.utils.data.DataLoader")
     yield []
+
+
+class _Batch(list[int]):
+    """This rank's indices of one batch, with the seed of the epoch's random draws."""
+
+    def __init__(self, indices: list[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2**32)
+
+
+class _SeededDataset(tud.Dataset[Any]):
+    """The user's dataset as the loader fetches it. In a worker process, each sample's
+    random draws (augmentations) start from a seed of (seed, epoch, index): the same
+    whatever the number of workers or ranks, and after a resume, where torch's per-worker
+    seed would give other draws. In the loop's own process (``num_workers=0``) they come
+    from the global RNG, which commits save."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, batch: list[int]) -> list[Any]:
+        seeded = isinstance(batch, _Batch) and tud.get_worker_info() is not None
+        seed = batch.seed if isinstance(batch, _Batch) else 0
+        batched = getattr(self.dataset, "__getitems__", None)
+        if batched is not None:  # one draw per batch: seeded by its first index
+            if seeded:
+                _seed_everything((seed * 1_000_003 + batch[0]) % 2**62)
+            return list(batched(list(batch)))
+        samples = []
+        for index in batch:
+            if seeded:
+                _seed_everything((seed * 1_000_003 + index) % 2**62)
+            samples.append(self.dataset[index])
+        return samples
+
+    def __getattr__(self, name: str) -> Any:  # the user's dataset's own attributes
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 class _HandedOut:
@@ -182,9 +237,11 @@ class DataLoader(tud.DataLoader):
       ``set_epoch`` are followed; ``drop_last`` is the DataLoader's.
 
     Workers, ``prefetch_factor``, ``persistent_workers`` and ``pin_memory`` work as in torch.
-    Pass the loader (or its ``sampler``) to ``State``. Unless you give a ``generator``, the
-    workers' seeds come from (seed, epoch), not from the global RNG, so a resumed loop
-    draws the same random numbers as the uninterrupted one. Only map-style datasets.
+    Pass the loader (or its ``elastic_sampler``) to ``State``. Random draws stay exact
+    across resumes: in worker processes each sample's draws start from a seed of (seed,
+    epoch, index), and the workers' base seed does not come from the global RNG (unless
+    you give a ``generator``). ``loader.dataset`` is a view of yours (its attributes pass
+    through; yours is ``loader.dataset.dataset``). Only map-style datasets.
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
@@ -220,7 +277,7 @@ class DataLoader(tud.DataLoader):
         if self._seeds:
             options["generator"] = torch.Generator()
         self._handed_out = _HandedOut(elastic)
-        super().__init__(dataset, batch_sampler=self._handed_out, **options)
+        super().__init__(_SeededDataset(dataset), batch_sampler=self._handed_out, **options)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         elastic = self.elastic_sampler

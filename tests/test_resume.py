@@ -1,8 +1,9 @@
 """Exact resume in a real training loop: batches through elastic_magic.DataLoader with 2
-worker processes and prefetching, a GradScaler, an EMA, random numbers from torch, python
-and numpy, commits every 5 steps. Uninterrupted, with a rank killed between two commits,
-and resized 2 -> 3 -> 1, the training ends with the same parameters; the DistributedSampler
-switch hands every sample out once per epoch across a resize."""
+worker processes, prefetching and random augmentations, a GradScaler, an EMA, random
+numbers from torch, python and numpy, commits every 5 steps. Uninterrupted, with a rank
+killed between two commits, and resized 2 -> 3 -> 1, the training ends with the same
+parameters; the DistributedSampler switch hands every sample out once per epoch across a
+resize."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
 # The acceptance training of test_elastic, fed by a DataLoader (2 workers, prefetching,
-# persistent), with a GradScaler whose scale grows every 3 steps, an EMA of the model, and
-# a loss weight drawn each step from torch, python and numpy RNGs (the same on every rank
-# and at every world size, so resized runs can match too).
+# persistent) whose dataset adds random noise (torch, python and numpy RNGs in the workers),
+# with a GradScaler whose scale grows every 3 steps, an EMA of the model, and a loss weight
+# drawn each step from the loop's torch, python and numpy RNGs (the same on every rank and
+# at every world size, so resized runs can match too).
 TRAIN = textwrap.dedent("""
     import os, random, signal, time, numpy, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -42,7 +44,17 @@ TRAIN = textwrap.dedent("""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
     g = torch.Generator().manual_seed(1)
     data = torch.randn(240, 8, generator=g)
-    dataset = torch.utils.data.TensorDataset(data, torch.sin(data.sum(1, keepdim=True)))
+    target = torch.sin(data.sum(1, keepdim=True))
+
+    class Augmented(torch.utils.data.Dataset):  # random draws in the DataLoader's workers
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            noise = torch.randn(8) * random.random() * (1 + numpy.random.rand())
+            return data[i] + 0.01 * noise, target[i]
+
+    dataset = Augmented()
     sampler = elastic_magic.ElasticSampler(len(dataset), global_batch_size=12, seed=0)
     loader = elastic_magic.DataLoader(dataset, batch_sampler=sampler, num_workers=2,
                                       prefetch_factor=2, persistent_workers=True)
@@ -267,15 +279,15 @@ def test_data_loader_records_what_the_loop_consumed_and_refuses_what_it_cannot()
     assert sampler.state_dict() == {"epoch": 0, "offset": 12}
     blob = em.State(loader=loader).snapshot()
     rest = [b[0].tolist() for b in batches]
-    with pytest.raises(RuntimeError, match="call sampler.set_epoch"):
+    with pytest.raises(RuntimeError, match=r"call sampler\.set_epoch"):
         next(iter(loader))
 
     again = em.ElasticSampler(24, global_batch_size=6, seed=0)
     em.State(loader=again).load(blob)  # restored by name: any stateful object will do
     assert list(again) == rest  # the next unseen batches, none lost
-    assert sorted(sum(first + rest, [])) == list(range(24))
+    assert sorted(i for batch in first + rest for i in batch) == list(range(24))
 
-    with pytest.raises(TypeError, match="use elastic_magic.DataLoader"):
+    with pytest.raises(TypeError, match=r"use elastic_magic\.DataLoader"):
         list(torch.utils.data.DataLoader(dataset, batch_sampler=em.ElasticSampler(24, 6)))
 
     class Stream(IterableDataset):
@@ -284,7 +296,7 @@ def test_data_loader_records_what_the_loop_consumed_and_refuses_what_it_cannot()
 
     with pytest.raises(TypeError, match="map-style dataset"):
         em.DataLoader(Stream(), batch_sampler=sampler)
-    with pytest.raises(TypeError, match="batch_sampler=elastic_magic.ElasticSampler"):
+    with pytest.raises(TypeError, match=r"batch_sampler=elastic_magic\.ElasticSampler"):
         em.DataLoader(dataset, batch_size=4, shuffle=True)
     with pytest.raises(ValueError, match="either global_batch_size"):
         em.ElasticSampler(24, 6, batch_size=3)
