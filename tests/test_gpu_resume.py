@@ -1,8 +1,8 @@
 """Exact resume on a GPU: AMP (fp16 autocast) with a GradScaler, dropout on the CUDA
 generator, batches through elastic_magic.DataLoader (2 workers, pinned memory), commits
 every 4 steps. Killed between two commits it ends bit for bit at the uninterrupted run;
-resized 2 -> 3 -> 1 within a stated tolerance (other world sizes run other fp16 kernel
-shapes and sum gradients in another order). CI has no GPU: run on a GPU machine with
+resized 2 -> 3 -> 1 within 2e-3 (other world sizes round other partial gradient sums to
+fp16). CI has no GPU: run on a GPU machine with
 ``python -m pytest tests/test_gpu_resume.py``; skipped without CUDA.
 
 The ranks share the machine's GPUs through gloo (which takes CUDA tensors), so one GPU is
@@ -111,4 +111,6 @@ def test_amp_dropout_training_killed_and_resized_matches_uninterrupted(log_dir, 
     worst = max((a - b).abs().max().item() for a, b in zip(params, resized_params,
                                                            strict=True))
     print(f"largest parameter difference after resizing: {worst:.2e}")
-    assert worst <= 1e-3  # fp16 kernels of other shapes, gradients summed in another order
+    # Each rank's share of the gradient is rounded to fp16 before the sum: this script with
+    # CPU fp16 autocast differed by 2.3e-4 (bf16: 6.3e-3); a lost batch moves them ~1e-1.
+    assert worst <= 2e-3
