@@ -313,3 +313,20 @@ def test_snapshot_layout_of_earlier_versions_still_loads():
     state.load(old.getvalue())
     assert state.step == 3 and sampler.state_dict() == {"epoch": 1, "offset": 12}
     torch.testing.assert_close(state.model.weight, model.weight, rtol=0, atol=0)
+
+
+def test_commit_intervals_and_the_distributed_sampler_for_a_fixed_global_batch():
+    state = em.State(step=0)
+    assert [state.commit(every=3) for _ in range(6)] == [False, False, True] * 2
+    assert state.commit(every=100, seconds=0.0) is True  # whichever comes first
+    assert state.commit(every=100, seconds=3600.0) is False
+    with pytest.raises(ValueError, match="every=0"):
+        state.commit(every=0)
+
+    dataset = TensorDataset(torch.arange(20))
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, seed=3)
+    loader = em.DataLoader(dataset, global_batch_size=6, sampler=sampler, drop_last=False)
+    sampler.set_epoch(1)
+    batches = [b[0].tolist() for b in loader]
+    order = torch.randperm(20, generator=torch.Generator().manual_seed(3 + 1)).tolist()
+    assert batches == [order[0:6], order[6:12], order[12:18], order[18:20] + order[0:4]]
