@@ -68,6 +68,11 @@ def _stateful(name: str, value: Any) -> Any:
 
     if isinstance(value, torch.Generator):
         return _GeneratorState(value)
+    if type(value).__name__ == "StatefulDataLoader":
+        raise TypeError(
+            f"State cannot restore {name}=StatefulDataLoader exactly: torchdata keeps each "
+            "rank's own position, which does not carry over to another world size (a resize "
+            "would skip or repeat samples). Use elastic_magic.DataLoader (same arguments)")
     if callable(getattr(value, "state_dict", None)) and callable(
             getattr(value, "load_state_dict", None)):
         return _unwrap(value)

@@ -268,6 +268,11 @@ def test_every_stateful_object_is_restored_in_place(tmp_path):
         em.State(log=file)
     with pytest.raises(TypeError, match="cannot restore it=list_iterator"):
         state.it = iter([1, 2])
+    # Its position is per rank: resumed at another world size it skips samples.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    with pytest.raises(TypeError, match=r"use elastic_magic\.DataLoader"):
+        em.State(loader=StatefulDataLoader(TensorDataset(torch.arange(4))))
 
 
 def test_data_loader_records_what_the_loop_consumed_and_refuses_what_it_cannot():
