@@ -1,9 +1,9 @@
 """Exact resume in a real training loop: batches through elastic_magic.DataLoader with 2
-worker processes, prefetching and random augmentations, a GradScaler, an EMA, random
-numbers from torch, python and numpy, commits every 5 steps. Uninterrupted, with a rank
-killed between two commits, and resized 2 -> 3 -> 1, the training ends with the same
-parameters; the DistributedSampler switch hands every sample out once per epoch across a
-resize."""
+worker processes, prefetching and random augmentations, gradient accumulation, a
+GradScaler, an EMA, random numbers from torch, python and numpy, commits every 5 steps.
+Uninterrupted, with a rank killed between two commits, and resized 2 -> 3 -> 1, the
+training ends with the same parameters; the DistributedSampler switch hands every sample
+out once per epoch across a resize."""
 
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ from elastic_magic.events import Committed, MembershipChanged
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
-# The acceptance training of test_elastic, fed by a DataLoader (2 workers, prefetching,
-# persistent) whose dataset adds random noise (torch, python and numpy RNGs in the workers),
-# with a GradScaler whose scale grows every 3 steps, an EMA of the model, and a loss weight
-# drawn each step from the loop's torch, python and numpy RNGs (the same on every rank and
-# at every world size, so resized runs can match too).
+# The acceptance training of test_elastic (40 optimizer steps, each of 2 accumulated global
+# batches of 12), fed by a DataLoader (2 workers, prefetching, persistent) whose dataset adds
+# random noise (torch, python and numpy RNGs in the workers), with a GradScaler whose scale
+# grows every 3 steps, an EMA of the model, and a loss weight drawn for each batch from the
+# loop's torch, python and numpy RNGs (the same on every rank and at every world size, so
+# resized runs can match too).
 TRAIN = textwrap.dedent("""
     import os, random, signal, time, numpy, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -43,7 +44,7 @@ TRAIN = textwrap.dedent("""
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
     g = torch.Generator().manual_seed(1)
-    data = torch.randn(240, 8, generator=g)
+    data = torch.randn(480, 8, generator=g)
     target = torch.sin(data.sum(1, keepdim=True))
 
     class Augmented(torch.utils.data.Dataset):  # random draws in the DataLoader's workers
@@ -64,16 +65,18 @@ TRAIN = textwrap.dedent("""
     print(f"START step {state.step} world {world}", flush=True)
     for epoch in range(state.epoch, 2):
         sampler.set_epoch(epoch)
-        for x, y in loader:
-            if (state.step == KILL_AT and rank == 1
+        for micro, (x, y) in enumerate(loader):  # 2 micro-batches per optimizer step
+            if (state.step == KILL_AT and micro % 2 and rank == 1  # mid-accumulation
                     and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
                 os.kill(os.getpid(), signal.SIGKILL)
             weight = 1 + (torch.rand(()).item() + random.random() + numpy.random.rand()) / 10
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y) * weight
+            loss = torch.nn.functional.mse_loss(model(x), y) * weight / 2
             scaler.scale(loss).backward()
+            if micro % 2 == 0:
+                continue
             scaler.step(opt)
             scaler.update()
+            opt.zero_grad()
             sched.step()
             ema.update_parameters(net)
             state.step += 1
