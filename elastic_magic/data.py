@@ -258,7 +258,13 @@ class DataLoader(tud.DataLoader):
             raise ValueError("elastic_magic.DataLoader needs in_order=True: the position "
                              "counts batches in the order the sampler handed them out")
         self.distributed_sampler = None
+        if shuffle is not None:
+            raise ValueError("elastic_magic.DataLoader takes shuffle from its sampler: "
+                             "ElasticSampler(shuffle=...) or DistributedSampler(shuffle=...)")
         if isinstance(batch_sampler, ElasticSampler):
+            if sampler is not None or batch_size not in (1, None) or global_batch_size:
+                raise ValueError("batch_sampler=ElasticSampler(...) sets the batches: give "
+                                 "its sizes to the ElasticSampler, and no sampler")
             elastic = batch_sampler
         elif isinstance(sampler, tud.DistributedSampler):
             self.distributed_sampler = sampler

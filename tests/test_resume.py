@@ -305,7 +305,11 @@ def test_data_loader_records_what_the_loop_consumed_and_refuses_what_it_cannot()
     with pytest.raises(TypeError, match="map-style dataset"):
         em.DataLoader(Stream(), batch_sampler=sampler)
     with pytest.raises(TypeError, match=r"batch_sampler=elastic_magic\.ElasticSampler"):
-        em.DataLoader(dataset, batch_size=4, shuffle=True)
+        em.DataLoader(dataset, batch_size=4)
+    with pytest.raises(ValueError, match="give its sizes to the ElasticSampler"):
+        em.DataLoader(dataset, batch_size=4, batch_sampler=sampler)
+    with pytest.raises(ValueError, match="takes shuffle from its sampler"):
+        em.DataLoader(dataset, batch_sampler=sampler, shuffle=True)
     with pytest.raises(ValueError, match="either global_batch_size"):
         em.ElasticSampler(24, 6, batch_size=3)
 
