@@ -166,7 +166,7 @@ class _Batch(list[int]):
 
 
 def _seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds CUDA: 40x slower
     random.seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed % 2**32)
