@@ -83,8 +83,8 @@ def network_text(chosen: NetworkChosen) -> str:
     elif chosen.interface is None:
         text = (f"{machine}: no interface of this machine carries that address; set "
                 "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) with --env, or on each machine")
-    else:
-        text = f"{machine}: loopback, so only machines on this host can join"
+    else:  # every machine is on this host: nothing to choose, nothing to warn about
+        return f"{machine}: loopback, so only machines on this host can take part"
     if chosen.kept:
         text += "; kept your " + ", ".join(f"{name}={value}" for name, value in chosen.kept)
     address = chosen.hostname_address
