@@ -8,12 +8,14 @@ from __future__ import annotations
 import sys
 import threading
 
+import pytest
 from netns import network as network  # the fixture
 from test_elastic import STEPS, TRAIN, assert_same_parameters, committed_steps, done_steps
 from test_elastic import baseline as baseline  # the module-scoped fixture
 
 import elastic_magic as em
 from elastic_magic.agent.job import Job
+from elastic_magic.agent.network import choose
 from elastic_magic.events import (
     AcceptingNodes,
     NetworkChosen,
@@ -21,6 +23,7 @@ from elastic_magic.events import (
     RendezvousCompleted,
 )
 from elastic_magic.payload import build_payload
+from elastic_magic.ui.state import DashboardState
 
 
 def run_head(spec, source, recorder, *, namespace=None, on_open=None, drive=None):
@@ -41,6 +44,25 @@ def run_head(spec, source, recorder, *, namespace=None, on_open=None, drive=None
     if driver:
         driver.join(timeout=10)
     return result
+
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_the_interface_is_the_one_carrying_the_address_unless_the_user_named_one(
+        network, monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    chosen = choose(network.head_address, {})
+    assert chosen.machine == network.head_address and chosen.interface == network.bridge
+    assert chosen.variables == (("GLOO_SOCKET_IFNAME", network.bridge),
+                                ("NCCL_SOCKET_IFNAME", network.bridge))
+    # The agent's own environment wins, as does the job's --env (which every machine gets).
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
+    chosen = choose(network.head_address, {"NCCL_SOCKET_IFNAME": "ib0"})
+    assert chosen.variables == ()
+    assert chosen.kept == (("GLOO_SOCKET_IFNAME", "mine"), ("NCCL_SOCKET_IFNAME", "ib0"))
+    # All machines on this host (loopback): nothing to choose, nothing set.
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert choose("127.0.0.1", {}).variables == ()
 
 
 def test_three_machines_train_to_the_single_machine_parameters(
@@ -72,6 +94,11 @@ def test_three_machines_train_to_the_single_machine_parameters(
         assert event.interface == interface
         assert event.variables == (("GLOO_SOCKET_IFNAME", interface),)
         assert event.kept == (("NCCL_SOCKET_IFNAME", "eth9"),)
+    dashboard = DashboardState(result.run_id, str(result.log_dir), 0)
+    for event in recorder.events:
+        dashboard.apply(event)
+    notes = [entry["text"] for entry in dashboard.timeline if entry["kind"] == "network"]
+    assert len(notes) == 3 and any(f"through {network.bridge}" in n for n in notes), notes
     for i, proc in enumerate(joined, 1):
         assert chosen[network.address(i)].hostname == network.hostname(i)
         assert chosen[network.address(i)].hostname_is_loopback
