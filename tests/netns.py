@@ -22,17 +22,20 @@ namespace resolves its hostname as the host does (here to 127.0.0.1).
 X is free among the networks that exist (chosen under a lock, so parallel test runs never
 share one); names carry X and a random part. Everything is torn down afterwards, also when
 the test fails: the processes started here (by PID), whatever still runs in the namespaces,
-the namespaces, links, bridge and ``/etc/netns`` files.
+the namespaces, links, bridge and ``/etc/netns`` files. What a test process killed outright
+left behind is listed in a record under the temp folder and removed by the next network
+built, once that process is gone.
 
-Where namespaces cannot be made (not root, no ``ip`` or ``unshare``), tests using them are
-skipped, except under CI (``CI`` set): CI runs as root, so there a skip would hide a failure
-and the fixture fails instead.
+Where namespaces cannot be made (not root, no ``ip`` or ``unshare``, no permission), tests
+using them are skipped, except under CI (``CI`` set): CI runs as root, so there a skip would
+hide a failure and the fixture fails instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import random
 import secrets
@@ -49,6 +52,7 @@ import pytest
 SUBNET = "10.213"
 HEAD_HOST = 254  # the bridge's host number: the test's namespace
 _LOCK = Path(tempfile.gettempdir()) / "elastic_magic_netns.lock"
+_RECORDS = Path(tempfile.gettempdir()) / "elastic_magic_netns"  # what each network made
 _NETNS_ETC = Path("/etc/netns")
 
 
@@ -121,9 +125,19 @@ class Network:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def _record(self) -> Path:
+        return _RECORDS / f"{self.subnet}-{self.tag}.json"
+
+    def _note(self, kind: str, name: str) -> None:
+        """Remember what was made, here and on disk (for a test process killed outright)."""
+        self._made.append((kind, name))
+        self._record.write_text(json.dumps({"pid": os.getpid(), "made": self._made}))
+
     def _build(self) -> None:
         with _LOCK.open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed: the bridge holds X then
+            _remove_orphans()
             used = {line.split()[3].split(".")[2] for line in
                     _ip("-o", "-4", "addr", "show").splitlines()
                     if line.split()[3].startswith(f"{SUBNET}.")}
@@ -131,8 +145,9 @@ class Network:
             if not free:
                 raise RuntimeError(f"no free {SUBNET}.X.0/24 network")
             self.subnet = random.choice(free)
+            _RECORDS.mkdir(exist_ok=True)
             _ip("link", "add", self.bridge, "type", "bridge")
-            self._made.append(("link", self.bridge))
+            self._note("link", self.bridge)
             _ip("addr", "add", f"{self.head_address}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
         for i in range(1, self.machines + 1):
@@ -142,15 +157,15 @@ class Network:
         name = self.namespace(i)
         etc = _NETNS_ETC / name  # `ip netns exec` binds these over /etc
         etc.mkdir(parents=True)
-        self._made.append(("etc", str(etc)))
+        self._note("etc", str(etc))
         (etc / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {self.hostname(i)}\n"
                                    "::1 localhost ip6-localhost ip6-loopback\n")
         _ip("netns", "add", name)
-        self._made.append(("netns", name))
+        self._note("netns", name)
         _ip("link", "set", "lo", "up", netns=name)
         inside = f"{self.veth(i)}p"
         _ip("link", "add", self.veth(i), "type", "veth", "peer", "name", inside)
-        self._made.append(("link", self.veth(i)))
+        self._note("link", self.veth(i))
         _ip("link", "set", inside, "netns", name)
         _ip("link", "set", inside, "name", "eth0", netns=name)  # as a machine would call it
         _ip("addr", "add", f"{self.address(i)}/24", "dev", "eth0", netns=name)
@@ -163,20 +178,9 @@ class Network:
         even if one before it failed)."""
         for proc in self.procs:
             _end(proc)
-        for kind, name in self._made:
-            if kind == "netns":  # whatever our processes left running in there is ours
-                for pid in _ip("netns", "pids", name, check=False).split():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
-        for kind, name in reversed(self._made):
-            with contextlib.suppress(Exception):
-                if kind == "netns":
-                    _ip("netns", "del", name)
-                elif kind == "link":
-                    _ip("link", "del", name, check=False)
-                else:
-                    shutil.rmtree(name)
+        _remove(self._made)
         self._made.clear()
+        self._record.unlink(missing_ok=True)
 
     # -- using it ------------------------------------------------------------------------
 
@@ -225,6 +229,41 @@ class Network:
         _ip("link", "set", self.veth(i), "up")
 
 
+def _remove(made: Sequence[Sequence[str]]) -> None:
+    """Remove what a network made, newest first; whatever still runs in its namespaces was
+    started there by its test, so it is ended first (each step runs whatever failed)."""
+    for kind, name in made:
+        if kind == "netns":
+            for pid in _ip("netns", "pids", name, check=False).split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+    for kind, name in reversed(made):
+        with contextlib.suppress(Exception):
+            if kind == "netns":
+                _ip("netns", "del", name)
+            elif kind == "link":
+                _ip("link", "del", name, check=False)
+            else:
+                shutil.rmtree(name)
+
+
+def _remove_orphans() -> None:
+    """Networks whose test process is gone (killed before its teardown): removed."""
+    for record in _RECORDS.glob("*.json") if _RECORDS.is_dir() else ():
+        try:
+            found = json.loads(record.read_text())
+            os.kill(found["pid"], 0)
+        except ProcessLookupError:
+            _remove(found["made"])
+        except PermissionError:
+            continue  # alive
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: only the record goes
+        else:
+            continue  # its process is alive: it tears its network down itself
+        record.unlink(missing_ok=True)
+
+
 def _end(proc: subprocess.Popen[bytes]) -> None:
     """Ours, by PID: SIGINT (an agent stops its workers), then SIGKILL."""
     if proc.poll() is not None:
@@ -247,8 +286,16 @@ def network_of(machines: int, directory: Path) -> Iterator[Network]:
         if os.environ.get("CI"):
             pytest.fail(f"CI runs as root with iproute2, but {reason}")
         pytest.skip(reason)
-    with Network(machines, directory) as net:
+    try:
+        net = Network(machines, directory).__enter__()
+    except RuntimeError as exc:  # e.g. in a container without CAP_NET_ADMIN
+        if os.environ.get("CI") or "not permitted" not in str(exc):
+            raise
+        pytest.skip(f"network namespaces cannot be made here: {exc}")
+    try:
         yield net
+    finally:
+        net.close()
 
 
 @pytest.fixture
