@@ -25,6 +25,15 @@ from elastic_magic.events import (
 from elastic_magic.payload import build_payload
 from elastic_magic.ui.state import DashboardState
 
+PARAMETERS = "[p.detach().clone() for p in model.module.parameters()]"
+assert TRAIN.rstrip().endswith(PARAMETERS)
+# The same training; each rank also tells where its process group met and how it talks.
+TRAIN_AND_TELL = TRAIN.replace(PARAMETERS, f"({PARAMETERS}, os.environ['MASTER_ADDR'], "
+                                           "os.environ.get('GLOO_SOCKET_IFNAME'))")
+# The same training, slow only until the machine that joins mid-run has arrived.
+TRAIN_UNTIL_JOINED = TRAIN.replace("time.sleep(PAUSE)", "time.sleep(PAUSE if world < 3 else 0)")
+assert TRAIN_UNTIL_JOINED != TRAIN
+
 
 def run_head(spec, source, recorder, *, namespace=None, on_open=None, drive=None):
     """The head's job to its end; ``on_open(job, endpoint)`` once machines may join,
@@ -76,7 +85,7 @@ def test_three_machines_train_to_the_single_machine_parameters(
     def on_open(job, endpoint):
         joined.extend(network.join(i, endpoint, job.token) for i in (1, 2))
 
-    result = run_head(spec, TRAIN, recorder, namespace={"KILL_AT": -1, "PAUSE": 0.0},
+    result = run_head(spec, TRAIN_AND_TELL, recorder, namespace={"KILL_AT": -1, "PAUSE": 0.0},
                       on_open=on_open)
     outputs = [network.output(proc) for proc in joined]
     assert result.ok, (result, outputs)
@@ -84,7 +93,14 @@ def test_three_machines_train_to_the_single_machine_parameters(
     assert [(r.world_size, r.nnodes) for r in recorder.of(RendezvousCompleted)] == [(3, 3)]
     assert done_steps(recorder) == list(range(1, STEPS + 1))
     assert committed_steps(recorder) == list(range(1, STEPS + 1))
-    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+    assert_same_parameters(result.values[0][0], baseline, atol=1e-5)
+    # Every rank met at the address of one machine as the others reach it (10.213.X.i), and
+    # used its own machine's interface: the head's bridge, eth0 in the namespaces.
+    addresses = {network.head_address, network.address(1), network.address(2)}
+    assert len({master for _, master, _ in result.values.values()}) == 1
+    assert {master for _, master, _ in result.values.values()} <= addresses
+    assert sorted(interface for _, _, interface in result.values.values()) == sorted(
+        [network.bridge, "eth0", "eth0"])
     # Each machine chose its own interface and said so, in the notebook and on its terminal.
     chosen = {e.machine: e for e in recorder.of(NetworkChosen)}
     assert sorted(chosen) == sorted([network.head_address, network.address(1),
@@ -156,9 +172,9 @@ def test_a_machine_joins_mid_run_and_strangers_from_another_namespace_are_refuse
         procs["wrong"] = network.join(3, endpoint, "0" * 32)
         procs["machine"] = network.join(1, endpoint, job.token)
 
-    # Slow steps: the machine must arrive (start Python, import torch) mid-training.
-    result = run_head(spec, TRAIN, recorder, namespace={"KILL_AT": -1, "PAUSE": 0.4},
-                      drive=drive)
+    # Slow steps until it arrives (starts Python, imports torch): it joins mid-training.
+    result = run_head(spec, TRAIN_UNTIL_JOINED, recorder,
+                      namespace={"KILL_AT": -1, "PAUSE": 0.4}, drive=drive)
     outputs = {name: network.output(proc) for name, proc in procs.items()}
     assert result.ok, (result, outputs)
     assert {name: proc.wait(timeout=30) for name, proc in procs.items()} == {
