@@ -22,8 +22,7 @@ from collections.abc import Mapping
 
 from ..events import NetworkChosen
 
-# Set for the workers when the user set neither; both name an interface (gloo: several,
-# comma-separated, in torch >= 2.1; NCCL: a prefix list).
+# Set for the workers, each unless the user set it; both name the interface to use.
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -109,7 +108,10 @@ _IfAddrs._fields_ = [
 
 def interface_addresses() -> list[tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address]]:
     """(interface, address) for every IPv4 and IPv6 address of this machine."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:  # no C library to ask: no interface is named, the event says so
+        return []
     head = ctypes.POINTER(_IfAddrs)()
     if libc.getifaddrs(ctypes.byref(head)) != 0:
         return []

@@ -152,6 +152,7 @@ class Head(SingleMachine):
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
 
     def open(self) -> Rendezvous:
+        self.network = choose(self.spec.rdzv_host, self.spec.env)
         rendezvous = super().open()
         offer = JobOffer(self.run_id, self.spec, self.payload)
         try:
@@ -161,7 +162,6 @@ class Head(SingleMachine):
             self.close_rendezvous(rendezvous)
             raise
         self.join_command = join_command(rendezvous.endpoint, self.token)
-        self.network = choose(self.spec.rdzv_host, self.spec.env)
         self.emit(self.network)
         self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
         return rendezvous
