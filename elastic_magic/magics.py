@@ -14,6 +14,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .agent.job import Job, Renderer
+from .comm import JobsChannel, current_cell_id
 from .events import JobState
 from .logs import rank_log
 from .payload import Payload, PayloadError, build_payload, uses_ipython_syntax
@@ -63,6 +64,8 @@ class ElasticMagics(Magics):
         super().__init__(shell)
         self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
         self._numbers = itertools.count(1)
+        self.channel = JobsChannel()  # the JupyterLab extension's "Elastic jobs" panel
+        self.channel.open(shell)
 
     @_with_flags
     @cell_magic
@@ -108,7 +111,8 @@ class ElasticMagics(Magics):
         view: Renderer | None = None
         try:  # from here on, an interrupt or error anywhere must not orphan the job
             job.start()
-            self._remember(job)
+            number = self._remember(job)
+            self.channel.track(number, job, current_cell_id(self.shell), opts.bg)
             view = self._view(job, opts.text)
             if opts.bg:
                 if opts.out:
@@ -210,18 +214,22 @@ class ElasticMagics(Magics):
         # Like IPython's own cells: show a value only when the cell produced one.
         return result if any(v is not None for v in result.values.values()) else None
 
-    def _remember(self, job: Job) -> None:
+    def _remember(self, job: Job) -> int:
         """Number the job for %elastic; keep a bounded history of finished jobs (each
         keeps its result, which may hold a snapshot)."""
-        self.jobs[next(self._numbers)] = job
+        number = next(self._numbers)
+        self.jobs[number] = job
         finished = [n for n, j in self.jobs.items() if j.done]
-        for number in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:
-            del self.jobs[number]
+        for old in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:
+            del self.jobs[old]
+        self.channel.forget(j.run_id for j in self.jobs.values())
+        return number
 
     def stop_all(self) -> None:
         """End every job of this kernel that still runs (the extension is unloaded)."""
         for job in list(self.jobs.values()):
             job.end("the extension was unloaded")
+        self.channel.close()
 
     # -- %elastic helpers ----------------------------------------------------------------
 
