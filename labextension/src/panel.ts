@@ -106,7 +106,9 @@ export class ElasticPanel extends Widget {
           this.channel?.errors.set(item.id, request);
           this.render();
         } else {
+          this.channel?.errors.delete(item.id);
           this.channel?.send(request);
+          this.render();
         }
       }));
     }
