@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -11,7 +12,7 @@ from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 from elastic_magic.ui.dashboard import Dashboard, LiveView
 from elastic_magic.ui.record import record_bundle
-from elastic_magic.ui.state import MERGED_LINES, RANK_LINES
+from elastic_magic.ui.state import MERGED_LINES, RANK_LINES, TRACEBACK_SHOWN
 
 FLAKY = textwrap.dedent("""
     import os, sys, time, torch.distributed as dist
@@ -64,10 +65,27 @@ def test_widget_state_follows_a_job_with_a_restart(log_dir):
                      "succeeded"]
     assert "rank 1 failed: ValueError: first attempt breaks" in w.timeline[2]["text"]
     assert w.failure == {}  # the job recovered: no root cause to show
+    assert w.timeline[5]["text"].startswith("started ranks 0, 1 after restart 1 (pids ")
+    # The group before the restart keeps its output, and why it ended.
+    assert len(w.earlier) == 1
+    first = w.earlier[0]
+    assert first["restart"] == 0
+    assert first["why"].startswith("ended by a failure: rank 1: ValueError: first attempt")
+    assert ["stdout", "rank 0 attempt 0 line 399"] in first["lines"]["0"]
     record = record_bundle(view.state)
     assert "succeeded · world size 2 · 1 node · restarts 1/1" in record["text/plain"]
     assert "[rank 1] warning from 1" in record["text/plain"]
-    assert "<script" not in record["text/html"] and "Rank 0" in record["text/html"]
+    assert "[rank 0] rank 0 attempt 0 line 399" in record["text/plain"]
+    html = record["text/html"]
+    assert "<script" not in html and "Rank 0" in html
+    assert "Earlier group (restarts 0): ended by a failure" in html
+    # Follows the theme: JupyterLab's variables, no background of its own.
+    assert "var(--jp-" in html and "background" not in html
+    # Markdown (nbconvert) keeps it one HTML block: one element a line, no blank line.
+    assert html.count("\n") > 20 and "\n\n" not in html
+    assert max(len(line) for line in html.splitlines() if "<pre" not in line) < 300
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d", line.split()[0])
+               for line in record["text/plain"].split("timeline:\n")[1].splitlines()[:-1])
 
 
 def test_failure_is_shown_with_root_cause(log_dir):
@@ -77,8 +95,14 @@ def test_failure_is_shown_with_root_cause(log_dir):
     assert w.header["state"] == "failed"
     assert w.failure["rank"] == 0 and w.failure["headline"].startswith("ZeroDivisionError")
     assert "Cell line 4" in w.failure["traceback"]
+    # Numbered as the JobFailedError numbers it.
+    assert w.failure["attempt_label"] == "attempt 1 of 1"
+    # The traceback shows once, in the root cause: not again in the rank's own output.
+    rank0 = [text for _, text in w.lines["0"]]
+    assert TRACEBACK_SHOWN in rank0 and "Traceback (most recent call last):" not in rank0
     html = record_bundle(view.state)["text/html"]
-    assert "Root cause: rank 0" in html and "ZeroDivisionError" in html
+    assert "Root cause: rank 0</b> (attempt 1 of 1)" in html and "ZeroDivisionError" in html
+    assert html.count("Traceback (most recent call last)") == 1
 
 
 def test_stop_message_from_the_frontend_stops_the_job(log_dir):
@@ -117,6 +141,7 @@ RESIZABLE = textwrap.dedent("""
     import elastic_magic
     model = torch.nn.Linear(2, 1)
     state = elastic_magic.State(model=model, step=0)
+    print("world size", dist.get_world_size(), flush=True)
     while state.step < 12:
         time.sleep(0.1)
         state.step += 1
@@ -153,6 +178,9 @@ def test_resize_from_the_dashboard_shows_pending_and_last_commit(log_dir):
     assert w.header["world_size"] == 3 and w.header["last_commit"]["step"] == 12
     assert w.header["last_commit"]["world_size"] == 3
     assert w.controls["scale"] == {"min": 1, "max": 3}
+    assert w.header["nproc"] == 3  # the resize box starts at this machine's workers
+    assert len(w.earlier) == 1 and w.earlier[0]["why"] == "ended by a resize (2 -> 3 workers here)"
+    assert w.earlier[0]["lines"]["1"] == [["stdout", "world size 2"]]
     kinds = [e["kind"] for e in w.timeline]
     assert "resize" in kinds and "membership" in kinds and "restart" not in kinds
     assert "last commit: step 12 at world size 3" in record_bundle(view.state)["text/plain"]
