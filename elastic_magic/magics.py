@@ -119,8 +119,17 @@ class ElasticMagics(Magics):
                     self.shell.user_ns[opts.out] = job
                 threading.Thread(target=self._follow, args=(job, view), daemon=True,
                                  name=f"elastic-view-{job.run_id}").start()
-                return job
+                # Where the live dashboard shows the job, a returned handle would print
+                # once and go stale ("rendezvous"): -o NAME and %elastic reach it.
+                return None if self._live(view) else job
             result = job.wait(view)
+        except KeyboardInterrupt as exc:
+            job.end("interrupted")
+            self._finish_view(view)  # the record of what ran
+            # Shown without the library's frames: nothing in them is the user's.
+            exc._render_traceback_ = lambda: [  # type: ignore[attr-defined]
+                f"KeyboardInterrupt: job {job.run_id} was stopped; its workers have exited"]
+            raise
         except BaseException:
             job.end("interrupted")
             self._finish_view(view)  # the record of what ran
@@ -130,7 +139,7 @@ class ElasticMagics(Magics):
             if opts.out and not opts.bg and job.result is not None:
                 self.shell.user_ns[opts.out] = job.result
         self._finish_view(view)
-        return self._deliver(result)
+        return self._deliver(result, shown=self._live(view))
 
     @line_magic("elastic")  # type: ignore[arg-type]  # IPython mistypes line_magic(name)
     def elastic_command(self, line: str) -> None:
@@ -188,6 +197,11 @@ class ElasticMagics(Magics):
         return TextRenderer()
 
     @staticmethod
+    def _live(view: Renderer | None) -> bool:
+        """The live dashboard (then its record) is the cell's output."""
+        return view is not None and not isinstance(view, TextRenderer)
+
+    @staticmethod
     def _finish_view(view: Renderer | None) -> None:
         finish = getattr(view, "finish", None)
         if finish is not None:
@@ -202,9 +216,9 @@ class ElasticMagics(Magics):
         if result.ok:
             self.shell.user_ns.update(result.pulled)
 
-    def _deliver(self, result: JobResult) -> JobResult | None:
+    def _deliver(self, result: JobResult, shown: bool = False) -> JobResult | None:
         if result.state is JobState.FAILED:
-            raise JobFailedError(result)
+            raise JobFailedError(result, shown=shown)
         self.shell.user_ns.update(result.pulled)
         if result.missing_pulls:
             raise UsageError(

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import textwrap
+import threading
+import time
 
 import pytest
+from conftest import tagged_workers
 
 from elastic_magic.agent.job import Job
 from elastic_magic.payload import build_payload
@@ -219,3 +224,31 @@ def test_stacks_button_shows_every_rank_without_stopping_the_job(tmp_path, log_d
         assert "Cell line 4, in <module>\n    time.sleep(0.2)" in text
     assert result.ok and view.widget.header["state"] == "succeeded"
     assert "Rank 0" in record_bundle(view.state)["text/html"]
+
+
+def test_quiet_result_repr_and_interrupt_without_library_frames(ip, log_dir):
+    """A result's repr is one short line whatever the ranks return; an interrupted cell says
+    one line (no frames of ours), and each stopped rank one line, not a traceback."""
+    result = ip.run_cell_magic("elastic", f"--nproc 2 --text --log-dir {log_dir}",
+                               "import torch\ntorch.arange(5000)")
+    text = repr(result)
+    assert text.startswith("JobResult(succeeded, world size 2, restarts 0/0, ")
+    assert "value=tensor([ 0, 1, 2," in text and len(text) < 160
+
+    def interrupt_when_running():
+        deadline = time.monotonic() + 120
+        while len(tagged_workers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # both ranks inside the cell's sleep
+        os.kill(os.getpid(), signal.SIGINT)  # what a kernel interrupt is
+
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        ip.run_cell_magic("elastic", f"--nproc 2 --text --log-dir {log_dir} -o stopped",
+                          "import time\ntime.sleep(600)")
+    assert caught.value._render_traceback_() == [
+        f"KeyboardInterrupt: job {ip.user_ns['stopped'].run_id} was stopped; its workers "
+        "have exited"]
+    for rank in (0, 1):
+        stderr = ip.user_ns["stopped"].log_path(rank, "stderr").read_text()
+        assert stderr == "KeyboardInterrupt: stopped\n"
