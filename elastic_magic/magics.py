@@ -56,6 +56,13 @@ def _with_flags(magic: Callable[..., Any]) -> Callable[..., Any]:
     return magic_arguments()(magic)
 
 
+def _visible(line: str) -> str:
+    """A log line as a terminal showed it: after its last carriage return."""
+    end = "\n" if line.endswith("\n") else ""
+    parts = [p for p in line.rstrip("\n").rstrip("\r").split("\r") if p]
+    return (parts[-1] if parts else "") + end
+
+
 @magics_class
 class ElasticMagics(Magics):
     shell: Any  # set once registered (IPython types it Optional)
@@ -336,7 +343,8 @@ class ElasticMagics(Magics):
         path = rank_log(job.log_dir, rank, stream)
         if path is None or not path.exists():
             raise UsageError(f"%elastic logs: no {stream} log for rank {rank} of {job.run_id}.")
-        with open(path, errors="replace") as f:
+        with open(path, errors="replace", newline="") as f:
             tail = deque(f, maxlen=lines)
         print(f"==> {path} <==")
-        print("".join(tail), end="")
+        # A line rewritten with carriage returns (a progress bar) as it finally showed.
+        print("".join(_visible(line) for line in tail), end="")

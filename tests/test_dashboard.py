@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -10,7 +11,6 @@ import threading
 import time
 
 import pytest
-from conftest import tagged_workers
 
 from elastic_magic.agent.job import Job
 from elastic_magic.payload import build_payload
@@ -18,6 +18,7 @@ from elastic_magic.spec import JobSpec
 from elastic_magic.ui.dashboard import Dashboard, LiveView
 from elastic_magic.ui.record import record_bundle
 from elastic_magic.ui.state import MERGED_LINES, RANK_LINES, TRACEBACK_SHOWN
+from elastic_magic.ui.text import TextRenderer
 
 FLAKY = textwrap.dedent("""
     import os, sys, time, torch.distributed as dist
@@ -226,7 +227,7 @@ def test_stacks_button_shows_every_rank_without_stopping_the_job(tmp_path, log_d
     assert "Rank 0" in record_bundle(view.state)["text/html"]
 
 
-def test_quiet_result_repr_and_interrupt_without_library_frames(ip, log_dir):
+def test_quiet_result_repr_and_interrupt_without_library_frames(ip, log_dir, tmp_path):
     """A result's repr is one short line whatever the ranks return; an interrupted cell says
     one line (no frames of ours), and each stopped rank one line, not a traceback."""
     result = ip.run_cell_magic("elastic", f"--nproc 2 --text --log-dir {log_dir}",
@@ -237,18 +238,71 @@ def test_quiet_result_repr_and_interrupt_without_library_frames(ip, log_dir):
 
     def interrupt_when_running():
         deadline = time.monotonic() + 120
-        while len(tagged_workers()) < 2 and time.monotonic() < deadline:
+        while len(list(tmp_path.glob("in-cell-*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(0.5)  # both ranks inside the cell's sleep
         os.kill(os.getpid(), signal.SIGINT)  # what a kernel interrupt is
 
     threading.Thread(target=interrupt_when_running, daemon=True).start()
+    ip.user_ns["FLAGS"] = str(tmp_path)
     with pytest.raises(KeyboardInterrupt) as caught:
         ip.run_cell_magic("elastic", f"--nproc 2 --text --log-dir {log_dir} -o stopped",
-                          "import time\ntime.sleep(600)")
+                          "import os, time\nrank = os.environ['RANK']\n"
+                          "open(os.path.join(FLAGS, f'in-cell-{rank}'), 'w').close()\n"
+                          "time.sleep(600)")
     assert caught.value._render_traceback_() == [
         f"KeyboardInterrupt: job {ip.user_ns['stopped'].run_id} was stopped; its workers "
         "have exited"]
     for rank in (0, 1):
         stderr = ip.user_ns["stopped"].log_path(rank, "stderr").read_text()
         assert stderr == "KeyboardInterrupt: stopped\n"
+
+
+PROGRESS = textwrap.dedent("""
+    import sys, time, torch.distributed as dist
+    rank = dist.get_rank()
+    print(f"rank {rank} begins", flush=True)
+    dist.barrier()  # both bars run at once
+    for i in range(101):  # what tqdm writes: each update starts with a carriage return
+        sys.stderr.write(f"\\rrank {rank} progress {i:3d}%")
+        sys.stderr.flush()
+        time.sleep(0.02)
+    sys.stderr.write("\\n")
+    print(f"rank {rank} ends", flush=True)
+""")
+
+
+def test_progress_bars_update_one_line_per_rank(log_dir):
+    spec = JobSpec.create(2, log_dir=log_dir)
+    job = Job(spec, build_payload(PROGRESS, spec)).start()
+    view = LiveView(job)
+    out, err = io.StringIO(), io.StringIO()
+    text = TextRenderer(stdout=out, stderr=err, status=False)
+    live: list[list] = []  # each rank's rewritten line, as the widget showed it mid-way
+
+    def render(events):
+        view(events)
+        text(events)
+        for rank in ("0", "1"):
+            bars = [t for s, t in view.widget.lines.get(rank, []) if "progress" in t]
+            assert len(bars) <= 1  # one line per rank, updated in place
+            if bars and "100%" not in bars[0]:
+                live.append(bars)
+
+    try:
+        job.wait(render)
+    finally:
+        view.finish()
+    assert len(live) >= 2 and len({b[0] for b in live}) >= 2  # it moved while it ran
+    for rank in (0, 1):
+        lines = [t for _, t in view.widget.lines[str(rank)]]
+        # stdout and stderr are separate pipes: order within each stream only
+        assert sorted(lines) == [f"rank {rank} begins", f"rank {rank} ends",
+                                 f"rank {rank} progress 100%"]
+        raw = (job.log_dir / "attempt_0" / f"rank_{rank}" / "stderr.log").read_bytes()
+        assert raw.count(b"\r") == 101  # the log keeps every byte
+    record = record_bundle(view.state)["text/plain"]
+    assert "[rank 1] rank 1 progress 100%" in record and "progress  50%" not in record
+    # The text output rewrote one line in place, for both ranks; whole lines went above it.
+    shown = err.getvalue()
+    assert re.search(r"\[rank 0\] rank 0 progress +\d+% · \[rank 1\] rank 1 progress", shown)
+    assert shown.count("\n") == 2 and shown.count("progress 100%\n") == 2

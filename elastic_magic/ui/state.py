@@ -60,6 +60,9 @@ class DashboardState:
     # and why they ended. {"attempt", "restart", "why", "lines": {rank: [(stream, text)]}}
     earlier: list[dict[str, Any]] = field(default_factory=list)
     _ended_by: str = "ended"  # why the current group will end, once known
+    # Lines being rewritten with carriage returns (progress bars), as they show now: one
+    # per rank and stream, after that rank's lines; replaced as they change.
+    partial: dict[tuple[int, str], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.header = {
@@ -100,6 +103,7 @@ class DashboardState:
                 self.lines = {rank: deque(maxlen=RANK_LINES) for rank in event.ranks}
                 self.local_ranks = set(event.ranks)
                 self.merged.clear()
+                self.partial.clear()
                 self.counts = dict.fromkeys(event.ranks, 0)
                 self.header["restarts"] = event.restart_count
             case Committed():
@@ -137,10 +141,15 @@ class DashboardState:
         if event.rank not in self.lines:  # a rank on another machine of a multi-node job
             self.lines[event.rank] = deque(maxlen=RANK_LINES)
             self.counts[event.rank] = 0
-        for line in event.lines:
+        key = (event.rank, event.stream)
+        self.partial.pop(key, None)  # this event's first line replaces it
+        lines = event.lines[:-1] if event.partial else event.lines
+        if event.partial:
+            self.partial[key] = event.lines[-1]
+        for line in lines:
             self.lines[event.rank].append((event.stream, line))
             self.merged.append((event.rank, event.stream, line))
-        self.counts[event.rank] += len(event.lines)
+        self.counts[event.rank] += len(lines)
 
     def _keep_earlier(self) -> None:
         """A new group starts: the one before keeps its tails, and why it ended."""
@@ -187,8 +196,11 @@ class DashboardState:
         return {
             "header": dict(self.header),
             "ranks": sorted(self.lines),
-            "lines": {str(r): [list(x) for x in self.shown_lines(r)] for r in self.lines},
-            "merged": [list(x) for x in self.merged],
+            "lines": {str(r): [list(x) for x in self.shown_lines(r)]
+                      + [[stream, text] for (rank, stream), text in self.partial.items()
+                         if rank == r] for r in self.lines},
+            "merged": [list(x) for x in self.merged]
+                      + [[r, stream, text] for (r, stream), text in sorted(self.partial.items())],
             "hidden": {str(r): n for r, n in self.hidden().items()},
             "logs": {str(r): p for r, p in self.log_paths().items()},
             "timeline": list(self.timeline),
