@@ -44,7 +44,25 @@ PANEL_CELLS = [
     "%%elastic --bg --nproc 2 --max-nproc 3 -o job\nimport time\n"
     "print('background job up', flush=True)\ntime.sleep(600)",
     "x = 1",
+    "%%elastic --nproc 1\nimport os, time\nprint('about to fail', flush=True)\n"
+    "while not os.path.exists('fail-now'):\n    time.sleep(0.1)\nraise ValueError('boom')",
 ]
+
+# WCAG contrast of an element's text against the first opaque background behind it.
+CONTRAST = """(el) => {
+  const rgb = (s) => s.match(/[\\d.]+/g).map(Number);
+  const lum = ([r, g, b]) => [r, g, b].map((c) => {
+    c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
+  }).reduce((sum, c, i) => sum + c * [0.2126, 0.7152, 0.0722][i], 0);
+  let node = el, bg = [255, 255, 255];
+  while (node) {
+    const c = rgb(getComputedStyle(node).backgroundColor);
+    if (c.length < 4 || c[3] > 0) { bg = c; break; }
+    node = node.parentElement;
+  }
+  const [a, b] = [lum(rgb(getComputedStyle(el).color)), lum(bg)].sort((x, y) => y - x);
+  return (a + 0.05) / (b + 0.05);
+}"""
 
 
 def require_chromium() -> None:
@@ -179,6 +197,8 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
         dash = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".em-dash")
         expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=90_000)
         expect(dash.locator("[data-em=world-size]")).to_have_text("world size 2")
+        # The resize box starts at the job's size, not at the lower bound.
+        expect(dash.locator("[data-em=scale-input]")).to_have_value("2")
         lines = dash.locator("[data-em=lines]")
         expect(lines).to_contain_text("long job rank 0 ready", timeout=30_000)
         expect(lines).to_contain_text("long job rank 1 ready")
@@ -220,10 +240,10 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
         page.screenshot(path=str(ARTIFACTS / "notebook-after-stop.png"))
 
 
-def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab):
+def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_path):
     """The extension's side panel, status bar item and notification, over its comm."""
     with chromium_page() as page:
-        open_notebook(page, panel_lab, 3)
+        open_notebook(page, panel_lab, 4)
         run_cell(page, 0)
         run_cell(page, 1)
         # --bg returns at once; the kernel is free while the job runs.
@@ -269,3 +289,27 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab):
         expect(page.locator("[data-em=status]")).to_have_text("")
         assert not wait_until_no_workers(timeout=5.0)
         page.screenshot(path=str(ARTIFACTS / "elastic-jobs-after-stop.png"))
+
+        # A job that cannot resize shows no resize control; its failure's record reads
+        # well in the light and the dark theme.
+        run_cell(page, 3)
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(3)
+        dash = cell.locator(".em-dash")
+        expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=90_000)
+        expect(dash.locator("[data-em=scale]")).to_be_hidden()
+        (tmp_path / "fail-now").touch()  # the kernel's working directory
+        heading = cell.locator(".elastic-record b", has_text="Root cause: rank 0")
+        expect(heading).to_be_visible(timeout=60_000)
+        expect(cell.locator(".elastic-record")).to_contain_text("(attempt 1 of 1)")
+        expect(cell.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+               ).to_contain_text("JobFailedError")
+        traceback = cell.locator(".elastic-record pre").first
+        assert heading.evaluate(CONTRAST) >= 3 and traceback.evaluate(CONTRAST) >= 4.5
+        page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^JupyterLab Dark$")).click()
+        expect(page.locator("body[data-jp-theme-light='false']")).to_have_count(1,
+                                                                               timeout=30_000)
+        dark = heading.evaluate(CONTRAST), traceback.evaluate(CONTRAST)
+        cell.screenshot(path=str(ARTIFACTS / "record-dark.png"))
+        assert dark[0] >= 3 and dark[1] >= 4.5, dark
