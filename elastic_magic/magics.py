@@ -20,7 +20,7 @@ from .logs import rank_log
 from .payload import Payload, PayloadError, build_payload, uses_ipython_syntax
 from .result import JobFailedError, JobResult
 from .spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
-from .ui.describe import count_of
+from .ui.describe import count_of, duration
 from .ui.text import TextRenderer
 
 # Finished jobs that `%elastic jobs` keeps listing; running jobs are always kept.
@@ -273,8 +273,9 @@ class ElasticMagics(Magics):
             return
         for number, job in self.jobs.items():
             s = job.status()
+            elapsed = duration(job.status_snapshot.elapsed)  # stops when the job ends
             print(f"{number:>3}  {job.run_id}  {s['state']:<10} world size {s['world_size']}  "
-                  f"restarts {s['restarts']}  {s['elapsed']}")
+                  f"restarts {s['restarts']}  {elapsed}")
 
     def _print_status(self, job: Job) -> None:
         status = job.status()

@@ -306,3 +306,14 @@ def test_progress_bars_update_one_line_per_rank(log_dir):
     shown = err.getvalue()
     assert re.search(r"\[rank 0\] rank 0 progress +\d+% · \[rank 1\] rank 1 progress", shown)
     assert shown.count("\n") == 2 and shown.count("progress 100%\n") == 2
+
+
+def test_jobs_list_stops_the_clock_of_a_finished_job(ip, log_dir, capsys):
+    ip.run_cell_magic("elastic", f"--nproc 1 --text --log-dir {log_dir}", "print('hi')")
+    capsys.readouterr()
+    ip.run_line_magic("elastic", "jobs")
+    first = capsys.readouterr().out
+    time.sleep(1.5)  # a clock still running would show more
+    ip.run_line_magic("elastic", "jobs")
+    assert capsys.readouterr().out == first and "succeeded" in first
+    assert re.search(r"restarts 0/0  \d+\.\ds\n", first)
