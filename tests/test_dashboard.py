@@ -62,7 +62,7 @@ def test_widget_state_follows_a_job_with_a_restart(log_dir):
         assert ["stderr", f"warning from {rank}"] in lines
         stdout = [text for stream, text in lines if stream == "stdout"]
         assert stdout[-1] == f"rank {rank} attempt 1 line 399"  # the latest attempt
-        assert w.logs[str(rank)]["stdout"].endswith(f"attempt_1/rank_{rank}/stdout.log")
+        assert w.logs[str(rank)]["stdout"].endswith(f"group_1/rank_{rank}/stdout.log")
     assert len(w.merged) == MERGED_LINES
     assert all(text.startswith(f"rank {r} attempt 1") or text == f"warning from {r}"
                for r, _, text in w.merged)
@@ -298,7 +298,7 @@ def test_progress_bars_update_one_line_per_rank(log_dir):
         # stdout and stderr are separate pipes: order within each stream only
         assert sorted(lines) == [f"rank {rank} begins", f"rank {rank} ends",
                                  f"rank {rank} progress 100%"]
-        raw = (job.log_dir / "attempt_0" / f"rank_{rank}" / "stderr.log").read_bytes()
+        raw = (job.log_dir / "group_0" / f"rank_{rank}" / "stderr.log").read_bytes()
         assert raw.count(b"\r") == 101  # the log keeps every byte
     record = record_bundle(view.state)["text/plain"]
     assert "[rank 1] rank 1 progress 100%" in record and "progress  50%" not in record
