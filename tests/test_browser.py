@@ -255,6 +255,11 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
     """The extension's side panel, status bar item and notification, over its comm."""
     with chromium_page() as page:
         open_notebook(page, panel_lab, 4)
+        # %%elastic cells are highlighted as Python: `import` is coloured as a keyword.
+        editor = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".cm-content")
+        keyword = editor.locator("span", has_text=re.compile(r"^import$")).first
+        color = "(el) => getComputedStyle(el).color"
+        assert keyword.evaluate(color) != editor.locator(".cm-line").nth(1).evaluate(color)
         run_cell(page, 0)
         run_cell(page, 1)
         # --bg returns at once; the kernel is free while the job runs.

@@ -317,3 +317,18 @@ def test_jobs_list_stops_the_clock_of_a_finished_job(ip, log_dir, capsys):
     ip.run_line_magic("elastic", "jobs")
     assert capsys.readouterr().out == first and "succeeded" in first
     assert re.search(r"restarts 0/0  \d+\.\ds\n", first)
+
+
+def test_join_command_is_in_the_header_and_the_record():
+    """A multi-node job's join command: the header (the widget shows it at the top, with a
+    Copy button) and the record; not only in the collapsed timeline."""
+    from elastic_magic.events import AcceptingNodes
+    from elastic_magic.ui.state import DashboardState
+
+    state = DashboardState("em-test", "/tmp/logs", 0)
+    command = "ELASTIC_MAGIC_TOKEN=abc elastic-magic join 10.0.0.5:29400"
+    state.apply(AcceptingNodes("10.0.0.5:29400", command))
+    assert state.traits()["header"]["join_command"] == command
+    record = record_bundle(state)
+    assert f"Other machines joined with: <code>{command}</code>" in record["text/html"]
+    assert record["text/plain"].splitlines()[1] == f"other machines joined with: {command}"

@@ -45,8 +45,8 @@ def record_text(state: DashboardState) -> str:
         lines.append(f"other machines joined with: {state.header['join_command']}")
     if state.failure:
         f = state.failure
-        lines.append(f"root cause: rank {f['rank']} ({f.get('attempt_label', '')}): "
-                     f"{f['headline']}")
+        label = f" ({f['attempt_label']})" if f.get("attempt_label") else ""
+        lines.append(f"root cause: rank {f['rank']}: {f['headline']}{label}")
         lines += [f"  {line}" for line in f["traceback"].rstrip().splitlines()]
         lines += [f"  ranks {', '.join(map(str, o['ranks']))} also failed: {o['text']}"
                   for o in f["others"]]

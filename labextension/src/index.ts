@@ -13,8 +13,8 @@ import { KernelChannel } from './channel';
 import { IItem, isElasticCell, notificationFor, statusText } from './model';
 import { ElasticPanel } from './panel';
 
-/** %%elastic cells are Python: a language of their own, so that no other cell magic's
- * highlighting (or none) applies to them. */
+/** %%elastic cells are Python: a language of their own, IPython's highlighting (Python
+ * with builtins), whatever mode the notebook gives other cells or cell magics. */
 const ELASTIC_MIME = 'text/x-elastic-python';
 
 function registerLanguage(languages: IEditorLanguageRegistry): void {
@@ -23,7 +23,8 @@ function registerLanguage(languages: IEditorLanguageRegistry): void {
     displayName: 'Python (%%elastic)',
     mime: ELASTIC_MIME,
     load: async () => {
-      const python = await languages.getLanguage('python');
+      const python =
+        (await languages.getLanguage('ipython')) ?? (await languages.getLanguage('python'));
       if (!python?.support) {
         throw new Error('the Python language is not available');
       }

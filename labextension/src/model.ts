@@ -41,16 +41,19 @@ export type Action =
   | { action: 'stacks'; id: string }
   | { action: 'refresh' };
 
-/** The one time format of elastic_magic: 5 s, 2:05, 1:02:05. */
+/** The one length-of-time format of elastic_magic (ui/describe.py's duration): 4.2s,
+ * 2m 05s, 1h 02m. */
 export function formatElapsed(seconds: number): string {
-  const s = Math.max(0, Math.floor(seconds));
+  const s = Math.max(0, seconds);
   if (s < 60) {
-    return `${s} s`;
+    return `${s.toFixed(1)}s`;
   }
   const pad = (n: number) => String(n).padStart(2, '0');
-  const h = Math.floor(s / 3600);
-  const m = Math.floor((s % 3600) / 60);
-  return h > 0 ? `${h}:${pad(m)}:${pad(s % 60)}` : `${m}:${pad(s % 60)}`;
+  const whole = Math.floor(s);
+  if (whole < 3600) {
+    return `${Math.floor(whole / 60)}m ${pad(whole % 60)}s`;
+  }
+  return `${Math.floor(whole / 3600)}h ${pad(Math.floor((whole % 3600) / 60))}m`;
 }
 
 export function plural(n: number, noun: string): string {

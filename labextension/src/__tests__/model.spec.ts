@@ -19,17 +19,17 @@ function item(over: Partial<IItem> = {}): IItem {
 }
 
 describe('formatElapsed', () => {
-  it('uses one format: seconds, then m:ss, then h:mm:ss', () => {
-    expect(formatElapsed(4.9)).toBe('4 s');
-    expect(formatElapsed(125)).toBe('2:05');
-    expect(formatElapsed(3725)).toBe('1:02:05');
+  it('uses the one format of elastic_magic: 4.2s, 2m 05s, 1h 02m', () => {
+    expect(formatElapsed(4.25)).toBe('4.3s');
+    expect(formatElapsed(125)).toBe('2m 05s');
+    expect(formatElapsed(3725)).toBe('1h 02m');
   });
 });
 
 describe('describeItem', () => {
   it('lists state, size, machines, restarts, elapsed and the last commit', () => {
     expect(describeItem(item({ last_commit: { step: 40, time: 1 } }))).toEqual([
-      'running', 'world size 2', '1 machine', 'restarts 0/1', '1:15', 'last commit: step 40'
+      'running', 'world size 2', '1 machine', 'restarts 0/1', '1m 15s', 'last commit: step 40'
     ]);
   });
 });
@@ -44,7 +44,7 @@ describe('actionsFor', () => {
 describe('statusText', () => {
   it('shows the latest running job and how many more run', () => {
     const items = [item({ number: 1 }), item({ number: 3, world_size: 4 }), item({ number: 2, done: true })];
-    expect(statusText(items)).toBe('elastic #3: running, world size 4, 1:15 (+1)');
+    expect(statusText(items)).toBe('elastic #3: running, world size 4, 1m 15s (+1)');
     expect(statusText([item({ done: true })])).toBe('');
   });
 });
@@ -57,7 +57,7 @@ describe('notificationFor', () => {
   it('is quiet for a foreground job, whose cell shows the end', () => {
     expect(notificationFor(item({ background: false, state: 'succeeded', done: true }))).toBeNull();
     expect(notificationFor(item({ state: 'succeeded', done: true, elapsed: 5 }))?.message)
-      .toBe('elastic job #1 succeeded in 5 s');
+      .toBe('elastic job #1 succeeded in 5.0s');
   });
 });
 
