@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,9 @@ LABEXTENSION = Path(__file__).resolve().parents[1] / "labextension"
 def test_typescript_unit_tests():
     """`jlpm test` where the extension's npm packages are installed (pip install -e . does
     that); CI must have them."""
-    jlpm = shutil.which("jlpm")
+    # jlpm comes with jupyter-builder, beside this interpreter (a venv need not be active)
+    jlpm = shutil.which("jlpm", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                      os.environ.get("PATH", "")]))
     if jlpm is None or not (LABEXTENSION / "node_modules" / ".bin" / "jest").exists():
         reason = "labextension/node_modules is missing: pip install -e . (with node) installs it"
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
