@@ -313,6 +313,14 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         dash = cell.locator(".em-dash")
         expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=90_000)
         expect(dash.locator("[data-em=scale]")).to_be_hidden()
+        # The panel acts on a job whose cell is still running (its comm is not queued
+        # behind the cell): its stacks, from the row of job #2.
+        row = panel.locator(".em-panel-row", has_text="#2 job")
+        expect(row).to_contain_text("running", timeout=30_000)
+        expect(row.locator(".em-panel-resize")).to_have_count(0)  # it cannot resize
+        row.locator(".em-panel-stacks").click()
+        expect(row.locator(".em-panel-stack-text")).to_contain_text("time.sleep(0.1)",
+                                                                     timeout=30_000)
         (tmp_path / "fail-now").touch()  # the kernel's working directory
         heading = cell.locator(".elastic-record b", has_text="Root cause: rank 0")
         expect(heading).to_be_visible(timeout=60_000)
