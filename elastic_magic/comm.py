@@ -144,8 +144,9 @@ class JobsChannel:
         with self._lock:
             self._items[job.run_id] = Tracked(number, job, cell_id, background)
             if self._ticker is None or not self._ticker.is_alive():
+                # "elastic-view-": like a --bg job's view, it ends soon after its jobs do
                 self._ticker = threading.Thread(target=self._tick, daemon=True,
-                                                name="elastic-panel")
+                                                name="elastic-view-panel")
                 self._ticker.start()
 
     def forget(self, keep: Iterable[str]) -> None:
