@@ -272,7 +272,9 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         expect(row).to_contain_text("world size 2")
         expect(row).to_contain_text("1 machine")
         expect(row).to_contain_text("restarts 0/0")
-        expect(page.locator("[data-em=status]")).to_contain_text("elastic #1: running")
+        status = page.locator("[data-em=status]")
+        expect(status).to_contain_text("elastic #1: running")
+        expect(status).to_be_visible()
         deadline = time.monotonic() + 30
         while len(tagged_workers()) != 2 and time.monotonic() < deadline:
             time.sleep(0.2)

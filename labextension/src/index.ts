@@ -135,7 +135,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         item: status,
         align: 'left',
         rank: 4,
-        isActive: () => status.node.textContent !== ''
+        isActive: () => true // empty, it takes no room; no signal needed as jobs come and go
       });
     }
     refresh();
