@@ -37,12 +37,17 @@ _FORWARDED = (Output, WorkerFailed, NetworkChosen)
 TOKEN_VARIABLE = "ELASTIC_MAGIC_TOKEN"
 
 
+_HELP = (__doc__ or "").replace("``", "")
+
+
 class UsageError(Exception):
     """A mistake in how the command was run; the message says what to do."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic-magic", description=__doc__.split("\n")[0])
+    # The module's docstring is the help, less its reStructuredText quoting.
+    parser = argparse.ArgumentParser(prog="elastic-magic", description=_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     join = commands.add_parser(
         "join", help="run this machine's workers in a notebook's job",

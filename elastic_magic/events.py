@@ -44,13 +44,17 @@ class WorkersStarted:
 
 @dataclass(frozen=True)
 class Output:
-    """Whole lines from one rank's stdout or stderr, in order."""
+    """Whole lines from one rank's stdout or stderr, in order, each as it finally shows
+    (after its last carriage return). With ``partial``, the last one is a line still being
+    rewritten with carriage returns (a progress bar), as it shows now: it stands until the
+    next Output of this rank and stream, whose first line replaces it."""
 
     rank: int
     stream: str  # "stdout" | "stderr"
     lines: tuple[str, ...]
     attempt: int
     time: float = field(default_factory=_now)
+    partial: bool = False
 
 
 @dataclass(frozen=True)

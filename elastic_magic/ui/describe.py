@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ..events import (
@@ -35,8 +36,9 @@ def describe(event: Event) -> Note | None:
         case RendezvousCompleted(round=round_, world_size=world_size, nnodes=nnodes):
             return Note("rendezvous", f"rendezvous round {round_}: world size {world_size} "
                                       f"on {count_of(nnodes, 'node')}")
-        case WorkersStarted(attempt=attempt, ranks=ranks, pids=pids):
-            return Note("start", f"attempt {attempt}: started ranks {_ranks(ranks)} "
+        case WorkersStarted(restart_count=restarts, ranks=ranks, pids=pids):
+            after = f" after restart {restarts}" if restarts else ""
+            return Note("start", f"started ranks {_ranks(ranks)}{after} "
                                  f"(pids {', '.join(map(str, pids))})")
         case WorkerFailed(failure=failure) if failure.consequence:
             return Note("failure", f"rank {failure.rank} stopped: {failure.headline}")
@@ -93,6 +95,23 @@ def network_text(chosen: NetworkChosen) -> str:
         text += (f". Its hostname {chosen.hostname} {resolves}: gloo and NCCL would otherwise "
                  "offer the other machines an address they cannot reach")
     return text
+
+
+def clock(when: float) -> str:
+    """The one way a time of day is shown (the dashboard's script does the same)."""
+    return time.strftime("%H:%M:%S", time.localtime(when))
+
+
+def duration(seconds: float) -> str:
+    """The one way a length of time is shown: 4.2s, 2m 05s, 1h 02m (as the dashboard's
+    script and the JupyterLab extension do)."""
+    s = max(0.0, seconds)
+    if s < 60:
+        return f"{s:.1f}s"
+    whole = int(s)
+    if whole < 3600:
+        return f"{whole // 60}m {whole % 60:02d}s"
+    return f"{whole // 3600}h {whole % 3600 // 60:02d}m"
 
 
 def count_of(n: int, noun: str) -> str:

@@ -142,7 +142,10 @@ def describe_exception(exc: BaseException, exit_code: int) -> ErrorInfo:
 
 def _fail(report: AgentClient, exc: BaseException, exit_code: int) -> None:
     info = describe_exception(exc, exit_code)
-    sys.stderr.write(info.traceback)
+    # A KeyboardInterrupt is the agent stopping the job (Stop, a kernel interrupt, a
+    # failure elsewhere): one line per rank, not a traceback of wherever it happened to be.
+    stopped = isinstance(exc, KeyboardInterrupt)
+    sys.stderr.write("KeyboardInterrupt: stopped\n" if stopped else info.traceback)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
