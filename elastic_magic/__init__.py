@@ -71,9 +71,12 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """Stop this kernel's running jobs and remove both magics."""
+    """Stop this kernel's running jobs, end the warm pool and remove both magics."""
+    from .agent.pool import shutdown_pool
+
     magics = ipython.magics_manager.registry.pop("ElasticMagics", None)
     if magics is not None:
         magics.stop_all()
+    shutdown_pool()
     ipython.magics_manager.magics["cell"].pop("elastic", None)
     ipython.magics_manager.magics["line"].pop("elastic", None)

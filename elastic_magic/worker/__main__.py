@@ -54,6 +54,12 @@ def read_secret(fd: int) -> bytes:
 
 def main() -> None:
     control_fd, report_fd, parent_pid = (int(a) for a in sys.argv[1:4])
+    serve(control_fd, report_fd, parent_pid)
+
+
+def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
+    """Be a rank: fork the shepherd, then run payloads until Exit. Also the entry of a
+    worker forked by the zygote (``zygote.py``), whose parent is the zygote."""
     shepherd_pid = shepherd.start(parent_pid, close_in_shepherd=(control_fd, report_fd))
     accept_signals()
     die_with_parent(shepherd_pid)
