@@ -49,13 +49,15 @@ def zygote_env(env: dict[str, str]) -> dict[str, str]:
 
 def fingerprint(env: dict[str, str], cwd: str, sys_path: Iterable[str]) -> str:
     """What a zygote's imports depend on: the environment, cwd, sys.path, and the
-    installed packages (the modification times of sys.path's folders, which installing
-    or removing a package changes, and of this package's own files)."""
+    installed packages (the modification times of sys.path's package folders, which
+    installing or removing a package changes, and of this package's own files). A user's
+    own folders are not looked at: the zygote imports nothing from them."""
     paths = list(sys_path)
     stamps = {}
-    for entry in [*paths, *map(str, _PACKAGE_DIR.rglob("*.py"))]:
+    packages = [p for p in paths if Path(p).name in ("site-packages", "dist-packages")]
+    for entry in [*packages, *map(str, _PACKAGE_DIR.rglob("*.py"))]:
         with contextlib.suppress(OSError):
-            stamps[entry] = os.stat(entry or ".").st_mtime_ns
+            stamps[entry] = os.stat(entry).st_mtime_ns
     text = json.dumps([sys.executable, sorted(zygote_env(env).items()), cwd, paths, stamps])
     return hashlib.sha256(text.encode()).hexdigest()
 
