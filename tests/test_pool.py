@@ -87,21 +87,28 @@ def test_a_pooled_worker_is_a_fresh_worker_but_forked(log_dir):
     assert pooled[0]["torch_seed"] != pooled[1]["torch_seed"]
 
 
-def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_otherwise(log_dir):
+def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_otherwise(
+        log_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
     def zygote_after(**options) -> int:
         em.launch("1", nproc=1, log_dir=log_dir, render=lambda e: None, **options)
         (pid,) = warm_pool().pids
         return pid
 
     first = zygote_after()
+    (tmp_path / "results.txt").write_text("a cell's file in cwd")
     assert zygote_after() == first
-    changed = zygote_after(env=["POOL_TEST=1"])  # --env: what workers inherit changed
-    assert changed != first and not psutil.pid_exists(first)
-    os.environ["POOL_TEST_KERNEL"] = "1"  # so did the kernel's environment
-    try:
-        assert zygote_after(env=["POOL_TEST=1"]) != changed
-    finally:
-        del os.environ["POOL_TEST_KERNEL"]
+    last = zygote_after(env=["POOL_TEST=1"])  # --env: what workers inherit changed
+    assert last != first and not psutil.pid_exists(first)  # the old one has ended
+    monkeypatch.setenv("POOL_TEST_KERNEL", "1")  # so did the kernel's environment
+    assert last != (last := zygote_after(env=["POOL_TEST=1"]))
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    monkeypatch.syspath_prepend(str(packages))  # sys.path
+    assert last != (last := zygote_after(env=["POOL_TEST=1"]))
+    (packages / "new_package").mkdir()  # a package was installed
+    assert last != zygote_after(env=["POOL_TEST=1"])
     shutdown_pool()
     assert not _zygotes()
 
