@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from . import snapshot_format
 from .messages import Commit, CommitReply, Handoff, StateGet, StateReply
 from .worker.client import AgentClient, ResizeExit, current
 
@@ -101,14 +102,14 @@ class State:
             data["rng"]["numpy"] = numpy.random.get_state()
         except ImportError:
             pass
-        torch.save(data, file)
+        snapshot_format.save(data, file)
 
     def load(self, blob: bytes | Any) -> None:
         """Restore from a snapshot: bytes, or a binary file positioned at its start."""
         import torch
 
         source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
-        data = torch.load(source, weights_only=False, map_location="cpu")
+        data = snapshot_format.load(source)
         self._values.update(data["values"])
         object.__setattr__(self, "_commits", data["commits"])
         for name, obj in self._objects.items():
