@@ -174,12 +174,20 @@ def test_many_cells_from_the_pool_leak_nothing(log_dir):
     assert zygote.cpu_times() == idle  # an idle pool blocks: no CPU at all
 
 
-def test_no_pool_flag_and_unload_ext_end_the_pool(ip):
-    shutdown_pool()
-    ip.run_cell_magic("elastic", "--nproc 1 --no-pool", "import os\npid = os.getpid()")
+def test_load_ext_starts_the_pool_no_pool_bypasses_it_unload_ext_ends_it(ip):
+    """%load_ext starts the zygote for the usual job (several workers), and such a cell
+    uses it; --no-pool leaves it alone; %unload_ext ends it."""
+    ip.run_line_magic("unload_ext", "elastic_magic")
     assert not _zygotes()
-    ip.run_cell_magic("elastic", "--nproc 1", "1")
-    assert len(_zygotes()) == 1
+    ip.run_line_magic("load_ext", "elastic_magic")
+    deadline = time.monotonic() + 120
+    while not warm_pool().pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+    prewarmed = warm_pool().pids
+    assert len(prewarmed) == 1
+    ip.run_cell_magic("elastic", "--nproc 2", "1")
+    ip.run_cell_magic("elastic", "--nproc 1 --no-pool", "1")
+    assert warm_pool().pids == prewarmed and [z.pid for z in _zygotes()] == prewarmed
     ip.run_line_magic("unload_ext", "elastic_magic")
     assert not _zygotes()
     ip.run_line_magic("load_ext", "elastic_magic")

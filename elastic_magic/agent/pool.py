@@ -30,11 +30,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-# Variables a round gives each rank: they differ between workers of one zygote.
+# Variables a round gives each rank (workers/torchrun_env): they differ between workers
+# of one zygote, and nothing it imports reads them.
 _PER_ROUND = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
     "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT",
+    "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 })
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _START_TIMEOUT = 120.0  # importing torch on a busy machine
@@ -193,6 +194,7 @@ class WarmPool:
         self._lock = threading.Lock()
         self._current: Zygote | None = None
         self._retired: list[Zygote] = []
+        self._prewarming: threading.Thread | None = None
 
     def zygote_for(self, env: dict[str, str], cwd: str, sys_path: Iterable[str]) -> Zygote:
         """The zygote whose workers inherit what these would: the current one, or a new
@@ -206,6 +208,15 @@ class WarmPool:
                 self._retire(current)
             self._current = Zygote(env, cwd, key)
             return self._current
+
+    def prewarm(self, env: dict[str, str], cwd: str, sys_path: list[str]) -> None:
+        def start() -> None:
+            with contextlib.suppress(PoolError):
+                self.zygote_for(env, cwd, sys_path)
+
+        self._prewarming = threading.Thread(target=start, name="elastic-pool-prewarm",
+                                            daemon=True)
+        self._prewarming.start()
 
     def _retire(self, zygote: Zygote) -> None:
         zygote.retired = True
@@ -223,6 +234,8 @@ class WarmPool:
 
     def shutdown(self) -> None:
         """End every zygote (and so any rank still running from one)."""
+        if self._prewarming is not None:  # it may be about to start one
+            self._prewarming.join()
         with self._lock:
             zygotes = [z for z in [self._current, *self._retired] if z is not None]
             self._current, self._retired = None, []
@@ -242,6 +255,12 @@ def warm_pool() -> WarmPool:
             _POOL = WarmPool()
             atexit.register(_POOL.shutdown)
         return _POOL
+
+
+def prewarm(env: dict[str, str], cwd: str, sys_path: Iterable[str]) -> None:
+    """Start the zygote for workers that inherit this, on a thread (``%load_ext``: it
+    imports torch while the kernel does); a job that needs another rebuilds it."""
+    warm_pool().prewarm(env, cwd, list(sys_path))
 
 
 def shutdown_pool() -> None:

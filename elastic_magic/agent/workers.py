@@ -151,11 +151,9 @@ class Worker:
         return dataclasses.replace(failure, exit_code=code, signal=signal_name)
 
 
-def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,
-                 restart_count: int, error_file: Path) -> dict[str, str]:
-    """The kernel's environment plus every variable torchrun sets, with its meaning, for
-    ``worker`` of this machine's ``nproc`` in round ``info``; then the job's ``--env``."""
-    world_size = info.world_size
+def inherited_env(nproc: int) -> dict[str, str]:
+    """The kernel's environment as every worker of a machine running ``nproc`` inherits
+    it, before its round's variables and the job's ``--env``."""
     env = dict(os.environ)
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
         del env["MPLBACKEND"]  # the inline backend needs a kernel; workers have none
@@ -165,6 +163,15 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT,
                                                           env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the notebook as they are printed
+    return env
+
+
+def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,
+                 restart_count: int, error_file: Path) -> dict[str, str]:
+    """The kernel's environment plus every variable torchrun sets, with its meaning, for
+    ``worker`` of this machine's ``nproc`` in round ``info``; then the job's ``--env``."""
+    world_size = info.world_size
+    env = inherited_env(nproc)
     env.update({
         "RANK": str(worker.global_rank),
         "LOCAL_RANK": str(worker.local_rank),
