@@ -123,14 +123,14 @@ def summarise(scenarios: list[Scenario],
         for side, values in sides.items():
             done = [v for v in values if not math.isnan(v)]
             ratio = None
-            if base and side != scenario.competitor and side.startswith("elastic_magic") \
+            if base and not math.isnan(base) and side.startswith("elastic_magic") \
                     and not math.isnan(medians[side]):
                 ratio = medians[side] / base
             rows.append({"scenario": scenario.name, "side": side, "unit": scenario.unit,
                          "median": medians[side], "min": min(done) if done else None,
                          "max": max(done) if done else None, "failed": len(values) - len(done),
-                         "ratio": ratio, "goal": scenario.goal if ratio or
-                         scenario.competitor is None else ""})
+                         "ratio": ratio,
+                         "goal": scenario.goal})
     return rows
 
 
@@ -152,8 +152,9 @@ def print_table(rows: list[dict[str, object]], opts: argparse.Namespace) -> None
         spread = f"{row['min']:.3g}-{row['max']:.3g}" if row["min"] is not None else "-"
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else ""
         failed = f" ({row['failed']} failed)" if row["failed"] else ""
+        goal = row["goal"] if scenario else ""
         print(f"{scenario!s:12} {row['side']!s:30} {row['median']:9.3g} {spread:>17} "
-              f"{ratio:>7}  {row['goal']}{failed}")
+              f"{ratio:>7}  {goal}{failed}")
 
 
 if __name__ == "__main__":
