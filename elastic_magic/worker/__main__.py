@@ -22,6 +22,7 @@ from elastic_magic.worker import client as agent_client
 from elastic_magic.worker import shepherd
 from elastic_magic.worker.progress import answer_stacks, report_progress
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
+from elastic_magic.worker.stdout import buffer_stdout
 
 PR_SET_PDEATHSIG = 1
 
@@ -95,6 +96,7 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
                     answer_stacks(client, request_id)
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
+    buffer_stdout()
     report_progress(client)
     while isinstance(message := inbox.get(), Run):
         run_payload(message.payload, client)  # exits the process itself when it fails
