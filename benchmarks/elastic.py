@@ -4,20 +4,16 @@ Resize: from the request to every rank of the new group running user code again.
 - elastic_magic: ``job.scale(3)`` on a running 2-worker job with an elastic State (applied
   at the next commit; steps take ~50 ms), and ``job.scale(3, immediate=True)``;
 - torchrun: stop the 2-worker torchrun (SIGTERM) and start a 3-worker one that loads the
-  last ``torch.save`` checkpoint, the usual way to change the size of a torchrun job.
+  last ``torch.save`` checkpoint, the usual way to change the size of a torchrun job
+  (NaN: it hung, no rank up within 60 s).
 
 Commit: one ``state.commit()`` of a ~100 MB model (25M float32 parameters) on 2 ranks,
-against ``torch.save`` of the same state_dict to a file (with fsync), timed in the same
-worker. With --checkpoint-dir the agent also writes the snapshot to disk.
-
-Usage: python benchmarks/elastic.py [--repeat 3] [--json PATH]
+against ``torch.save`` of the same state_dict to a file with fsync, timed in the same
+worker; also with ``--checkpoint-dir`` (the agent writes the checkpoint behind the commit).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
 import queue
 import signal
@@ -30,11 +26,12 @@ import threading
 import time
 from pathlib import Path
 
-import elastic_magic
 from elastic_magic.agent.job import Job
 from elastic_magic.events import Output
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+
+from .common import launch, scratch
 
 RESIZE_CELL = textwrap.dedent("""
     import time, torch, torch.distributed as dist, elastic_magic
@@ -162,61 +159,24 @@ def torchrun_resize() -> float:
                 proc.wait()
 
 
-def commit_cost(repeat: int, checkpoint_dir: str | None) -> tuple[list[float], list[float]]:
-    result = elastic_magic.launch(COMMIT_CELL, nproc=2, namespace={"REPEAT": repeat},
-                                  checkpoint_dir=checkpoint_dir, render=lambda e: None)
-    return result.values[0]
+def _commit_cost(repeat: int, checkpoint_dir: str | None) -> tuple[float, float]:
+    """Median seconds of our commit and of torch.save + fsync, the first of each dropped
+    (allocator warm-up on both sides)."""
+    result = launch(COMMIT_CELL, 2, namespace={"REPEAT": repeat + 1},
+                    checkpoint_dir=checkpoint_dir)
+    ours, theirs = result.values[0]
+    return statistics.median(ours[1:]), statistics.median(theirs[1:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=None)
-    opts = parser.parse_args()
-
-    runs: dict[str, list[float]] = {"resize_graceful": [], "resize_immediate": [],
-                                    "torchrun_relaunch": []}
-    for _ in range(opts.repeat):
-        runs["resize_graceful"].append(elastic_resize(immediate=False))
-        runs["resize_immediate"].append(elastic_resize(immediate=True))
-        runs["torchrun_relaunch"].append(torchrun_resize())
-    # Commits are short and this machine is noisy: take more of them than of resizes.
-    commits = max(10, opts.repeat) + 1
-    ours_mem, save = commit_cost(commits, None)
-    ckpt_dir = tempfile.mkdtemp(prefix="em-bench-ckpt-")
-    ours_disk, _ = commit_cost(commits, ckpt_dir)
-    # the first commit includes allocator warm-up on both sides: drop it
-    runs.update(commit_memory=ours_mem[1:], commit_with_disk=ours_disk[1:],
-                torch_save_fsync=save[1:])
-    failed = sum(math.isnan(v) for v in runs["torchrun_relaunch"])
-    runs["torchrun_relaunch"] = [v for v in runs["torchrun_relaunch"] if not math.isnan(v)]
-    median = {name: statistics.median(values) for name, values in runs.items()}
-    report = {
-        "cpus": os.cpu_count(), "repeat": opts.repeat, "seconds": runs, "median_s": median,
-        "torchrun_relaunch_hung": failed,
-        "ratio_resize_graceful_vs_torchrun": median["resize_graceful"]
-        / median["torchrun_relaunch"],
-        "ratio_resize_immediate_vs_torchrun": median["resize_immediate"]
-        / median["torchrun_relaunch"],
-        "ratio_commit_memory_vs_torch_save": median["commit_memory"]
-        / median["torch_save_fsync"],
-        "ratio_commit_disk_vs_torch_save": median["commit_with_disk"]
-        / median["torch_save_fsync"],
-    }
-    print(f"resize 2 -> 3 workers, request to every new rank running user code "
-          f"(median of {opts.repeat})")
-    for name in ("resize_graceful", "resize_immediate", "torchrun_relaunch"):
-        print(f"  {name:18s} {median[name]:6.2f} s")
-    print(f"  torchrun relaunches that hung (60 s without every rank up): {failed}")
-    print(f"commit of a 100 MB state on 2 ranks (median of {commits - 1})")
-    for name in ("commit_memory", "commit_with_disk", "torch_save_fsync"):
-        print(f"  {name:18s} {median[name]:6.3f} s")
-    for key, value in report.items():
-        if key.startswith("ratio"):
-            print(f"  {key} = {value:.2f}x")
-    if opts.json:
-        opts.json.write_text(json.dumps(report, indent=2) + "\n")
+def resize(nproc: int, quick: bool) -> dict[str, float]:
+    return {"elastic_magic": elastic_resize(immediate=False),
+            "elastic_magic_immediate": elastic_resize(immediate=True),
+            "torchrun_relaunch": torchrun_resize()}
 
 
-if __name__ == "__main__":
-    main()
+def commit(nproc: int, quick: bool) -> dict[str, float]:
+    repeat = 2 if quick else 5
+    ours, theirs = _commit_cost(repeat, None)
+    with_disk, theirs_again = _commit_cost(repeat, str(scratch("em-bench-ckpt-")))
+    return {"elastic_magic": ours, "elastic_magic_checkpoint_dir": with_disk,
+            "torch_save_fsync": statistics.median([theirs, theirs_again])}

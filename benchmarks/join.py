@@ -10,20 +10,17 @@ running user code. Both sides on loopback, one worker per machine, 1 -> 2 machin
   2.13 a machine that joins after the first round waits for the shared store's address,
   which torch publishes only in the first round (we measured this; see the report).
 
-Usage: python benchmarks/join.py [--repeat 3] [--json PATH]
+torchrun as shipped hangs here (3 of 3 in an earlier run): only the unshared-store variant
+is run.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
 import queue
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,12 +29,12 @@ import threading
 import time
 from pathlib import Path
 
-from elastic import RESIZE_CELL  # benchmarks/ is on sys.path when run as a script
-
 from elastic_magic.agent.job import Job
 from elastic_magic.events import Output
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+
+from .elastic import RESIZE_CELL
 
 # The resize benchmark's cell: a State committed every ~50 ms, READY <time> <world size>.
 CELL = RESIZE_CELL
@@ -156,36 +153,6 @@ def torchrun_join(share_store: bool) -> float:
                 proc.wait()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=None)
-    opts = parser.parse_args()
-    runs: dict[str, list[float]] = {"elastic_magic": [], "torchrun": [],
-                                    "torchrun_unshared_store": []}
-    for _ in range(opts.repeat):
-        runs["elastic_magic"].append(elastic_join())
-        runs["torchrun"].append(torchrun_join(share_store=True))
-        runs["torchrun_unshared_store"].append(torchrun_join(share_store=False))
-    hung = {name: sum(math.isnan(v) for v in values) for name, values in runs.items()}
-    done = {name: [v for v in values if not math.isnan(v)] for name, values in runs.items()}
-    median = {name: statistics.median(v) if v else None for name, v in done.items()}
-    report: dict = {"cpus": os.cpu_count(), "repeat": opts.repeat, "seconds": runs,
-                    "median_s": median, "hung": hung}
-    for other in ("torchrun", "torchrun_unshared_store"):
-        if median["elastic_magic"] and median[other]:
-            report[f"ratio_vs_{other}"] = median["elastic_magic"] / median[other]
-    print(f"a machine joins: its agent started -> every rank of world 2 running user code "
-          f"(median of {opts.repeat}; hung = no world 2 within {HANG:.0f} s)")
-    for name in runs:
-        value = f"{median[name]:6.2f} s" if median[name] is not None else "   n/a"
-        print(f"  {name:24s} {value}   hung {hung[name]}/{opts.repeat}")
-    for key, value in report.items():
-        if key.startswith("ratio"):
-            print(f"  {key} = {value:.2f}x")
-    if opts.json:
-        opts.json.write_text(json.dumps(report, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+def join(nproc: int, quick: bool) -> dict[str, float]:
+    return {"elastic_magic": elastic_join(),
+            "torchrun_unshared_store": torchrun_join(share_store=False)}

@@ -68,15 +68,28 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    import os
+    import sys
+
+    from .agent.pool import prewarm
+    from .agent.workers import inherited_env
+
+    # The warm pool's zygote imports torch while the kernel imports the magics: the first
+    # cell finds it ready. Made for several workers per machine (OMP_NUM_THREADS=1), the
+    # usual case; a job that inherits something else starts its own.
+    prewarm(inherited_env(nproc=2), os.getcwd(), sys.path)
     from .magics import ElasticMagics
 
     ipython.register_magics(ElasticMagics)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """Stop this kernel's running jobs and remove both magics."""
+    """Stop this kernel's running jobs, end the warm pool and remove both magics."""
+    from .agent.pool import shutdown_pool
+
     magics = ipython.magics_manager.registry.pop("ElasticMagics", None)
     if magics is not None:
         magics.stop_all()
+    shutdown_pool()
     ipython.magics_manager.magics["cell"].pop("elastic", None)
     ipython.magics_manager.magics["line"].pop("elastic", None)

@@ -135,8 +135,10 @@ def _token_from_file(path: Path) -> str:
 def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .agent.hub import HubError, connect
     from .agent.job import AgentError, Job
+    from .agent.pool import prewarm
     from .agent.rendezvous import rendezvous_key
     from .agent.roles import JoinedJob
+    from .agent.workers import inherited_env
     from .messages import Forward, Hello
     from .ui.text import TextRenderer
 
@@ -157,6 +159,8 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     cwd = os.getcwd()
     payload = dataclasses.replace(offer.payload, cwd=cwd,
                                   sys_path=[cwd, *(p for p in sys.path if p)])
+    if spec.pool:  # its zygote imports torch while this machine joins the next round
+        prewarm({**inherited_env(nproc), **spec.env}, cwd, payload.sys_path)
 
     def forward(event: Event) -> None:
         if isinstance(event, _FORWARDED):

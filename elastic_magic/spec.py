@@ -83,6 +83,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("init_process_group", "--no-init", True, "never make the process group for the "
            "cell (by default it is made when the cell first uses it, unless the cell calls "
            "init_process_group itself)", action="store_false", check=lambda _, v: bool(v)),
+    Option("pool", "--no-pool", True, "start every worker as a fresh interpreter, not forked "
+           "from the warm pool (a process that has imported torch, never CUDA)",
+           action="store_false", check=lambda _, v: bool(v), per_machine=True),
     Option("timeout", "--timeout", 300.0, "seconds workers wait for each other: rendezvous "
            "and collectives", "S", seconds),
     Option("stall_timeout", "--stall-timeout", None, "a rank without progress for S seconds "
@@ -154,6 +157,7 @@ class JobSpec:
     timeout: float
     stall_timeout: float | None
     init_process_group: bool
+    pool: bool
     log_dir: Path
     env: dict[str, str]
     argv: list[str]  # the cell's sys.argv[1:]

@@ -31,6 +31,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from . import snapshot_format
 from .data import DataLoader, ElasticSampler, _dist, rank_and_world
 from .messages import Commit, CommitReply, Handoff, StateGet, StateReply
 from .worker.client import AgentClient, ResizeExit, current
@@ -176,18 +177,15 @@ class State:
         return buffer.getvalue()
 
     def _save(self, file: Any, rngs: list[dict[str, Any]], world_size: int) -> None:
-        import torch
-
-        torch.save({"values": dict(self._values), "commits": self._commits,
-                    "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
-                    "rngs": rngs, "world_size": world_size}, file)
+        snapshot_format.save({
+            "values": dict(self._values), "commits": self._commits,
+            "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
+            "rngs": rngs, "world_size": world_size}, file)
 
     def load(self, blob: bytes | Any) -> None:
         """Restore from a snapshot: bytes, or a binary file positioned at its start."""
-        import torch
-
         source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
-        data = torch.load(source, weights_only=False, map_location="cpu")
+        data = snapshot_format.load(source)
         self._values.update(data["values"])
         object.__setattr__(self, "_commits", data["commits"])
         saved = data.get("objects") or {n: data[n] for n in

@@ -15,18 +15,29 @@ import pytest
 TAG = f"em-test-{uuid.uuid4().hex[:10]}"
 os.environ["ELASTIC_MAGIC_TEST_TAG"] = TAG  # inherited by workers and by test kernels
 SHEPHERD = "em-shepherd"  # the process name of a rank's shepherd (worker/shepherd.py)
+ZYGOTE = "em-zygote"  # the warm pool's process (worker/zygote.py)
+ZYGOTE_MODULE = "elastic_magic.worker.zygote"
+
+
+def is_job_process(proc: psutil.Process) -> bool:
+    """Started by a job of this test run: it inherits the TORCHELASTIC_RUN_ID the agent
+    gives a rank, or was forked by the warm pool's zygote (whose command line it keeps;
+    /proc shows the environment a process was exec'd with, the zygote's)."""
+    env = proc.environ()
+    if env.get("ELASTIC_MAGIC_TEST_TAG") != TAG:
+        return False
+    return "TORCHELASTIC_RUN_ID" in env or (
+        ZYGOTE_MODULE in proc.cmdline() and proc.name() != ZYGOTE)
 
 
 def job_processes() -> list[psutil.Process]:
     """Live processes of this test run that a job started: workers, their shepherds, and
-    whatever those started (all inherit the TORCHELASTIC_RUN_ID the agent gives a rank;
-    kernels, servers and browsers the tests start do not have it)."""
+    whatever those started (kernels, servers, browsers and the warm pool's zygote, which
+    the tests start or keep between jobs, are not)."""
     found = []
     for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
-            env = proc.environ()
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and \
-                    env.get("ELASTIC_MAGIC_TEST_TAG") == TAG and "TORCHELASTIC_RUN_ID" in env:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and is_job_process(proc):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

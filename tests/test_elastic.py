@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import elastic_magic as em
+from elastic_magic import snapshot_format
 from elastic_magic.agent.job import Job
 from elastic_magic.events import Committed, MembershipChanged, ResizeRequested
 from elastic_magic.payload import build_payload
@@ -204,7 +205,7 @@ def test_snapshots_reach_the_agent_through_memory_files_or_the_pipe(log_dir, rec
                        render=recorder)
     assert committed_steps(recorder) == [1, 2, 3]
     assert recorder.lines(0) == [f"handoff {refuse == 'never'}"]
-    snapshot = torch.load(io.BytesIO(result.snapshot), weights_only=False)
+    snapshot = snapshot_format.load(io.BytesIO(result.snapshot))
     assert snapshot["values"]["step"] == 3
     weight = snapshot["objects"]["model"]["weight"]
     assert weight.sum().item() == pytest.approx(result.values[0], abs=1e-4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from ..messages import (
 )
 from ..result import RankFailure, root_cause_order
 from .policy import GroupStatus
+from .pool import PoolError, warm_pool
 from .workers import (
     INTERRUPT_ESCALATION,
     TEARDOWN_ESCALATION,
@@ -64,12 +66,22 @@ class WorkerGroup:
         return {w.global_rank: w.pid for w in self.workers if not w.reaped()}
 
     def start(self, payload: Any, env_for: Any, *, cwd: str, key: bytes, log_root: Path,
-              inbox: queue.Queue[Any], emit: EventSink) -> None:
-        """Spawn every worker (``env_for(worker)`` gives its environment) and send it the
-        payload."""
-        for worker in self.workers:
-            spawn(worker, env=env_for(worker), cwd=cwd, key=key, log_root=log_root,
-                  inbox=inbox, emit=emit)
+              inbox: queue.Queue[Any], emit: EventSink, pool: bool = True) -> None:
+        """Spawn every worker (``env_for(worker)`` gives its environment), from the warm
+        pool unless ``pool`` is off, and send it the payload."""
+        envs = [env_for(worker) for worker in self.workers]
+        zygote = None
+        if pool and envs:
+            with contextlib.suppress(PoolError):  # then fresh interpreters, as without one
+                zygote = warm_pool().zygote_for(envs[0], cwd, payload.sys_path)
+        for worker, env in zip(self.workers, envs, strict=True):
+            try:
+                spawn(worker, env=env, cwd=cwd, key=key, log_root=log_root, inbox=inbox,
+                      emit=emit, zygote=zygote)
+            except PoolError:
+                zygote = None  # it stopped answering: the rest start fresh
+                spawn(worker, env=env, cwd=cwd, key=key, log_root=log_root, inbox=inbox,
+                      emit=emit)
             worker.send(Run(payload))
 
     def record(self, report: WorkerReport) -> StateRequest | None:

@@ -2,6 +2,10 @@
 with a checkpoint directory, on disk (written atomically: a crash mid-write leaves the
 previous checkpoint whole).
 
+A commit is answered once the snapshot is kept in memory; the checkpoint is written behind
+it on a thread (``CheckpointWriter``), which writes the newest snapshot it has not written
+yet, so a slow disk delays the checkpoint, never the training. The job's end waits for it.
+
 In memory, a snapshot is either bytes (from the pipe, another machine or a checkpoint) or
 a descriptor of the anonymous memory file the committing worker wrote it into: the agent
 keeps that file open instead of copying it, and workers read it back through /proc.
@@ -14,8 +18,9 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,7 @@ class SnapshotStore:
     _bytes: bytes | None = None
     _fd: int | None = None  # an anonymous memory file this store owns
     size: int = 0
+    _writer: CheckpointWriter | None = field(default=None, repr=False)
 
     @property
     def blob(self) -> bytes | None:
@@ -62,11 +68,18 @@ class SnapshotStore:
         self.meta = meta
         self.commit_id += 1
         if self.directory is not None:
-            _write_atomically(self.directory / _DATA, data if fd is None else fd, self.size)
-            _write_atomically(self.directory / _META, json.dumps(meta).encode())
+            if self._writer is None:
+                self._writer = CheckpointWriter(self.directory)
+            self._writer.submit(meta, data if fd is None else os.dup(fd), self.size)
 
     def close(self) -> None:
-        self._replace()
+        """Release the snapshot, once the checkpoint (if any) is on disk."""
+        writer, self._writer = self._writer, None
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            self._replace()
 
     def _replace(self, data: bytes | None = None, fd: int | None = None) -> None:
         if self._fd is not None:
@@ -98,6 +111,64 @@ def _write_atomically(path: Path, source: bytes | int | None, size: int = 0) -> 
         with contextlib.suppress(FileNotFoundError):
             Path(tmp).unlink()
         raise
+
+
+class CheckpointWriter:
+    """Writes the newest submitted snapshot to the checkpoint folder on its own thread;
+    one that is superseded before its turn is skipped. An error is raised by the next
+    ``submit`` or by ``close``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._cond = threading.Condition()
+        self._pending: tuple[dict[str, Any], bytes | int | None, int] | None = None
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="elastic-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, meta: dict[str, Any], source: bytes | int | None, size: int) -> None:
+        """Queue a snapshot: bytes, or a descriptor that the writer then owns."""
+        with self._cond:
+            self._discard_pending()
+            self._pending = (meta, source, size)
+            self._cond.notify()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Write what is queued, then stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _discard_pending(self) -> None:
+        if self._pending is not None and isinstance(self._pending[1], int):
+            os.close(self._pending[1])
+        self._pending = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                (meta, source, size), self._pending = self._pending, None
+            try:
+                _write_atomically(self.directory / _DATA, source, size)
+                _write_atomically(self.directory / _META, json.dumps(meta).encode())
+            except BaseException as exc:
+                with self._cond:
+                    self._error = exc
+            finally:
+                if isinstance(source, int):
+                    os.close(source)
 
 
 class StateServer:

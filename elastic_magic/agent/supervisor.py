@@ -292,7 +292,7 @@ class Agent:
 
         group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
                     log_root=self.log_root, inbox=self.inbox,
-                    emit=self.hangs.noting_output(self.emit))
+                    emit=self.hangs.noting_output(self.emit), pool=self.spec.pool)
         self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
                            restarts=self.restarts, pids=group.live_pids())

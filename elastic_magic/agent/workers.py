@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .rendezvous import RoundInfo
 
 from .output import StreamPump, new_tail
+from .pool import PooledProcess, Zygote
 
 
 def _is_installed() -> bool:
@@ -87,7 +88,7 @@ class Worker:
     global_rank: int
     attempt: int
     state: WorkerState = WorkerState.INIT
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | PooledProcess | None = None
     control: Channel | None = None
     log_dir: Path | None = None
     tail: deque[str] = field(default_factory=new_tail)
@@ -150,13 +151,9 @@ class Worker:
         return dataclasses.replace(failure, exit_code=code, signal=signal_name)
 
 
-def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,
-                 restart_count: int, error_file: Path,
-                 network: NetworkChosen | None = None) -> dict[str, str]:
-    """The kernel's environment plus every variable torchrun sets, with its meaning, for
-    ``worker`` of this machine's ``nproc`` in round ``info``; the interface chosen for this
-    machine (``network``, a multi-node job); then the job's ``--env``."""
-    world_size = info.world_size
+def inherited_env(nproc: int) -> dict[str, str]:
+    """The kernel's environment as every worker of a machine running ``nproc`` inherits
+    it, before its round's variables and the job's ``--env``."""
     env = dict(os.environ)
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
         del env["MPLBACKEND"]  # the inline backend needs a kernel; workers have none
@@ -166,6 +163,17 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT,
                                                           env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the notebook as they are printed
+    return env
+
+
+def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,
+                 restart_count: int, error_file: Path,
+                 network: NetworkChosen | None = None) -> dict[str, str]:
+    """The kernel's environment plus every variable torchrun sets, with its meaning, for
+    ``worker`` of this machine's ``nproc`` in round ``info``; the interface chosen for this
+    machine (``network``, a multi-node job); then the job's ``--env``."""
+    world_size = info.world_size
+    env = inherited_env(nproc)
     env.update({
         "RANK": str(worker.global_rank),
         "LOCAL_RANK": str(worker.local_rank),
@@ -194,9 +202,10 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
 
 def spawn(
     worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, log_root: Path,
-    inbox: queue.Queue[Any], emit: EventSink,
+    inbox: queue.Queue[Any], emit: EventSink, zygote: Zygote | None = None,
 ) -> None:
-    """Start ``python -m elastic_magic.worker`` in its own session, with pumps and a reader."""
+    """Start ``python -m elastic_magic.worker`` in its own session, or fork it from the
+    ``zygote`` of the warm pool; then its pumps and reader."""
     control_r, control_w = os.pipe()
     report_r, report_w = os.pipe()
     out_r, out_w = os.pipe()
@@ -208,14 +217,22 @@ def spawn(
     # up as a failed worker, not as a broken pipe in the agent.
     os.write(control_w, key)
     try:
-        worker.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_magic.worker", str(control_r), str(report_w),
-             str(os.getpid())],
-            pass_fds=(control_r, report_w),
-            stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-            env=env, cwd=cwd,
-            start_new_session=True,  # the kernel's Ctrl-C reaches workers only through us
-        )
+        if zygote is not None:
+            worker.proc = PooledProcess(
+                zygote, zygote.fork(env, cwd, (control_r, report_w, out_w, err_w)))
+        else:
+            worker.proc = subprocess.Popen(
+                [sys.executable, "-m", "elastic_magic.worker", str(control_r),
+                 str(report_w), str(os.getpid())],
+                pass_fds=(control_r, report_w),
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                env=env, cwd=cwd,
+                start_new_session=True,  # the kernel's Ctrl-C reaches workers only through us
+            )
+    except BaseException:
+        for fd in (control_w, report_r, out_r, err_r):
+            os.close(fd)
+        raise
     finally:
         for fd in (control_r, report_w, out_w, err_w):
             os.close(fd)

@@ -22,6 +22,7 @@ from elastic_magic.worker import client as agent_client
 from elastic_magic.worker import shepherd
 from elastic_magic.worker.progress import answer_stacks, report_progress
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
+from elastic_magic.worker.stdout import buffer_stdout
 
 PR_SET_PDEATHSIG = 1
 
@@ -54,6 +55,12 @@ def read_secret(fd: int) -> bytes:
 
 def main() -> None:
     control_fd, report_fd, parent_pid = (int(a) for a in sys.argv[1:4])
+    serve(control_fd, report_fd, parent_pid)
+
+
+def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
+    """Be a rank: fork the shepherd, then run payloads until Exit. Also the entry of a
+    worker forked by the zygote (``zygote.py``), whose parent is the zygote."""
     shepherd_pid = shepherd.start(parent_pid, close_in_shepherd=(control_fd, report_fd))
     accept_signals()
     die_with_parent(shepherd_pid)
@@ -89,6 +96,7 @@ def main() -> None:
                     answer_stacks(client, request_id)
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
+    buffer_stdout()
     report_progress(client)
     while isinstance(message := inbox.get(), Run):
         run_payload(message.payload, client)  # exits the process itself when it fails

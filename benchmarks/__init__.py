@@ -1,0 +1,1 @@
+"""One benchmark harness: ``python -m benchmarks`` (see ``__main__.py``)."""

@@ -1,0 +1,161 @@
+"""Every performance scenario beside its competitor, interleaved, N repeats.
+
+    python -m benchmarks                       # everything, --repeat 5
+    python -m benchmarks --repeat 1 --quick    # smaller workloads: proves each one runs
+    python -m benchmarks --only warm_launch,recovery --repeat 7
+
+Each repeat runs every selected scenario once, and each scenario runs its sides back to
+back (the competitor in the same conditions). The table gives, per side, the median and
+the min-max over the repeats, and the ratio of elastic_magic's median to the competitor's.
+The JSON (every value of every repeat, the machine, the command) goes to
+``benchmarks/results/`` unless --json says otherwise. Run it on a quiet machine: the
+figures are only worth what the machine's noise allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import elastic, join, launch, memory, throughput
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    run: Callable[[int, bool], dict[str, float]]  # (nproc, quick) -> side: value
+    unit: str
+    competitor: str | None  # the side elastic_magic's ratio is taken against
+    goal: str
+    higher_is_better: bool = False
+
+
+SCENARIOS = (
+    Scenario("warm_launch", launch.warm_launch, "s", "torchrun",
+             "<= 0.1x torchrun; within 2x notebook_launcher"),
+    Scenario("first_cell", launch.first_cell, "s", "torchrun", "<= 1.0x torchrun"),
+    Scenario("recovery", launch.recovery, "s", "torchrun", "<= 0.2x torchrun"),
+    Scenario("resize", elastic.resize, "s", "torchrun_relaunch", "<= 0.5 s"),
+    Scenario("commit", elastic.commit, "s", "torch_save_fsync", "<= 0.5x torch.save+fsync"),
+    Scenario("ddp", throughput.ddp, "steps/s", "torchrun", ">= 0.98x torchrun",
+             higher_is_better=True),
+    Scenario("output", throughput.output, "s", "torchrun", "<= 1.1x torchrun, none lost"),
+    Scenario("memory", memory.memory, "MB / CPU s", None, "idle pool: no CPU"),
+    Scenario("join", join.join, "s", "torchrun_unshared_store", "<= 1 s beyond worker start"),
+)
+
+
+def main() -> None:
+    names = [s.name for s in SCENARIOS]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--only", default=",".join(names),
+                        help=f"comma-separated scenarios (default all: {', '.join(names)})")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    opts = parser.parse_args()
+    chosen = [name.strip() for name in opts.only.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        parser.error(f"unknown scenario {', '.join(unknown)}; the scenarios are: "
+                     f"{', '.join(names)}")
+    scenarios = [s for s in SCENARIOS if s.name in chosen]
+
+    import torch
+
+    runs: dict[str, dict[str, list[float]]] = {s.name: {} for s in scenarios}
+    errors: dict[str, list[str]] = {}
+    for repeat in range(opts.repeat):
+        for scenario in scenarios:
+            started = time.monotonic()
+            try:
+                values = scenario.run(opts.nproc, opts.quick)
+            except Exception:
+                errors.setdefault(scenario.name, []).append(traceback.format_exc())
+                print(f"[{repeat + 1}/{opts.repeat}] {scenario.name}: failed", file=sys.stderr)
+                continue
+            for side, value in values.items():
+                runs[scenario.name].setdefault(side, []).append(value)
+            print(f"[{repeat + 1}/{opts.repeat}] {scenario.name} "
+                  f"({time.monotonic() - started:.0f} s): "
+                  + ", ".join(f"{k} {v:.3g}" for k, v in values.items()), file=sys.stderr)
+    table = summarise(scenarios, runs)
+    print_table(table, opts)
+    for name, tracebacks in errors.items():
+        print(f"\n{name} failed {len(tracebacks)}x; the last error:\n{tracebacks[-1]}")
+    report = {
+        "command": " ".join(["python -m benchmarks", *sys.argv[1:]]),
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "load_average": os.getloadavg()},
+        "repeat": opts.repeat, "quick": opts.quick, "nproc": opts.nproc,
+        "runs": runs, "summary": table, "errors": errors,
+    }
+    path = opts.json or RESULTS / f"bench-{report['time'].replace(':', '')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"\nJSON: {path}")
+
+
+def summarise(scenarios: list[Scenario],
+              runs: dict[str, dict[str, list[float]]]) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for scenario in scenarios:
+        sides = runs[scenario.name]
+        medians = {side: _median(values) for side, values in sides.items()}
+        base = medians.get(scenario.competitor or "")
+        for side, values in sides.items():
+            done = [v for v in values if not math.isnan(v)]
+            ratio = None
+            if base and not math.isnan(base) and side.startswith("elastic_magic") \
+                    and not math.isnan(medians[side]):
+                ratio = medians[side] / base
+            rows.append({"scenario": scenario.name, "side": side, "unit": scenario.unit,
+                         "median": medians[side], "min": min(done) if done else None,
+                         "max": max(done) if done else None, "failed": len(values) - len(done),
+                         "ratio": ratio,
+                         "goal": scenario.goal})
+    return rows
+
+
+def _median(values: list[float]) -> float:
+    done = [v for v in values if not math.isnan(v)]
+    return statistics.median(done) if done else math.nan
+
+
+def print_table(rows: list[dict[str, object]], opts: argparse.Namespace) -> None:
+    print(f"\nmedians of {opts.repeat} (min-max), {opts.nproc} ranks, {os.cpu_count()} CPUs"
+          f"{', --quick' if opts.quick else ''}")
+    header = f"{'scenario':12} {'side':30} {'median':>9} {'min-max':>17} {'ratio':>7}  goal"
+    print(header)
+    print("-" * len(header))
+    last = None
+    for row in rows:
+        scenario = row["scenario"] if row["scenario"] != last else ""
+        last = row["scenario"]
+        spread = f"{row['min']:.3g}-{row['max']:.3g}" if row["min"] is not None else "-"
+        ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else ""
+        failed = f" ({row['failed']} failed)" if row["failed"] else ""
+        goal = row["goal"] if scenario else ""
+        print(f"{scenario!s:12} {row['side']!s:30} {row['median']:9.3g} {spread:>17} "
+              f"{ratio:>7}  {goal}{failed}")
+
+
+if __name__ == "__main__":
+    main()

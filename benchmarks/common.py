@@ -1,0 +1,54 @@
+"""What the scenarios share: temporary folders, torchrun, timestamps written by ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import elastic_magic
+
+
+def scratch(prefix: str = "em-bench-") -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def stamps(folder: Path, prefix: str) -> list[float]:
+    """The times ranks wrote into ``folder/<prefix>*``."""
+    return [float(path.read_text()) for path in sorted(folder.glob(f"{prefix}*"))]
+
+
+def free_port() -> int:
+    # torchrun and notebook_launcher need their port up front (their way, not ours).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun(script: Path, nproc: int, *args: str, env: dict[str, str] | None = None,
+             timeout: float = 300, torchrun_args: tuple[str, ...] = ()) -> None:
+    """``torchrun --standalone`` to the end; its own session, killed by PID on timeout."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={nproc}", *torchrun_args, str(script), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        start_new_session=True)
+    try:
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def launch(cell: str, nproc: int, **options: object) -> elastic_magic.JobResult:
+    return elastic_magic.launch(cell, nproc=nproc, render=lambda events: None, **options)
+
+
+def now() -> float:
+    return time.time()

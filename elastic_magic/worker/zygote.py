@@ -1,0 +1,194 @@
+"""The zygote: a fresh interpreter that has imported torch and the worker runtime, and
+forks a rank's shepherd (which forks the worker, as ``python -m elastic_magic.worker``
+would) on the agent's request, so a worker starts in milliseconds instead of importing
+torch again. It is never a fork of the kernel, and never initialises CUDA, so a kernel
+that has touched CUDA still launches, and forked workers may use it.
+
+argv: SOCKET_FD KERNEL_PID. The socket (SOCK_SEQPACKET, inherited at spawn: nobody else
+holds it) carries JSON requests, never pickles:
+
+- ``{"op": "fork", "env": {...}, "cwd": "..."}`` with the worker's descriptors attached
+  (control pipe, report pipe, stdout, stderr): answered ``{"pid": shepherd}``;
+- ``{"op": "reap", "pid": P}``: answered ``{"status": wait status}``. A shepherd that has
+  exited stays a zombie until then, so its PID stays the agent's to signal.
+
+EOF on the socket, or the kernel's death (PR_SET_PDEATHSIG), ends the zygote; its
+shepherds then end their ranks (their own PR_SET_PDEATHSIG). Idle, it blocks in recvmsg.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import weakref
+from typing import Any, NoReturn
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+NAME = "em-zygote"  # its name in ps and top
+MAX_REQUEST = 1 << 20
+WORKER_FDS = 4  # control, report, stdout, stderr
+
+
+def _prctl(option: int, value: int | bytes) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def warm_up() -> None:
+    """Import what every worker imports, never touching CUDA."""
+    import cloudpickle  # noqa: F401
+    import torch
+    import torch.distributed
+    import torch.nn.parallel  # DistributedDataParallel
+    import torch.optim
+
+    import elastic_magic.state
+    import elastic_magic.worker.__main__
+    import elastic_magic.worker.default_group  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import numpy  # noqa: F401  (torch's object collectives need it)
+    assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
+    _no_operator_cleanup_at_exit()
+    # What is imported now is kept for good: the collector of a forked worker then never
+    # walks (and so never copies) the pages it shares with us.
+    gc.collect()
+    gc.freeze()
+
+
+def _no_operator_cleanup_at_exit() -> None:
+    """torch.library unregisters each of its ~130 operator libraries when the interpreter
+    exits (a weakref finalizer each): 40-100 ms of every worker's exit, for a process that
+    is ending anyway. A worker's own finalizers, and libraries it makes, still run."""
+    from torch import library
+
+    registry = getattr(weakref.finalize, "_registry", {})
+    for finalizer in list(registry):
+        held = finalizer.peek()
+        if held is not None and held[1] is library._del_library:
+            finalizer.atexit = False
+
+
+def main() -> None:
+    sock_fd, kernel_pid = int(sys.argv[1]), int(sys.argv[2])
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != kernel_pid:  # the kernel went before prctl took effect
+        os._exit(1)
+    # Spawned with SIGINT and SIGTERM blocked (as workers are): kept so, it ends only by
+    # EOF or SIGKILL, and the shepherds it forks start as spawned ones do.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    _prctl(PR_SET_NAME, NAME.encode())
+    sock = socket.socket(fileno=sock_fd)
+    warm_up()
+    sock.sendall(json.dumps({"ready": os.getpid()}).encode())
+    while True:
+        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, WORKER_FDS)
+        if not data:  # the kernel closed its end (or is gone)
+            os._exit(0)
+        request = json.loads(data)
+        reply: dict[str, Any]
+        if request["op"] == "fork":
+            reply = {"pid": _fork_worker(sock, fds, request)}
+        elif request["op"] == "reap":
+            reply = {"status": os.waitpid(int(request["pid"]), 0)[1]}
+        else:
+            reply = {"error": f"unknown request {request['op']!r}"}
+        for fd in fds:  # the worker's ends are the worker's: EOF must reach the agent
+            os.close(fd)
+        sock.sendall(json.dumps(reply).encode())
+
+
+def _fork_worker(sock: socket.socket, fds: list[int], request: dict[str, Any]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        sock.close()
+        _become_worker(fds, request)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)  # not reached: _become_worker exits
+
+
+def _become_worker(fds: list[int], request: dict[str, Any]) -> NoReturn:
+    """In the forked child: what ``subprocess.Popen`` would have given a fresh worker (its
+    own session, stdio, no other descriptors, the job's environment and cwd), then the
+    worker's own entry point."""
+    control, report, out, err = fds
+    os.setsid()  # the kernel's Ctrl-C reaches workers only through the agent
+    _prctl(PR_SET_NAME, os.path.basename(sys.executable)[:15].encode())
+    null = os.open(os.devnull, os.O_RDONLY)
+    for source, target in ((null, 0), (out, 1), (err, 2)):
+        os.dup2(source, target)
+    keep = {0, 1, 2, control, report}
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in keep:
+            with contextlib.suppress(OSError):  # the listing's own, already closed
+                os.close(int(name))
+    os.environ.clear()  # wholly the job's environment, as exec would give it
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    _reseed()
+    from elastic_magic.worker.__main__ import serve
+
+    code = 0
+    try:
+        serve(control, report, os.getppid())
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    _exit_interpreter(code)
+
+
+def _reseed() -> None:
+    """What a fresh interpreter seeds from the OS and a fork would share: torch's default
+    generator and numpy's global one (``random`` re-seeds itself after fork)."""
+    import torch
+
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _exit_interpreter(code: int) -> NoReturn:
+    """End as an interpreter ends (non-daemon threads joined, atexit run, files the cell
+    left open flushed), without returning into the zygote's loop and without tearing
+    down every module (what makes a fresh worker's exit slow)."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    finally:
+        _flush_open_files()
+        os._exit(code)
+
+
+def _flush_open_files() -> None:
+    """Flush every file object the worker made (``open(...)`` never closed), as an
+    interpreter's teardown would. The zygote's own objects are frozen (gc.freeze), so this
+    looks only at what the worker created."""
+    for generation in range(3):
+        for obj in gc.get_objects(generation):
+            if isinstance(obj, io.IOBase):
+                with contextlib.suppress(Exception):  # closed, a broken pipe, not writable
+                    obj.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The warm pool: workers forked from a zygote that imported torch, with everything a fresh
+worker has; rebuilt when what workers inherit changes; gone with its owner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+from conftest import TAG, ZYGOTE, job_processes
+
+import elastic_magic as em
+from elastic_magic.agent.pool import shutdown_pool, warm_pool
+
+# What a rank sees of itself, and whose child its shepherd is (the zygote, or us). The
+# first attempt's rank 1 fails, so the restarted group's workers are seen too.
+PROBE = textwrap.dedent("""
+    import atexit, os, random, signal, sys
+    import numpy, torch
+    atexit.register(print, "the cell's atexit ran", flush=True)
+    left_open = open(os.path.join(FILES, os.environ["RANK"]), "w")
+    left_open.write("written, never closed")
+    import torch.distributed as dist
+    dist.barrier()
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+        sys.exit(3)
+    shepherd = os.getppid()
+    with open(f"/proc/{shepherd}/stat") as stat:
+        spawner = int(stat.read().rpartition(")")[2].split()[1])
+    with open(f"/proc/{spawner}/comm") as comm:
+        spawner_name = comm.read().strip()
+    with open("/proc/self/comm") as comm:
+        name = comm.read().strip()
+    dict(env=dict(os.environ), cwd=os.getcwd(), path=sys.path, argv=sys.argv,
+         main=__name__, name=name, spawner=spawner_name, sid=os.getsid(0) == os.getpid(),
+         fds=len(os.listdir("/proc/self/fd")),
+         random=random.random(), numpy=float(numpy.random.random()),
+         torch_seed=torch.initial_seed(), cuda=torch.cuda.is_initialized(),
+         blocked=sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+""")
+PER_JOB = {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT"}
+
+
+def _probe(log_dir, files, **options):
+    result = em.launch(PROBE, nproc=2, namespace={"FILES": str(files)}, max_restarts=1,
+                       argv="--lr 0.1", log_dir=log_dir, render=lambda e: None, **options)
+    assert result.restarts == 1
+    for rank in (0, 1):  # the interpreter ended as interpreters end
+        assert "the cell's atexit ran" in result.tails[rank]
+        assert (files / str(rank)).read_text() == "written, never closed"
+    return result.values
+
+
+def _zygotes() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if proc.info["name"] == ZYGOTE and proc.environ().get(
+                    "ELASTIC_MAGIC_TEST_TAG") == TAG:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_a_pooled_worker_is_a_fresh_worker_but_forked(log_dir, tmp_path):
+    """Restarted workers come from the pool too, and see what fresh interpreters see:
+    environment, cwd, sys.path, argv, __main__, their own session, no stray descriptors,
+    their own random state (Python's, numpy's, torch's), no CUDA; at the end, atexit runs
+    and files left open are flushed."""
+    pooled = _probe(log_dir, tmp_path)
+    fresh = _probe(log_dir, tmp_path, pool=False)
+    assert {v["spawner"] for v in pooled.values()} == {ZYGOTE}
+    assert ZYGOTE not in {v["spawner"] for v in fresh.values()}
+    for rank in (0, 1):
+        ours, theirs = pooled[rank], fresh[rank]
+        for env in (ours["env"], theirs["env"]):
+            for name in PER_JOB:
+                env.pop(name)
+        assert ours["env"] == theirs["env"]
+        assert ours["env"]["RANK"] == str(rank)
+        assert ours["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+        for key in ("cwd", "path", "argv", "main", "name", "sid", "fds", "cuda", "blocked"):
+            assert ours[key] == theirs[key], key
+        assert ours["argv"][1:] == ["--lr", "0.1"] and ours["main"] == "__main__"
+    # Forked from one process, each rank still draws its own random numbers.
+    assert pooled[0]["random"] != pooled[1]["random"]
+    assert pooled[0]["numpy"] != pooled[1]["numpy"]
+    assert pooled[0]["torch_seed"] != pooled[1]["torch_seed"]
+
+
+def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_otherwise(
+        log_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def zygote_after(**options) -> int:
+        em.launch("1", nproc=1, log_dir=log_dir, render=lambda e: None, **options)
+        (pid,) = warm_pool().pids
+        return pid
+
+    first = zygote_after()
+    (tmp_path / "results.txt").write_text("a cell's file in cwd")
+    assert zygote_after() == first
+    last = zygote_after(env=["POOL_TEST=1"])  # --env: what workers inherit changed
+    assert last != first and not psutil.pid_exists(first)  # the old one has ended
+    monkeypatch.setenv("POOL_TEST_KERNEL", "1")  # so did the kernel's environment
+    assert last != (last := zygote_after(env=["POOL_TEST=1"]))
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    monkeypatch.syspath_prepend(str(packages))  # sys.path
+    assert last != (last := zygote_after(env=["POOL_TEST=1"]))
+    (packages / "new_package").mkdir()  # a package was installed
+    assert last != zygote_after(env=["POOL_TEST=1"])
+    shutdown_pool()
+    assert not _zygotes()
+
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    import elastic_magic as em
+    from elastic_magic.agent.pool import warm_pool
+    from elastic_magic.payload import build_payload
+    spec = em.JobSpec.create(2, log_dir=sys.argv[1])
+    job = em.Job(spec, build_payload("import time\\nprint('up', flush=True)\\ntime.sleep(600)",
+                                     spec)).start()
+    while not job.status_snapshot.pids:
+        time.sleep(0.05)
+    print(*warm_pool().pids, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_pool_dies_with_its_owner(log_dir):
+    """SIGKILL the process that owns a pool while a job of it runs: no zygote, shepherd or
+    worker is left."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(log_dir)],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        zygote = int(owner.stdout.readline())
+        deadline = time.monotonic() + 60
+        while len(job_processes()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(job_processes()) == 4  # two shepherds, two workers
+        assert psutil.Process(zygote).name() == ZYGOTE
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while (psutil.pid_exists(zygote) or job_processes()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not psutil.pid_exists(zygote) and not job_processes()
+    finally:
+        owner.kill()
+        owner.wait()
+        owner.stdout.close()
+
+
+def test_many_cells_from_the_pool_leak_nothing(log_dir):
+    """30 cells: descriptors, threads and child processes are back where they were."""
+    me = psutil.Process()
+
+    def cell() -> None:
+        result = em.launch("import torch.distributed as dist\ndist.barrier()\n1", nproc=2,
+                           log_dir=log_dir, render=lambda e: None)
+        assert result.values == {0: 1, 1: 1}
+
+    for _ in range(3):  # the pool, torch's and logging's once-only state
+        cell()
+    before = (me.num_fds(), threading.active_count(), len(me.children()))
+    for _ in range(30):
+        cell()
+    after = (me.num_fds(), threading.active_count(), len(me.children()))
+    assert after == before
+    (zygote,) = [child for child in me.children() if child.name() == ZYGOTE]
+    idle = zygote.cpu_times()
+    time.sleep(1.0)
+    assert zygote.cpu_times() == idle  # an idle pool blocks: no CPU at all
+
+
+def test_load_ext_starts_the_pool_no_pool_bypasses_it_unload_ext_ends_it(ip):
+    """%load_ext starts the zygote for the usual job (several workers), and such a cell
+    uses it; --no-pool leaves it alone; %unload_ext ends it."""
+    ip.run_line_magic("unload_ext", "elastic_magic")
+    assert not _zygotes()
+    ip.run_line_magic("load_ext", "elastic_magic")
+    deadline = time.monotonic() + 120
+    while not warm_pool().pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+    prewarmed = warm_pool().pids
+    assert len(prewarmed) == 1
+    ip.run_cell_magic("elastic", "--nproc 2", "1")
+    ip.run_cell_magic("elastic", "--nproc 1 --no-pool", "1")
+    assert warm_pool().pids == prewarmed and [z.pid for z in _zygotes()] == prewarmed
+    ip.run_line_magic("unload_ext", "elastic_magic")
+    assert not _zygotes()
+    ip.run_line_magic("load_ext", "elastic_magic")
