@@ -149,7 +149,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     job = Job(spec, payload, offer.run_id,
               joined=JoinedJob(link, args.endpoint, host, rendezvous_key(token)),
               forward=forward)
-    link.send(Hello(host, nproc))
+    link.send(Hello(host, nproc, os.getpid()))
     print(f"[elastic] joined job {job.run_id} at {args.endpoint} with {nproc} workers; "
           f"logs: {job.log_dir}", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM: leave cleanly
@@ -161,6 +161,8 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     except AgentError as exc:  # its workers are stopped; say why, without a traceback
         print(f"elastic-magic join: {exc.__cause__ or exc}", file=sys.stderr)
         return 1
+    if result.failure is not None:  # the head lost, say, or this machine's root cause
+        print(f"elastic-magic join: {result.failure.headline}", file=sys.stderr)
     return _EXIT_CODES.get(result.state, 1)
 
 

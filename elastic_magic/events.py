@@ -126,6 +126,18 @@ class NodeConnected:
 
 
 @dataclass(frozen=True)
+class Excluded:
+    """The job lost, or gave up on, a machine or a worker slot of this machine. With
+    ``goes_on`` the others regroup without it from the last commit (not a restart);
+    otherwise too few are left and the job fails with it as the root cause."""
+
+    what: str  # "machine 10.0.0.2 (node 1)", "slot 1 of this machine"
+    why: str
+    goes_on: bool
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class JobFinished:
     result: JobResult
     time: float = field(default_factory=_now)
@@ -134,6 +146,6 @@ class JobFinished:
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
-    | JobFinished | RanksFinished
+    | JobFinished | RanksFinished | Excluded
 )
 EventSink = Callable[[Event], None]

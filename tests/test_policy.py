@@ -85,6 +85,47 @@ def test_what_arrives_during_a_teardown_outranks_a_restart(step, stop, node_fail
     assert settle(step, stop_requested=stop, node_failed=node_failed) is settled
 
 
+@pytest.mark.parametrize(("step", "stop", "node_failed", "settled"), [
+    # a machine left or was lost while the group failed: its ranks lost peers, not a failure
+    (Step.FAILED, False, False, Step.REGROUP),
+    (Step.FAILED, True, False, Step.STOP),
+    (Step.FAILED, False, True, Step.NODE_FAILED),  # too few machines left to go on
+    (Step.SUCCEEDED, False, False, Step.SUCCEEDED),
+])
+def test_a_membership_change_during_a_teardown_makes_a_failure_a_regroup(
+        step, stop, node_failed, settled):
+    assert settle(step, stop_requested=stop, node_failed=node_failed, regroup=True) is settled
+
+
+@pytest.mark.parametrize(("used", "allowed", "failed_before", "can_shrink", "next_"), [
+    (0, 1, False, True, Next.RESTART),  # a first failure with a restart left: restart
+    (1, 2, True, True, Next.EXCLUDE),  # the same slot failed again after a restart
+    (1, 1, False, True, Next.EXCLUDE),  # no restart left: go on smaller rather than fail
+    (0, 0, False, True, Next.EXCLUDE),
+    (1, 2, True, False, Next.RESTART),  # at --min-nproc already: restarts as before
+    (1, 1, True, False, Next.END),
+])
+def test_a_slot_that_fails_again_is_excluded_while_the_bounds_allow(
+        used, allowed, failed_before, can_shrink, next_):
+    assert after_group(Step.FAILED, used, allowed, failed_before=failed_before,
+                       can_shrink=can_shrink) is next_
+    # only a failure of this machine's own group excludes one of its slots
+    assert after_group(Step.NODE_FAILED, used, allowed, failed_before=failed_before,
+                       can_shrink=can_shrink) is Next.END
+
+
+def test_slots_keep_their_identity_when_ranks_are_renumbered():
+    m = Membership(nproc=3)
+    assert m.slots == [0, 1, 2]
+    assert not m.failed_before(1) and m.failed_before(1) and not m.failed_before(2)
+    assert m.exclude(1) == (3, 2)
+    assert m.slots == [0, 2]  # local ranks 0 and 1 run on slots 0 and 2
+    assert m.resizes == 0  # not a resize the user asked for
+    m.request(3, graceful=False)
+    m.apply()
+    assert m.slots == [0, 2, 3]  # growing again never brings the excluded slot back
+
+
 def test_membership_resizes_at_a_commit_or_now_and_counts_only_real_changes():
     m = Membership(nproc=2)
     assert m.request(2, graceful=True) is Resize.NONE and not m.resize_pending

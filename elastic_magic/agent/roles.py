@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..events import AcceptingNodes, EventSink, NodeConnected, Output
+from torch.distributed import DistError
+
+from ..events import AcceptingNodes, EventSink, Excluded, NodeConnected, Output
 from ..messages import (
     Action,
     Commit,
@@ -79,6 +81,7 @@ class SingleMachine:
         self.emit = emit
         self.stop_reason: str | None = None  # why a link asked this agent to stop
         self.node_failures: list[RankFailure] = []  # another machine's, for good
+        self.excluded: list[str] = []  # machines the job went on without, and why
         # Signs what the rendezvous store holds: a secret of this job alone.
         self.rdzv_key = new_secret()
 
@@ -114,6 +117,9 @@ class SingleMachine:
     def regrouping(self) -> None:
         """This agent leaves its group for a new round."""
 
+    def excluding(self) -> None:
+        """This agent left a failing slot out: the next round re-forms every machine."""
+
     def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
         return False
 
@@ -147,6 +153,8 @@ class Head(SingleMachine):
         self.inbox = inbox
         self.hub: Hub | None = None
         self.names: dict[int, str] = {}  # hub connection -> the machine's address
+        self.pids: dict[int, int] = {}  # hub connection -> its agent's pid
+        self.rendezvous: Rendezvous | None = None
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
 
     def open(self) -> Rendezvous:
@@ -160,13 +168,15 @@ class Head(SingleMachine):
             raise
         self.join_command = join_command(rendezvous.endpoint, self.token)
         self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
+        self.rendezvous = rendezvous
         return rendezvous
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
         match item.message:
-            case Hello(host, nproc):
+            case Hello(host, nproc, pid):
                 self.names[item.node] = host
+                self.pids[item.node] = pid
                 self.emit(NodeConnected(host, nproc, True))
             case Forward(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0
@@ -179,14 +189,50 @@ class Head(SingleMachine):
             case GroupResult() as result:
                 self.results.setdefault(result.round_id, {})[result.node_rank] = result
             case NodeFinished(JobState.FAILED, failures) if failures:
-                self.node_failures += failures  # that machine has no restarts left
-                return Action.NODE_FAILED
+                # That machine has no restarts left: the others go on without it if the
+                # job's bounds allow.
+                why = f"its workers failed after its restarts ({failures[0].headline})"
+                return self._lost(item.node, why, group, failures)
+            case NodeFinished():  # the job is over for it: not a loss
+                self.pids.pop(item.node, None)
             case Leaving():  # its ranks are about to go: regroup without them
+                self.pids.pop(item.node, None)
                 self._left(item.node)
                 return Action.REGROUP
+            case Regroup():  # it left a slot out: its ranks' peers lose them
+                return Action.REGROUP
+            case None if item.node in self.pids:  # no Leaving: the machine is lost
+                why = item.reason or "its link closed without notice (its agent was killed " \
+                    "or crashed)"
+                return self._lost(item.node, why, group)
             case None:
                 self._left(item.node, item.link.peer, item.reason)
         return None
+
+    def _lost(self, node: int, why: str, group: WorkerGroup | None,
+              failures: list[RankFailure] | None = None) -> Action | None:
+        """A machine is gone for good: out of torch's rendezvous now (no wait for its
+        heartbeat there to expire); the others regroup without it while the job's bounds
+        allow, else the job fails with it as the root cause."""
+        host, pid = self.names.pop(node, "?"), self.pids.pop(node, 0)
+        rendezvous = self.rendezvous
+        node_rank = rendezvous.remove_node(host, pid) if rendezvous else None
+        if node_rank is None and not failures:
+            self.emit(NodeConnected(host, 0, False, why))  # it was in no group yet
+            return None
+        what = f"machine {host}" + (f" (node {node_rank})" if node_rank is not None else "")
+        goes_on = 1 + len(self.pids) >= self.spec.min_nodes
+        self.emit(Excluded(what, why, goes_on))
+        if goes_on:
+            self.excluded.append(f"{what}: {why}")
+            return Action.REGROUP
+        sizes = rendezvous.sizes if rendezvous else []
+        first_rank = sum(sizes[:node_rank]) if node_rank is not None \
+            and node_rank < len(sizes) else -1
+        self.node_failures += failures or [RankFailure(
+            rank=first_rank, local_rank=0, attempt=group.attempt if group else 0, pid=pid,
+            time=time.time(), reason=f"{what} was lost: {why}")]
+        return Action.NODE_FAILED
 
     def _left(self, node: int, peer: str = "", reason: str | None = None) -> None:
         """A machine left; one whose link failed is reported even if it never said hello."""
@@ -206,6 +252,8 @@ class Head(SingleMachine):
         if self.hub is not None:
             self.hub.broadcast(Regroup())
 
+    excluding = regrouping
+
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
                      next_action: NextAction) -> JobState:
         """Wait for every other machine's results of this round."""
@@ -219,6 +267,8 @@ class Head(SingleMachine):
                 return JobState.STOPPED
             if action is Action.NODE_FAILED:
                 return JobState.FAILED
+            if action is Action.REGROUP:  # a machine went before its results came
+                return JobState.RESIZING  # so re-form, and finish from the last commit
         return JobState.SUCCEEDED
 
     def other_ranks(self, info: RoundInfo | None) -> tuple[dict[int, Result],
@@ -284,9 +334,14 @@ class JoinedMachine(SingleMachine):
                 self.stop_reason = reason
                 return Action.STOP
             case None:
-                self.stop_reason = f"the link to the head failed: {item.reason}" \
-                    if item.reason else "the head of the job (the notebook's kernel) went away"
-                return Action.STOP
+                # The job cannot go on here without the head: stop the workers, and fail
+                # (a scheduler sees this machine's agent end in error).
+                why = f"the link to the head failed: {item.reason}" if item.reason \
+                    else "the head of the job (the notebook's kernel) went away"
+                self.node_failures.append(RankFailure(
+                    rank=-1, local_rank=-1, attempt=group.attempt if group else 0, pid=0,
+                    time=time.time(), reason=f"lost the head at {self.link.peer}: {why}"))
+                return Action.NODE_FAILED
         return None
 
     def serve(self, worker: Worker, request: StateRequest, server: StateServer | None,
@@ -307,8 +362,14 @@ class JoinedMachine(SingleMachine):
     def stop_requested(self, reason: str) -> None:
         self.link.send(Leaving(reason))  # a membership change there, before our ranks go
 
+    def excluding(self) -> None:
+        self.link.send(Regroup())  # the head regroups every machine
+
     def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
-        return rendezvous.num_nodes_waiting() > 0
+        try:
+            return rendezvous.num_nodes_waiting() > 0
+        except DistError:  # the head's store is gone: its link says why, at once or soon
+            return False
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
                      next_action: NextAction) -> JobState:

@@ -151,9 +151,12 @@ class Worker:
 
 
 def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,
-                 restart_count: int, error_file: Path) -> dict[str, str]:
+                 restart_count: int, error_file: Path,
+                 slots: list[int] | None = None) -> dict[str, str]:
     """The kernel's environment plus every variable torchrun sets, with its meaning, for
-    ``worker`` of this machine's ``nproc`` in round ``info``; then the job's ``--env``."""
+    ``worker`` of this machine's ``nproc`` in round ``info``; then the job's ``--env``.
+    ``slots``: this group's worker slots (see ``policy.Membership``), when some are
+    excluded."""
     world_size = info.world_size
     env = dict(os.environ)
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
@@ -184,6 +187,14 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                                           "1"),
     })
+    slots = slots or list(range(nproc))
+    env["ELASTIC_MAGIC_SLOT"] = str(slots[worker.local_rank])
+    if spec.gpus and slots != list(range(nproc)):
+        # A slot left out: LOCAL_RANK i must still be the i-th visible GPU (the cell, as
+        # torchrun's scripts do, calls set_device(LOCAL_RANK)).
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") \
+            if os.environ.get("CUDA_VISIBLE_DEVICES") else [str(i) for i in range(spec.gpus)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[s] for s in slots if s < len(visible))
     env.update(spec.env)
     return env
 
