@@ -25,15 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from .checks import cuda_device_count, resolve_nproc
-from .events import Event, JobState, Output, WorkerFailed
+from .events import Event, JobState, NetworkChosen, Output, WorkerFailed
 from .spec import JobSpec, SpecError
 
 # A stop that reaches this machine comes from the head: the job is over, not failed here.
 _EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 0}
 _INTERRUPTED = 130
-# What a node shows in the notebook: its ranks' lines and failures. Its own states,
-# restarts and rounds stay on this terminal.
-_FORWARDED = (Output, WorkerFailed)
+# What a node shows in the notebook: its ranks' lines and failures, and the network its
+# workers use. Its own states, restarts and rounds stay on this terminal.
+_FORWARDED = (Output, WorkerFailed, NetworkChosen)
 TOKEN_VARIABLE = "ELASTIC_MAGIC_TOKEN"
 
 

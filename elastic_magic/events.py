@@ -138,6 +138,26 @@ class Excluded:
 
 
 @dataclass(frozen=True)
+class NetworkChosen:
+    """A multi-node job: the interface this machine's workers reach the other machines
+    through (see agent/network.py), and whether its hostname resolves to loopback."""
+
+    machine: str  # this machine's address as the others reach it
+    interface: str | None  # the interface carrying it; None: none found
+    variables: tuple[tuple[str, str], ...]  # set for the workers
+    kept: tuple[tuple[str, str], ...]  # the user's own settings, which win
+    hostname: str
+    hostname_address: str | None  # what the hostname resolves to; None: it does not
+    time: float = field(default_factory=_now)
+
+    @property
+    def hostname_is_loopback(self) -> bool:
+        """What gloo and NCCL would offer the other machines without an interface named."""
+        address = (self.hostname_address or "").split("%")[0]
+        return address.startswith("127.") or address == "::1"
+
+
+@dataclass(frozen=True)
 class JobFinished:
     result: JobResult
     time: float = field(default_factory=_now)
@@ -146,6 +166,6 @@ class JobFinished:
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
-    | JobFinished | RanksFinished | Excluded
+    | JobFinished | RanksFinished | NetworkChosen | Excluded
 )
 EventSink = Callable[[Event], None]

@@ -11,15 +11,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed import DistError
 
-from ..events import AcceptingNodes, EventSink, Excluded, NodeConnected, Output
+from ..events import AcceptingNodes, EventSink, Excluded, NetworkChosen, NodeConnected, Output
 from ..messages import (
     Action,
     Commit,
-    CommitReply,
     EndJob,
     Forward,
     GroupResult,
@@ -38,10 +37,11 @@ from ..protocol import new_secret
 from ..result import JobState, RankFailure
 from ..spec import JobSpec
 from .group import WorkerGroup
-from .hub import HUB_KEY, FromLink, Hub, Link, read_into
+from .hub import HUB_KEY, FromLink, Hub, Link, join_command, read_into
+from .network import choose
 from .rendezvous import Rendezvous, RoundInfo, rendezvous_key
 from .snapshots import StateServer
-from .workers import Worker, take_handoff
+from .workers import Worker, take_memory_file
 
 if TYPE_CHECKING:
     from ..payload import Payload
@@ -51,29 +51,12 @@ if TYPE_CHECKING:
 NextAction = Callable[[float], Action | None]
 
 
-def _take_memory_file(worker: Worker, request: StateRequest) -> int | Literal[False] | None:
-    """The memory file a commit's snapshot is in, now ours; None for a snapshot sent as
-    bytes; False when the file cannot be read here (the worker is told to use the pipe)."""
-    if not isinstance(request, Commit) or request.handoff is None:
-        return None
-    memory_file = take_handoff(worker, request.handoff)
-    if memory_file is None:
-        worker.send(Reply(request.request_id, CommitReply(handoff_failed=True)))
-        return False
-    return memory_file
-
-
-def join_command(endpoint: str, token: str) -> str:
-    """What other machines run. The token goes in the environment, never on the command
-    line, where every user of that machine would see it (ps)."""
-    return f"ELASTIC_MAGIC_TOKEN={token} elastic-magic join {endpoint}"
-
-
 class SingleMachine:
     """One machine: the kernel hosts the rendezvous and holds the snapshots."""
 
     hosts_rendezvous = True
     join_command: str | None = None
+    network: NetworkChosen | None = None  # several machines: the interface workers use
 
     def __init__(self, spec: JobSpec, run_id: str, emit: EventSink) -> None:
         self.spec = spec
@@ -99,7 +82,7 @@ class SingleMachine:
               world_size: int) -> None:
         """Answer a local rank's State request from the snapshots held here."""
         assert server is not None
-        memory_file = _take_memory_file(worker, request)
+        memory_file = take_memory_file(worker, request)
         if memory_file is False:
             return
         if isinstance(request, Commit):
@@ -167,6 +150,8 @@ class Head(SingleMachine):
             self.close_rendezvous(rendezvous)
             raise
         self.join_command = join_command(rendezvous.endpoint, self.token)
+        self.network = choose(self.spec.rdzv_host, self.spec.env)
+        self.emit(self.network)
         self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
         self.rendezvous = rendezvous
         return rendezvous
@@ -316,6 +301,8 @@ class JoinedMachine(SingleMachine):
 
     def open(self) -> Rendezvous:
         self._reader.start()
+        self.network = choose(self.joined.host, self.spec.env)
+        self.emit(self.network)  # printed here and forwarded to the notebook
         spec = self.spec
         return Rendezvous(self.run_id, key=self.rdzv_key, host=self.joined.host,
                           join=self.joined.rdzv_endpoint, min_nodes=spec.min_nodes,
@@ -347,7 +334,7 @@ class JoinedMachine(SingleMachine):
     def serve(self, worker: Worker, request: StateRequest, server: StateServer | None,
               world_size: int) -> None:
         """The head holds the snapshots: a snapshot in a memory file crosses as bytes."""
-        memory_file = _take_memory_file(worker, request)
+        memory_file = take_memory_file(worker, request)
         if memory_file is False:
             return
         if memory_file is not None:

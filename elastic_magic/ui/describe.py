@@ -12,6 +12,7 @@ from ..events import (
     Excluded,
     JobFinished,
     MembershipChanged,
+    NetworkChosen,
     NodeConnected,
     RanksFinished,
     RendezvousCompleted,
@@ -65,12 +66,38 @@ def describe(event: Event) -> Note | None:
             then = "the others go on from the last commit (not a restart)" if goes_on \
                 else "too few are left to go on"
             return Note("excluded", f"{what} excluded: {why}; {then}")
+        case NetworkChosen():
+            return Note("network", network_text(event))
         case JobFinished(result=result):
             reason = f" ({result.stop_reason})" if result.stop_reason else ""
             return Note(result.state.value,
                         f"{result.summary()}{reason}; logs: {result.log_dir}")
         case _:
             return None
+
+
+def network_text(chosen: NetworkChosen) -> str:
+    """Which interface a machine's workers use, and why it matters when its hostname
+    resolves to loopback."""
+    machine = f"machine {chosen.machine}"
+    if chosen.variables:
+        names = " and ".join(name for name, _ in chosen.variables)
+        text = f"{machine}: its workers reach the others through {chosen.interface} ({names})"
+    elif chosen.kept:
+        text = f"{machine}: its workers use the network you chose"
+    elif chosen.interface is None:
+        text = (f"{machine}: no interface of this machine carries that address; set "
+                "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) with --env, or on each machine")
+    else:
+        text = f"{machine}: loopback, so only machines on this host can join"
+    if chosen.kept:
+        text += "; kept your " + ", ".join(f"{name}={value}" for name, value in chosen.kept)
+    address = chosen.hostname_address
+    if address is None or chosen.hostname_is_loopback:
+        resolves = f"resolves to {address} (loopback)" if address else "does not resolve"
+        text += (f". Its hostname {chosen.hostname} {resolves}: gloo and NCCL would otherwise "
+                 "offer the other machines an address they cannot reach")
+    return text
 
 
 def count_of(n: int, noun: str) -> str:
