@@ -141,7 +141,7 @@ def read_into(link: Link, node: int, inbox: queue.Queue[Any]) -> None:
     while True:
         try:
             message = link.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # a reset: it died with data unread
             break
         except BlockingIOError:  # SO_RCVTIMEO: not even a heartbeat came
             reason = f"no heartbeat for {link.timeout:g}s (the link is cut, or the machine " \

@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed import DistError
-
 from ..events import AcceptingNodes, EventSink, Excluded, NetworkChosen, NodeConnected, Output
 from ..messages import (
     Action,
@@ -286,7 +284,10 @@ class JoinedJob:
 
 class JoinedMachine(SingleMachine):
     """A machine that joined the head's job: it follows the head's rendezvous, proxies its
-    workers' State requests to the head and reports its results there."""
+    workers' State requests to the head and reports its results there. It does not watch
+    for waiting machines itself (the head does, and says Regroup): a read of the head's
+    store could block its loop for the store's timeout on a cut link, long after the
+    link's own timeout has said that the head is lost."""
 
     hosts_rendezvous = False
 
@@ -351,12 +352,6 @@ class JoinedMachine(SingleMachine):
 
     def excluding(self) -> None:
         self.link.send(Regroup())  # the head regroups every machine
-
-    def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
-        try:
-            return rendezvous.num_nodes_waiting() > 0
-        except DistError:  # the head's store is gone: its link says why, at once or soon
-            return False
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
                      next_action: NextAction) -> JobState:
