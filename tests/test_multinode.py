@@ -29,7 +29,13 @@ from test_elastic import baseline as baseline  # the module-scoped fixture
 import elastic_magic as em
 from elastic_magic.agent.hub import Link, read_into
 from elastic_magic.agent.job import Job
-from elastic_magic.events import AcceptingNodes, Excluded, NodeConnected, RendezvousCompleted
+from elastic_magic.events import (
+    AcceptingNodes,
+    Excluded,
+    NodeConnected,
+    RendezvousCompleted,
+    WorkerFailed,
+)
 from elastic_magic.payload import build_payload
 from elastic_magic.protocol import new_secret
 from elastic_magic.ui.describe import describe
@@ -369,6 +375,9 @@ def test_a_lost_machine_is_a_membership_change_not_a_failure(
     expected = "closed without notice" if how == "killed" else "no heartbeat for 2s"
     assert expected in lost.why, lost.why
     assert result.excluded == [f"{lost.what}: {lost.why}"]
+    # A survivor's "Connection closed by peer" is told as the consequence it is.
+    assert all(e.failure.consequence for e in recorder.of(WorkerFailed)), \
+        recorder.of(WorkerFailed)
     worlds = [r.world_size for r in recorder.of(RendezvousCompleted)]
     assert 2 in worlds and worlds[-1] == 1, worlds
     assert committed_steps(recorder) == list(range(1, STEPS + 1))

@@ -295,6 +295,7 @@ class JoinedMachine(SingleMachine):
                  inbox: queue.Queue[Any]) -> None:
         super().__init__(spec, run_id, emit)
         self.link = joined.link
+        self.head_lost = False
         self.joined = joined
         self.rdzv_key = joined.rdzv_key
         self._reader = threading.Thread(target=read_into, args=(self.link, 0, inbox),
@@ -326,6 +327,7 @@ class JoinedMachine(SingleMachine):
                 # (a scheduler sees this machine's agent end in error).
                 why = f"the link to the head failed: {item.reason}" if item.reason \
                     else "the head of the job (the notebook's kernel) went away"
+                self.head_lost = True
                 self.node_failures.append(RankFailure(
                     rank=-1, local_rank=-1, attempt=group.attempt if group else 0, pid=0,
                     time=time.time(), reason=f"lost the head at {self.link.peer}: {why}"))
@@ -366,7 +368,15 @@ class JoinedMachine(SingleMachine):
             self.link.close()
 
     def close_rendezvous(self, rendezvous: Rendezvous | None) -> None:
-        if rendezvous is not None:  # the run id stays open: the job belongs to the head
+        if rendezvous is None:  # the run id stays open: the job belongs to the head
+            return
+        if self.head_lost:
+            # torch's rendezvous heartbeat thread may wait on the lost head's store for the
+            # store's timeout (a minute), and releasing the handler joins it. This agent is
+            # about to exit (elastic-magic join): it does not wait for that thread.
+            threading.Thread(target=rendezvous.close, kwargs={"shutdown": False},
+                             name="elastic-rendezvous-close", daemon=True).start()
+        else:
             rendezvous.close(shutdown=False)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import replace
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
@@ -180,6 +181,8 @@ class Agent:
             teardown_at = group.tear_down()
             self._drain()  # error reports still in flight
             self.failures = self.hangs.explain(group.failures_before(teardown_at))
+            if self.regroup_heard or self.node_failed:  # a machine went: its consequences
+                self.failures = [replace(f, consequence=True) for f in self.failures]
             for failure in self.failures:
                 self.emit(WorkerFailed(failure))
         elif step is Step.RESIZED:
