@@ -345,7 +345,7 @@ def test_a_lost_machine_is_a_membership_change_not_a_failure(
     """Killed: its agent is SIGKILLed (its link closes without a Leaving). Cut: the agent
     and all its processes are frozen (SIGSTOP), so only the missing heartbeats tell. Either
     way the head regroups alone from the last commit, spending no restart (it has none)."""
-    spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir, timeout=120, link_timeout=2)
+    spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir, timeout=120, link_timeout=3)
     frozen: list[psutil.Process] = []
 
     def drive(job):
@@ -372,7 +372,7 @@ def test_a_lost_machine_is_a_membership_change_not_a_failure(
     (lost,) = recorder.of(Excluded)
     # Node ranks follow torch's order of the agents (address, then pid).
     assert re.fullmatch(r"machine 127\.0\.0\.1 \(node [01]\)", lost.what) and lost.goes_on
-    expected = "closed without notice" if how == "killed" else "no heartbeat for 2s"
+    expected = "closed without notice" if how == "killed" else "no heartbeat for 3s"
     assert expected in lost.why, lost.why
     assert result.excluded == [f"{lost.what}: {lost.why}"]
     # A survivor's "Connection closed by peer" is told as the consequence it is.

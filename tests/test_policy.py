@@ -1,6 +1,6 @@
 """The agent's decisions, without processes: what the loop does while a group runs, after it
-ends, on resize requests and when other machines wait; and the status board other threads
-read."""
+ends, on resize requests, failing slots and when other machines wait; the environment a
+left-out GPU gives the others; and the status board other threads read."""
 
 from __future__ import annotations
 
@@ -20,9 +20,12 @@ from elastic_magic.agent.policy import (
     settle,
     while_running,
 )
+from elastic_magic.agent.rendezvous import RoundInfo
 from elastic_magic.agent.status import StatusBoard
+from elastic_magic.agent.workers import Worker, torchrun_env
 from elastic_magic.messages import Action
 from elastic_magic.result import JobState
+from elastic_magic.spec import JobSpec
 
 FAILED = GroupStatus(failed=True)
 SUCCEEDED = GroupStatus(succeeded=True, running=True)
@@ -174,3 +177,27 @@ def test_status_board_is_immutable_and_waits_without_polling():
     # a waiter is released when the job is done, whatever it waited for
     threading.Timer(0.05, lambda: board.publish(done=True)).start()
     assert board.wait_for(lambda s: False, timeout=10).done
+
+
+@pytest.mark.parametrize(("visible", "expected"), [
+    (None, "0,2,3"),  # GPUs 0-3; slot 1 (GPU 1) left out
+    ("4,5,6,7", "4,6,7"),  # the kernel saw GPUs 4-7 as 0-3
+])
+def test_a_left_out_gpu_is_hidden_so_local_rank_i_is_the_ith_visible_gpu(
+        monkeypatch, tmp_path, visible, expected):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    spec = JobSpec.create(3, gpus=4, backend="gloo", log_dir=tmp_path)
+    info = RoundInfo(1, "r", 0, 1, 0, 3, "127.0.0.1", 1)
+    env = [torchrun_env(Worker(local_rank=i, global_rank=i, attempt=0), info, spec, nproc=3,
+                        run_id="x", restart_count=1, error_file=tmp_path / "e",
+                        slots=[0, 2, 3]) for i in range(3)]
+    assert [e["ELASTIC_MAGIC_SLOT"] for e in env] == ["0", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in env] == ["0", "1", "2"]
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in env} == {expected}
+    # nothing left out: the kernel's own setting, untouched
+    full = torchrun_env(Worker(local_rank=1, global_rank=1, attempt=0), info, spec, nproc=3,
+                        run_id="x", restart_count=0, error_file=tmp_path / "e")
+    assert full["ELASTIC_MAGIC_SLOT"] == "1" and full.get("CUDA_VISIBLE_DEVICES") == visible

@@ -195,12 +195,12 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
         env.update(network.variables)
     slots = slots or list(range(nproc))
     env["ELASTIC_MAGIC_SLOT"] = str(slots[worker.local_rank])
-    if spec.gpus and slots != list(range(nproc)):
-        # A slot left out: LOCAL_RANK i must still be the i-th visible GPU (the cell, as
+    visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",") \
+        if os.environ.get("CUDA_VISIBLE_DEVICES") else [str(i) for i in range(spec.gpus)]
+    if spec.gpus and slots != list(range(nproc)) and max(slots) < len(visible):
+        # A GPU left out: LOCAL_RANK i must still be the i-th visible GPU (the cell, as
         # torchrun's scripts do, calls set_device(LOCAL_RANK)).
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") \
-            if os.environ.get("CUDA_VISIBLE_DEVICES") else [str(i) for i in range(spec.gpus)]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[s] for s in slots if s < len(visible))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[s] for s in slots)
     env.update(spec.env)
     return env
 
