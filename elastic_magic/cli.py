@@ -8,7 +8,9 @@ The cell that started the job (``%%elastic --nnodes 1:4 --rdzv-endpoint HOST:POR
 the first form with its token. The token never goes on the command line, where every user
 of this machine could read it (ps). This machine's agent joins torch's rendezvous, runs the
 cell on its workers, sends their output and results to the notebook, and follows the job
-through restarts and resizes until the job ends or this command is interrupted.
+through restarts and resizes until the job ends or this command is interrupted. If the head
+is lost (its link closes, or carries no heartbeat for the job's --link-timeout), the workers
+are stopped and the command exits with status 1, saying so.
 """
 
 from __future__ import annotations
