@@ -431,3 +431,31 @@ def test_a_link_that_carries_nothing_fails_after_its_timeout():
     for reader in readers:
         reader.join(timeout=30)
     assert not any(t.name.startswith("elastic-heartbeat") for t in threading.enumerate())
+
+
+def test_a_machine_that_fails_for_good_is_excluded_while_the_bounds_allow(
+        machines, log_dir, recorder, tmp_path):
+    spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir, timeout=120)
+    cell = textwrap.dedent("""
+        import os, time, torch, torch.distributed as dist
+        world = int(os.environ["WORLD_SIZE"])
+        if world == 3:
+            open(MARK, "w").close()
+        elif not os.path.exists(MARK):
+            time.sleep(600)  # alone, before the machine came: it regroups the job
+        if os.environ["LOCAL_WORLD_SIZE"] == "2" and os.environ["LOCAL_RANK"] == "1":
+            raise ValueError("bad shard on the other machine")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        int(t.item())
+    """)
+    result = run_head(spec, cell, recorder, machines, on_open=lambda: machines.join(2),
+                      namespace={"MARK": str(tmp_path / "together")})
+    # That machine had no restart left: the head went on alone, without spending one.
+    assert result.ok, result
+    assert result.values == {0: 1} and result.restarts == 0
+    (excluded,) = recorder.of(Excluded)
+    assert excluded.goes_on and excluded.what.startswith("machine 127.0.0.1"), excluded
+    assert excluded.why == ("its workers failed with no restart left (ValueError: bad shard "
+                            "on the other machine (cell line 9))"), excluded.why
+    assert machines.procs[0].wait(timeout=30) == 1

@@ -17,6 +17,7 @@ from elastic_magic.agent.policy import (
     Step,
     after_group,
     final_state,
+    own_failure,
     settle,
     while_running,
 )
@@ -24,7 +25,7 @@ from elastic_magic.agent.rendezvous import RoundInfo
 from elastic_magic.agent.status import StatusBoard
 from elastic_magic.agent.workers import Worker, torchrun_env
 from elastic_magic.messages import Action
-from elastic_magic.result import JobState
+from elastic_magic.result import JobState, RankFailure
 from elastic_magic.spec import JobSpec
 
 FAILED = GroupStatus(failed=True)
@@ -201,3 +202,15 @@ def test_a_left_out_gpu_is_hidden_so_local_rank_i_is_the_ith_visible_gpu(
     full = torchrun_env(Worker(local_rank=1, global_rank=1, attempt=0), info, spec, nproc=3,
                         run_id="x", restart_count=0, error_file=tmp_path / "e")
     assert full["ELASTIC_MAGIC_SLOT"] == "1" and full.get("CUDA_VISIBLE_DEVICES") == visible
+
+
+def test_the_slot_blamed_is_the_rank_that_failed_of_itself():
+    def failure(rank, **kw):
+        return RankFailure(rank=rank, local_rank=rank, attempt=0, pid=rank, time=rank, **kw)
+
+    lagging = failure(0, reason="lagged behind: still busy outside any collective")
+    lost_peer = failure(1, exc_type="RuntimeError", message="Connection closed by peer")
+    exited = failure(2, exit_code=3)
+    assert own_failure([lagging, lost_peer, exited]) is exited
+    assert own_failure([lost_peer, lagging]) is lost_peer  # none of its own: the root cause
+    assert own_failure([]) is None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..messages import Action
-from ..result import JobState
+from ..result import JobState, RankFailure, is_consequence
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,13 @@ _URGENCY = {None: 0, Action.REGROUP: 1, Action.NODE_FAILED: 2, Action.STOP: 3}
 def most_urgent(a: Action | None, b: Action | None) -> Action | None:
     """Of two actions asked for, the one to carry out."""
     return a if _URGENCY[a] >= _URGENCY[b] else b
+
+
+def own_failure(failures: list[RankFailure]) -> RankFailure | None:
+    """The first rank that failed of itself (an error or exit of its own), not one that
+    lost its peers or that the agent's hang diagnosis named; else the root cause."""
+    own = (f for f in failures if f.reason is None and not is_consequence(f))
+    return next(own, failures[0] if failures else None)
 
 
 class Next(Enum):

@@ -98,8 +98,9 @@ class SingleMachine:
     def regrouping(self) -> None:
         """This agent leaves its group for a new round."""
 
-    def excluding(self) -> None:
-        """This agent left a failing slot out: the next round re-forms every machine."""
+    def reforming(self) -> None:
+        """This agent's group failed and a new one follows (a restart, a slot left out):
+        the other machines' ranks lose their peers, which is a regroup there."""
 
     def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
         return False
@@ -174,7 +175,7 @@ class Head(SingleMachine):
             case NodeFinished(JobState.FAILED, failures) if failures:
                 # That machine has no restarts left: the others go on without it if the
                 # job's bounds allow.
-                why = f"its workers failed after its restarts ({failures[0].headline})"
+                why = f"its workers failed with no restart left ({failures[0].headline})"
                 return self._lost(item.node, why, group, failures)
             case NodeFinished():  # the job is over for it: not a loss
                 self.pids.pop(item.node, None)
@@ -182,7 +183,7 @@ class Head(SingleMachine):
                 self.pids.pop(item.node, None)
                 self._left(item.node)
                 return Action.REGROUP
-            case Regroup():  # it left a slot out: its ranks' peers lose them
+            case Regroup():  # its group failed: its ranks' peers lose them, here too
                 return Action.REGROUP
             case None if item.node in self.pids:  # no Leaving: the machine is lost
                 why = item.reason or "its link closed without notice (its agent was killed " \
@@ -235,7 +236,7 @@ class Head(SingleMachine):
         if self.hub is not None:
             self.hub.broadcast(Regroup())
 
-    excluding = regrouping
+    reforming = regrouping
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
                      next_action: NextAction) -> JobState:
@@ -352,7 +353,7 @@ class JoinedMachine(SingleMachine):
     def stop_requested(self, reason: str) -> None:
         self.link.send(Leaving(reason))  # a membership change there, before our ranks go
 
-    def excluding(self) -> None:
+    def reforming(self) -> None:
         self.link.send(Regroup())  # the head regroups every machine
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,

@@ -36,7 +36,7 @@ from ..messages import (
 )
 from ..payload import Payload
 from ..protocol import new_secret
-from ..result import JobResult, JobState, root_cause_order
+from ..result import JobResult, JobState, is_consequence, root_cause_order
 from ..spec import JobSpec
 from .ending import finish
 from .group import WorkerGroup
@@ -51,6 +51,7 @@ from .policy import (
     after_group,
     final_state,
     most_urgent,
+    own_failure,
     settle,
 )
 from .policy import while_running as decide
@@ -136,6 +137,8 @@ class Agent:
                 next_ = self._after_group(step)
                 if next_ is Next.END:
                     break
+                if next_ in (Next.RESTART, Next.EXCLUDE):
+                    self.role.reforming()
                 if next_ is Next.RESTART:
                     self.restarts += 1
                     self.board.publish(restarts=self.restarts)
@@ -181,6 +184,7 @@ class Agent:
             teardown_at = group.tear_down()
             self._drain()  # error reports still in flight
             self.failures = self.hangs.explain(group.failures_before(teardown_at))
+            self._await_cause()
             if self.regroup_heard or self.node_failed:  # a machine went: its consequences
                 self.failures = [replace(f, consequence=True) for f in self.failures]
             for failure in self.failures:
@@ -324,24 +328,33 @@ class Agent:
 
     def _after_group(self, step: Step) -> Next:
         """What follows; a slot excluded here is left out of the next round."""
-        culprit = self.membership.slots[self.failures[0].local_rank] \
-            if step is Step.FAILED and self.failures else None
+        cause = own_failure(self.failures) if step is Step.FAILED else None
+        slot = self.membership.slots[cause.local_rank] if cause else None
         next_ = after_group(
             step, self.restarts, self.spec.max_restarts,
-            failed_before=culprit is not None and self.membership.failed_before(culprit),
-            can_shrink=culprit is not None and self.membership.nproc > self.spec.min_nproc)
-        if next_ is Next.EXCLUDE and culprit is not None:
-            self.emit(MembershipChanged(*self.membership.exclude(culprit)))
-            what, why = f"slot {culprit} of this machine", self._why_excluded()
+            failed_before=slot is not None and self.membership.failed_before(slot),
+            can_shrink=slot is not None and self.membership.nproc > self.spec.min_nproc)
+        if next_ is Next.EXCLUDE and cause and slot is not None:
+            self.emit(MembershipChanged(*self.membership.exclude(slot)))
+            again = "failed again after a restart" if self.restarts \
+                else "failed, no restart left"
+            what, why = f"slot {slot} of this machine", f"{again} (rank {cause.rank}: " \
+                f"{cause.headline})"
             self.excluded.append(f"{what}: {why}")
             self.emit(Excluded(what, why, goes_on=True))
-            self.role.excluding()  # the other machines' ranks lose peers: a regroup
         return next_
 
-    def _why_excluded(self) -> str:
-        cause = self.failures[0]
-        again = "failed again after a restart" if self.restarts else "failed, no restart left"
-        return f"{again} (rank {cause.rank}: {cause.headline})"
+    def _await_cause(self) -> None:
+        """Ranks that only lost their peers, in a job of several machines: the cause is on
+        another machine, whose word (a regroup, its failure for good, its loss) comes
+        within the link timeout; a restart here would be spent on someone else's fault."""
+        if not (self.spec.multi_node and self.failures
+                and all(is_consequence(f) for f in self.failures)):
+            return
+        deadline = time.monotonic() + self.spec.link_timeout
+        while not (self.regroup_heard or self.node_failed or self.stop_requested) \
+                and (left := deadline - time.monotonic()) > 0:
+            self._next_action(left)
 
     # -- State ---------------------------------------------------------------------------
 
