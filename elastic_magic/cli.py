@@ -8,7 +8,9 @@ The cell that started the job (``%%elastic --nnodes 1:4 --rdzv-endpoint HOST:POR
 the first form with its token. The token never goes on the command line, where every user
 of this machine could read it (ps). This machine's agent joins torch's rendezvous, runs the
 cell on its workers, sends their output and results to the notebook, and follows the job
-through restarts and resizes until the job ends or this command is interrupted.
+through restarts and resizes until the job ends or this command is interrupted. If the head
+is lost (its link closes, or carries no heartbeat for the job's --link-timeout), the workers
+are stopped and the command exits with status 1, saying so.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     job = Job(spec, payload, offer.run_id,
               joined=JoinedJob(link, args.endpoint, host, rendezvous_key(token)),
               forward=forward)
-    link.send(Hello(host, nproc))
+    link.send(Hello(host, nproc, os.getpid()))
     print(f"[elastic] joined job {job.run_id} at {args.endpoint} with {nproc} workers; "
           f"logs: {job.log_dir}", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM: leave cleanly
@@ -182,6 +184,8 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     except AgentError as exc:  # its workers are stopped; say why, without a traceback
         print(f"elastic-magic join: {exc.__cause__ or exc}", file=sys.stderr)
         return 1
+    if result.failure is not None:  # the head lost, say, or this machine's root cause
+        print(f"elastic-magic join: {result.failure.headline}", file=sys.stderr)
     return _EXIT_CODES.get(result.state, 1)
 
 

@@ -130,6 +130,18 @@ class NodeConnected:
 
 
 @dataclass(frozen=True)
+class Excluded:
+    """The job lost, or gave up on, a machine or a worker slot of this machine. With
+    ``goes_on`` the others regroup without it from the last commit (not a restart);
+    otherwise too few are left and the job fails with it as the root cause."""
+
+    what: str  # "machine 10.0.0.2 (node 1)", "slot 1 of this machine"
+    why: str
+    goes_on: bool
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class NetworkChosen:
     """A multi-node job: the interface this machine's workers reach the other machines
     through (see agent/network.py), and whether its hostname resolves to loopback."""
@@ -158,6 +170,6 @@ class JobFinished:
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
-    | JobFinished | RanksFinished | NetworkChosen
+    | JobFinished | RanksFinished | NetworkChosen | Excluded
 )
 EventSink = Callable[[Event], None]

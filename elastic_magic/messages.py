@@ -10,7 +10,7 @@ Three conversations share this vocabulary, each over signed frames (``protocol.p
 - head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
   :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
   :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`,
-  :class:`StacksRequest`, :class:`NodeStacks`.
+  :class:`StacksRequest`, :class:`NodeStacks`, :class:`Heartbeat`.
 
 Receivers dispatch with ``match``. Workers import this module, so it imports nothing heavy.
 """
@@ -222,6 +222,7 @@ class JobOffer:
 class Hello:
     host: str
     nproc: int
+    pid: int = 0  # its agent's: with ``host``, how torch's rendezvous names the machine
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,11 @@ class EndJob:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """Either side, every ``--link-timeout``/4 seconds: the link is alive."""
+
+
+@dataclass(frozen=True)
 class StacksRequest:
     """The head: send me your ranks' stacks."""
 
@@ -298,4 +304,5 @@ class NodeStacks:
 
 
 LinkMessage = (JobOffer | Hello | Forward | NodeRequest | NodeReply | GroupResult
-               | NodeFinished | Leaving | Regroup | EndJob | StacksRequest | NodeStacks)
+               | NodeFinished | Leaving | Regroup | EndJob | StacksRequest | NodeStacks
+               | Heartbeat)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -109,6 +109,9 @@ class JobResult:
     # A job that failed by a timeout or a stall: each stuck rank's stacks (all threads),
     # taken before the group was torn down.
     stacks: dict[int, str] = field(default_factory=dict, repr=False)
+    # Machines and worker slots the job lost or gave up on, and why ("machine 10.0.0.2
+    # (node 1): no heartbeat for 6s ..."), in order.
+    excluded: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -131,6 +134,8 @@ class JobResult:
             f"restarts {self.restarts}/{self.max_restarts}",
             f"{self.duration:.1f}s",
         ]
+        if self.excluded:
+            parts.append(f"went on without {'; '.join(self.excluded)}")
         return ", ".join(parts)
 
     def __repr__(self) -> str:
@@ -164,7 +169,7 @@ def assemble_result(
     started: float, log_dir: Path, failures: list[RankFailure], stop_reason: str | None,
     resizes: int, commit: dict[str, Any] | None, snapshot: bytes | None,
     ranks: Mapping[int, RankOutcome], tails: dict[int, list[str]],
-    stacks: Mapping[int, str] | None = None,
+    stacks: Mapping[int, str] | None = None, excluded: Sequence[str] = (),
 ) -> JobResult:
     """The JobResult of a job that ended in ``state``: values and pulled variables only on
     success, the root cause only on failure."""
@@ -176,7 +181,7 @@ def assemble_result(
         failures=list(failures) if failed else [],
         tails=dict(tails), stop_reason=stop_reason if state is JobState.STOPPED else None,
         resizes=resizes, commit=dict(commit) if commit else None, snapshot=snapshot,
-        stacks=dict(stacks or {}) if failed else {},
+        stacks=dict(stacks or {}) if failed else {}, excluded=list(excluded),
     )
     if state is JobState.SUCCEEDED:
         for rank in sorted(ranks):

@@ -105,6 +105,11 @@ OPTIONS: tuple[Option, ...] = (
            "1). Others join with the `elastic-magic join` command the cell prints",
            "N|MIN:MAX", lambda _, v: parse_nnodes(v),
            read=lambda spec: f"{spec.min_nodes}:{spec.max_nodes}"),
+    Option("link_timeout", "--link-timeout", 6.0, "with --nnodes: a machine that sends "
+           "nothing, not even a heartbeat (every S/4 seconds), for S seconds is lost: the "
+           "others regroup without it; a machine that loses the head stops its workers and "
+           "exits. Joining machines take the head's value", "S",
+           lambda flag, v: seconds(flag, v, above=0.2)),
     Option("rdzv_endpoint", "--rdzv-endpoint", None, "with --nnodes: this machine's address "
            "as the others reach it (the rendezvous listens there only; default 127.0.0.1, a "
            "port the OS picks)", "HOST[:PORT]", lambda _, v: parse_endpoint(v),
@@ -168,6 +173,7 @@ class JobSpec:
     checkpoint_dir: Path | None
     min_nodes: int
     max_nodes: int
+    link_timeout: float
     rdzv_host: str
     rdzv_port: int
 

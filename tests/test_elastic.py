@@ -14,9 +14,10 @@ import torch
 import elastic_magic as em
 from elastic_magic import snapshot_format
 from elastic_magic.agent.job import Job
-from elastic_magic.events import Committed, MembershipChanged, ResizeRequested
+from elastic_magic.events import Committed, Excluded, MembershipChanged, ResizeRequested
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec, SpecError
+from elastic_magic.ui.describe import describe
 
 # Fixed global batch of 12 (divisible by 1, 2 and 3 ranks), fixed seeds, 2 epochs of 20.
 TRAIN = textwrap.dedent("""
@@ -125,6 +126,34 @@ def test_resize_two_three_one_matches_uninterrupted(baseline, log_dir, recorder)
     changes = [(m.old_nproc, m.new_nproc) for m in recorder.of(MembershipChanged)]
     assert changes == [(2, 3), (3, 1)]
     # Different world sizes sum the same global batch in another order: float rounding.
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+
+
+def test_a_slot_that_fails_again_is_excluded_and_the_job_goes_on_smaller(
+        baseline, log_dir, recorder):
+    # Slot 1 (GPU 1, here the second CPU worker) fails from step 5 on, whatever its rank.
+    fail = ('        if os.environ["ELASTIC_MAGIC_SLOT"] == "1" and state.step >= 5:\n'
+            '            os._exit(3)\n')
+    broken = TRAIN.replace("        opt.zero_grad()", fail + "        opt.zero_grad()")
+    assert broken != TRAIN
+    spec = JobSpec.create(3, log_dir=log_dir, min_nproc=1, max_restarts=1)
+    payload = build_payload(broken, spec, namespace={"KILL_AT": -1, "PAUSE": 0.0})
+    result = Job(spec, payload).start().wait(recorder)
+    assert result.ok, result
+    # It failed, was restarted (1/1), failed again: left out, and the job went on with 2.
+    assert result.restarts == 1 and result.world_size == 2
+    assert [(m.old_nproc, m.new_nproc) for m in recorder.of(MembershipChanged)] == [(3, 2)]
+    (excluded,) = recorder.of(Excluded)
+    assert excluded.what == "slot 1 of this machine" and excluded.goes_on
+    assert "failed again after a restart" in excluded.why and "code 3" in excluded.why
+    assert "slot 1 of this machine excluded" in describe(excluded).text
+    assert result.excluded == [f"slot 1 of this machine: {excluded.why}"]
+    assert "went on without slot 1" in result.summary()
+    # From the last commit each time: the world went 3 -> 2, no step lost or run twice.
+    starts = [line for line in recorder.lines(0) if line.startswith("START")]
+    assert starts == ["START step 0 world 3", "START step 5 world 3", "START step 5 world 2"]
+    assert done_steps(recorder) == list(range(1, STEPS + 1))
+    assert committed_steps(recorder) == list(range(1, STEPS + 1))
     assert_same_parameters(result.values[0], baseline, atol=1e-5)
 
 

@@ -130,7 +130,8 @@ def test_torchrun_contract_matches_torchrun(tmp_path, log_dir, recorder):
     ours = {r: _probe_envs(recorder.lines(r))[r] for r in (0, 1)}
     # torchrun's own agent setting leaks into its workers' env; it is no worker contract.
     agent_only = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "_"}
-    ours_only = {"PYTHONUNBUFFERED"}  # we add it so lines arrive as printed
+    # We add these: lines arrive as printed; a worker slot's identity (policy.Membership)
+    ours_only = {"PYTHONUNBUFFERED", "ELASTIC_MAGIC_SLOT"}
     for rank in (0, 1):
         assert set(theirs[rank]) - agent_only == set(ours[rank]) - ours_only
         same_meaning = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -141,6 +142,7 @@ def test_torchrun_contract_matches_torchrun(tmp_path, log_dir, recorder):
         assert {k: ours[rank][k] for k in same_meaning} == {
             k: theirs[rank][k] for k in same_meaning}
         assert ours[rank]["MASTER_PORT"].isdigit()
+        assert ours[rank]["ELASTIC_MAGIC_SLOT"] == ours[rank]["LOCAL_RANK"]  # none left out
         assert ours[rank]["TORCHELASTIC_ERROR_FILE"].endswith(f"rank_{rank}/error.json")
     assert ours[0]["TORCHELASTIC_RUN_ID"] == ours[1]["TORCHELASTIC_RUN_ID"]
 

@@ -5,8 +5,10 @@ agent, bound to the bridge's address; `elastic-magic join` agents run in the nam
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
+import time
 
 import pytest
 from netns import network as network  # the fixture
@@ -18,6 +20,7 @@ from elastic_magic.agent.job import Job
 from elastic_magic.agent.network import choose
 from elastic_magic.events import (
     AcceptingNodes,
+    Excluded,
     NetworkChosen,
     NodeConnected,
     RendezvousCompleted,
@@ -192,3 +195,53 @@ def test_a_machine_joins_mid_run_and_strangers_from_another_namespace_are_refuse
     assert "refused the token" in outputs["wrong"]
     assert not (tmp_path / "machine3-logs").exists()
     assert {e.peer for e in recorder.of(NodeConnected)} == {network.address(1)}
+
+
+@pytest.mark.parametrize("how", ["killed", "cut"])
+def test_a_machine_killed_or_cut_off_mid_training_leaves_the_others_to_finish(
+        baseline, network, log_dir, recorder, how):
+    """Three machines train; machine 1's agent is SIGKILLed, or its link goes down (packets
+    dropped, nothing closed). The head names it, takes it out of the rendezvous and regroups
+    the head and machine 2 from the last commit without a restart (they have none); a cut-off
+    machine 1 notices the lost head within the link timeout, stops its workers and exits."""
+    spec = em.JobSpec.create(1, nnodes="2:3", rdzv_endpoint=network.head_address,
+                             log_dir=log_dir, timeout=60, link_timeout=3)
+    joined = {}
+
+    def on_open(job, endpoint):
+        joined.update({i: network.join(i, endpoint, job.token) for i in (1, 2)})
+
+    def drive(job):
+        while not any(r.world_size == 3 for r in recorder.of(RendezvousCompleted)):
+            if job.done:
+                return  # they never all joined: the assertions below say so
+            time.sleep(0.05)
+        first_shared = job.last_commit["step"] if job.last_commit else 0
+        job.wait_for_commit(first_shared + 3, timeout=120)
+        if how == "killed":
+            joined[1].send_signal(signal.SIGKILL)  # ours, by PID (its workers die with it)
+        else:
+            network.cut(1)
+
+    result = run_head(spec, TRAIN, recorder, namespace={"KILL_AT": -1, "PAUSE": 0.2},
+                      on_open=on_open, drive=drive)
+    outputs = {i: network.output(proc) for i, proc in joined.items()}
+    assert result.ok, (result, outputs)
+    assert result.restarts == 0 and result.failures == []
+    (lost,) = recorder.of(Excluded)
+    assert lost.what.startswith(f"machine {network.address(1)} (node ") and lost.goes_on
+    assert ("closed without notice" if how == "killed" else "no heartbeat for 3s") in lost.why
+    assert result.excluded == [f"{lost.what}: {lost.why}"]
+    assert [r.world_size for r in recorder.of(RendezvousCompleted)][-1] == 2
+    assert committed_steps(recorder) == list(range(1, STEPS + 1))
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+    assert joined[2].wait(timeout=30) == 0, outputs[2]  # regrouped, not failed
+    assert "restarting" not in outputs[2] and "failed" not in outputs[2], outputs[2]
+    rc = joined[1].wait(timeout=60)
+    if how == "killed":
+        assert rc == -signal.SIGKILL
+    else:
+        assert rc == 1, outputs[1]
+        output = network.output(joined[1])
+        assert "elastic-magic join: lost the head at" in output and "no heartbeat for 3s" \
+            in output, output

@@ -1,6 +1,6 @@
 """The agent's decisions, without processes: what the loop does while a group runs, after it
-ends, on resize requests and when other machines wait; and the status board other threads
-read."""
+ends, on resize requests, failing slots and when other machines wait; the environment a
+left-out GPU gives the others; and the status board other threads read."""
 
 from __future__ import annotations
 
@@ -17,12 +17,16 @@ from elastic_magic.agent.policy import (
     Step,
     after_group,
     final_state,
+    own_failure,
     settle,
     while_running,
 )
+from elastic_magic.agent.rendezvous import RoundInfo
 from elastic_magic.agent.status import StatusBoard
+from elastic_magic.agent.workers import Worker, torchrun_env
 from elastic_magic.messages import Action
-from elastic_magic.result import JobState
+from elastic_magic.result import JobState, RankFailure
+from elastic_magic.spec import JobSpec
 
 FAILED = GroupStatus(failed=True)
 SUCCEEDED = GroupStatus(succeeded=True, running=True)
@@ -85,6 +89,47 @@ def test_what_arrives_during_a_teardown_outranks_a_restart(step, stop, node_fail
     assert settle(step, stop_requested=stop, node_failed=node_failed) is settled
 
 
+@pytest.mark.parametrize(("step", "stop", "node_failed", "settled"), [
+    # a machine left or was lost while the group failed: its ranks lost peers, not a failure
+    (Step.FAILED, False, False, Step.REGROUP),
+    (Step.FAILED, True, False, Step.STOP),
+    (Step.FAILED, False, True, Step.NODE_FAILED),  # too few machines left to go on
+    (Step.SUCCEEDED, False, False, Step.SUCCEEDED),
+])
+def test_a_membership_change_during_a_teardown_makes_a_failure_a_regroup(
+        step, stop, node_failed, settled):
+    assert settle(step, stop_requested=stop, node_failed=node_failed, regroup=True) is settled
+
+
+@pytest.mark.parametrize(("used", "allowed", "failed_before", "can_shrink", "next_"), [
+    (0, 1, False, True, Next.RESTART),  # a first failure with a restart left: restart
+    (1, 2, True, True, Next.EXCLUDE),  # the same slot failed again after a restart
+    (1, 1, False, True, Next.EXCLUDE),  # no restart left: go on smaller rather than fail
+    (0, 0, False, True, Next.EXCLUDE),
+    (1, 2, True, False, Next.RESTART),  # at --min-nproc already: restarts as before
+    (1, 1, True, False, Next.END),
+])
+def test_a_slot_that_fails_again_is_excluded_while_the_bounds_allow(
+        used, allowed, failed_before, can_shrink, next_):
+    assert after_group(Step.FAILED, used, allowed, failed_before=failed_before,
+                       can_shrink=can_shrink) is next_
+    # only a failure of this machine's own group excludes one of its slots
+    assert after_group(Step.NODE_FAILED, used, allowed, failed_before=failed_before,
+                       can_shrink=can_shrink) is Next.END
+
+
+def test_slots_keep_their_identity_when_ranks_are_renumbered():
+    m = Membership(nproc=3)
+    assert m.slots == [0, 1, 2]
+    assert not m.failed_before(1) and m.failed_before(1) and not m.failed_before(2)
+    assert m.exclude(1) == (3, 2)
+    assert m.slots == [0, 2]  # local ranks 0 and 1 run on slots 0 and 2
+    assert m.resizes == 0  # not a resize the user asked for
+    m.request(3, graceful=False)
+    m.apply()
+    assert m.slots == [0, 2, 3]  # growing again never brings the excluded slot back
+
+
 def test_membership_resizes_at_a_commit_or_now_and_counts_only_real_changes():
     m = Membership(nproc=2)
     assert m.request(2, graceful=True) is Resize.NONE and not m.resize_pending
@@ -133,3 +178,39 @@ def test_status_board_is_immutable_and_waits_without_polling():
     # a waiter is released when the job is done, whatever it waited for
     threading.Timer(0.05, lambda: board.publish(done=True)).start()
     assert board.wait_for(lambda s: False, timeout=10).done
+
+
+@pytest.mark.parametrize(("visible", "expected"), [
+    (None, "0,2,3"),  # GPUs 0-3; slot 1 (GPU 1) left out
+    ("4,5,6,7", "4,6,7"),  # the kernel saw GPUs 4-7 as 0-3
+])
+def test_a_left_out_gpu_is_hidden_so_local_rank_i_is_the_ith_visible_gpu(
+        monkeypatch, tmp_path, visible, expected):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    spec = JobSpec.create(3, gpus=4, backend="gloo", log_dir=tmp_path)
+    info = RoundInfo(1, "r", 0, 1, 0, 3, "127.0.0.1", 1)
+    env = [torchrun_env(Worker(local_rank=i, global_rank=i, attempt=0), info, spec, nproc=3,
+                        run_id="x", restart_count=1, error_file=tmp_path / "e",
+                        slots=[0, 2, 3]) for i in range(3)]
+    assert [e["ELASTIC_MAGIC_SLOT"] for e in env] == ["0", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in env] == ["0", "1", "2"]
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in env} == {expected}
+    # nothing left out: the kernel's own setting, untouched
+    full = torchrun_env(Worker(local_rank=1, global_rank=1, attempt=0), info, spec, nproc=3,
+                        run_id="x", restart_count=0, error_file=tmp_path / "e")
+    assert full["ELASTIC_MAGIC_SLOT"] == "1" and full.get("CUDA_VISIBLE_DEVICES") == visible
+
+
+def test_the_slot_blamed_is_the_rank_that_failed_of_itself():
+    def failure(rank, **kw):
+        return RankFailure(rank=rank, local_rank=rank, attempt=0, pid=rank, time=rank, **kw)
+
+    lagging = failure(0, reason="lagged behind: still busy outside any collective")
+    lost_peer = failure(1, exc_type="RuntimeError", message="Connection closed by peer")
+    exited = failure(2, exit_code=3)
+    assert own_failure([lagging, lost_peer, exited]) is exited
+    assert own_failure([lost_peer, lagging]) is lost_peer  # none of its own: the root cause
+    assert own_failure([]) is None

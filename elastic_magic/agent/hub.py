@@ -8,6 +8,11 @@ and failures, proxies its workers' State requests (the head holds the snapshots)
 reports its results; the head answers and tells nodes to stop.
 Membership is not decided here: every agent follows torch's rendezvous.
 
+Both sides send a :class:`Heartbeat` every ``--link-timeout``/4 seconds, and the socket
+gets the kernel's receive and send timeouts (SO_RCVTIMEO, SO_SNDTIMEO) of ``--link-timeout``:
+a link on which nothing arrives for that long (cut, or the other machine frozen) fails on
+its reader, with no polling anywhere.
+
 No frame is read before the peer has proved the token (a challenge-response on fixed-size
 raw bytes), and each connection signs with its own key derived from the token and both
 sides' nonces, so frames cannot be replayed on another connection. A link that fails (a
@@ -23,18 +28,25 @@ import itertools
 import queue
 import secrets
 import socket
+import struct
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ..messages import JobOffer, LinkMessage
+from ..messages import Heartbeat, JobOffer, LinkMessage
 from ..protocol import Channel
 
 HUB_KEY = "elastic_magic/hub"  # in the rendezvous store: "host:port" of the hub
 _NONCE_BYTES = 32
 _MAC_BYTES = hashlib.sha256().digest_size
 _HANDSHAKE_TIMEOUT = 10.0
+
+
+def join_command(endpoint: str, token: str) -> str:
+    """What other machines run. The token goes in the environment, never on the command
+    line, where every user of that machine would see it (ps)."""
+    return f"ELASTIC_MAGIC_TOKEN={token} elastic-magic join {endpoint}"
 
 
 class HubError(RuntimeError):
@@ -67,6 +79,26 @@ class Link:
         self.peer = peer
         self._channel = Channel(sock.fileno(), key)
         self._lock = threading.Lock()
+        self.timeout: float | None = None  # set by keep_alive
+        self._closed = threading.Event()
+        self._heart: threading.Thread | None = None
+
+    def keep_alive(self, timeout: float) -> None:
+        """Heartbeats every ``timeout``/4 s; a read or write that makes no progress for
+        ``timeout`` seconds fails (the kernel's socket timeouts: nothing polls)."""
+        self.timeout = timeout
+        whole = int(timeout)
+        limit = struct.pack("ll", whole, int((timeout - whole) * 1e6))
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            self.sock.setsockopt(socket.SOL_SOCKET, option, limit)
+        self._heart = threading.Thread(target=self._beat, args=(timeout / 4,),
+                                       name=f"elastic-heartbeat-{self.peer}", daemon=True)
+        self._heart.start()
+
+    def _beat(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            if not self.send(Heartbeat()):
+                return
 
     def send(self, message: LinkMessage) -> bool:
         """False once the connection is gone."""
@@ -82,9 +114,14 @@ class Link:
         return message
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
+        self._closed.set()
+        with contextlib.suppress(OSError):  # wakes a send blocked on a full socket
             self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        heart = self._heart
+        if heart is not None and heart is not threading.current_thread():
+            heart.join(timeout=5)
+        with self._lock:  # no send is using the descriptor any more
+            self.sock.close()
 
 
 @dataclass(frozen=True)
@@ -104,12 +141,17 @@ def read_into(link: Link, node: int, inbox: queue.Queue[Any]) -> None:
     while True:
         try:
             message = link.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # a reset: it died with data unread
+            break
+        except BlockingIOError:  # SO_RCVTIMEO: not even a heartbeat came
+            reason = f"no heartbeat for {link.timeout:g}s (the link is cut, or the machine " \
+                     "is frozen)"
             break
         except Exception as exc:  # told to the agent, never a reader thread dying unseen
             reason = str(exc) or type(exc).__name__
             break
-        inbox.put(FromLink(link, node, message))
+        if not isinstance(message, Heartbeat):
+            inbox.put(FromLink(link, node, message))
     link.close()
     inbox.put(FromLink(link, node, None, reason))
 
@@ -120,6 +162,7 @@ class Hub:
 
     def __init__(self, host: str, token: str, job: JobOffer,
                  inbox: queue.Queue[Any]) -> None:
+        self.link_timeout = job.spec.link_timeout
         self.token = token
         self.job = job
         self.inbox = inbox
@@ -166,6 +209,7 @@ class Hub:
                 return
             self.links[node] = link
         link.send(self.job)
+        link.keep_alive(self.link_timeout)
         read_into(link, node, self.inbox)
         with self._lock:
             self.links.pop(node, None)
@@ -247,4 +291,5 @@ def connect(endpoint: str, token: str, timeout: float = 60.0) -> tuple[Link, Job
     if not isinstance(job, JobOffer):
         link.close()
         raise HubError(f"unexpected first message {type(job).__name__} from the hub")
+    link.keep_alive(job.spec.link_timeout)  # the head's bound, on both sides
     return link, job

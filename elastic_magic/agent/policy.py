@@ -4,11 +4,12 @@ is tested without processes (tests/test_policy.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from enum import Enum
 
 from ..messages import Action
-from ..result import JobState
+from ..result import JobState, RankFailure, is_consequence
 
 
 @dataclass(frozen=True)
@@ -58,29 +59,49 @@ def most_urgent(a: Action | None, b: Action | None) -> Action | None:
     return a if _URGENCY[a] >= _URGENCY[b] else b
 
 
+def own_failure(failures: list[RankFailure]) -> RankFailure | None:
+    """The first rank that failed of itself (an error or exit of its own), not one that
+    lost its peers or that the agent's hang diagnosis named; else the root cause."""
+    own = (f for f in failures if f.reason is None and not is_consequence(f))
+    return next(own, failures[0] if failures else None)
+
+
 class Next(Enum):
     """What follows a group that has ended."""
 
     END = "end"
     RESTART = "restart"  # counts against --max-restarts
     NEW_ROUND = "new_round"  # a membership change: does not count
+    EXCLUDE = "exclude"  # go on without the failing slot, from the last commit: no restart
 
 
-def settle(step: Step, *, stop_requested: bool, node_failed: bool) -> Step:
+def settle(step: Step, *, stop_requested: bool, node_failed: bool,
+           regroup: bool = False) -> Step:
     """What ended the group, counting what arrived while it was torn down: a stop, or
-    another machine's failure for good, outranks a restart or a new round."""
+    another machine's failure for good, outranks a restart or a new round; a membership
+    change (a machine left or was lost) makes a failure a consequence of it: a regroup."""
     if step is Step.SUCCEEDED:
         return step
     if stop_requested:
         return Step.STOP
     if node_failed:
         return Step.NODE_FAILED
+    if step is Step.FAILED and regroup:
+        return Step.REGROUP
     return step
 
 
-def after_group(step: Step, restarts_used: int, max_restarts: int) -> Next:
+def after_group(step: Step, restarts_used: int, max_restarts: int, *,
+                failed_before: bool = False, can_shrink: bool = False) -> Next:
+    """``failed_before``: the failing slot (the root cause's) failed in an earlier attempt;
+    ``can_shrink``: one worker fewer is within the job's bounds (--min-nproc). Such a slot
+    is excluded when it fails again after a restart, or when no restart is left; a first
+    failure with restarts left restarts the group (most failures are transient)."""
     if step in (Step.REGROUP, Step.RESIZED):
         return Next.NEW_ROUND
+    if step is Step.FAILED and can_shrink and (failed_before
+                                               or restarts_used >= max_restarts):
+        return Next.EXCLUDE
     if step is Step.FAILED and restarts_used < max_restarts:
         return Next.RESTART
     return Next.END  # another machine's failure for good ends the job whatever is left
@@ -103,11 +124,33 @@ class Resize(Enum):
 
 @dataclass
 class Membership:
-    """This machine's worker count and the resize waiting to be applied."""
+    """This machine's worker count, the resize waiting to be applied, and its worker
+    slots: slot ``s`` is GPU ``s`` (or the s-th CPU worker). Local ranks are renumbered
+    from 0 in every group; slots are not, so a slot that keeps failing can be named and
+    left out. The group's slots are the ``nproc`` lowest that are not excluded."""
 
     nproc: int
     pending: int | None = None
     resizes: int = 0
+    excluded: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)  # slots that failed in some attempt
+
+    @property
+    def slots(self) -> list[int]:
+        usable = (s for s in itertools.count() if s not in self.excluded)
+        return list(itertools.islice(usable, self.nproc))
+
+    def failed_before(self, slot: int) -> bool:
+        """Note that ``slot`` failed; whether it had failed before."""
+        before = slot in self.failed
+        self.failed.add(slot)
+        return before
+
+    def exclude(self, slot: int) -> tuple[int, int]:
+        """Go on without ``slot``: (old, new) worker count."""
+        self.excluded.add(slot)
+        self.nproc -= 1
+        return self.nproc + 1, self.nproc
 
     def request(self, target: int, *, graceful: bool) -> Resize:
         """Note a resize to ``target``: applied at the next commit when ``graceful`` (no

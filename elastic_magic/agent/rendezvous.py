@@ -5,23 +5,17 @@ TCPStore hosted here). Worker process groups do NOT share that store: every roun
 fresh TCPStore, hosted by node rank 0's agent on an OS-assigned port, so a restarted group
 can never meet keys left by a dead one (the failure mode of torchrun's shared store).
 
-torch's TCPStore has no authentication, and torch's handler unpickles the rendezvous state
-it reads from it: whoever can write that key could run code in the kernel. So every value
-an agent reads from the rendezvous store and acts on is signed with the job's rendezvous
-key and verified first: the state through :class:`SignedBackend` (torch's c10d backend
-underneath, so the c10d semantics hold), our own keys through :func:`put_signed` and
-:func:`get_signed`. A value that fails verification is never unpickled or used: the job
-ends with :class:`RendezvousRejected`.
+Everything read from the rendezvous store is signed with the job's key and verified first
+(``signed.py``). When the head knows that a machine is gone (its link closed, or stopped
+carrying heartbeats), :meth:`Rendezvous.remove_node` takes it out of torch's state at once,
+as torch's own expiry of its heartbeat would some 15 s later.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import queue
 import socket
-import struct
 import threading
 import uuid
 from collections.abc import Callable
@@ -29,137 +23,27 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import Store, TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStateError
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous import RendezvousInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
-    RendezvousBackend,
     RendezvousTimeout,
-    Token,
+    _remove_participant_epilogue,
 )
 
 from . import quick_rounds  # noqa: F401  (torch's first-round sleep, skipped)
+from .signed import (
+    RendezvousRejected,
+    SignedBackend,
+    get_signed,
+    put_signed,
+    rendezvous_key,
+)
+
+__all__ = ["Rendezvous", "RendezvousRejected", "RoundInfo", "SignedBackend", "get_signed",
+           "hosted_store", "put_signed", "rendezvous_key"]
 
 _WORKER_STORE_KEY = "elastic_magic/worker_store"
 _LOCAL_SIZE_PREFIX = "elastic_magic/local_world_size/"
-_VERSION = struct.Struct("!Q")
-_MAC_BYTES = hashlib.sha256().digest_size
-
-
-class RendezvousRejected(RendezvousStateError):
-    """Something in the job's rendezvous store was not written by this job's agents.
-
-    A RendezvousError, so torch's heartbeat thread logs it rather than dying with it; the
-    agent learns of it from :attr:`Rendezvous.rejected`."""
-
-
-def rendezvous_key(token: str) -> bytes:
-    """The key a multi-node job signs its rendezvous store with: every machine of the job
-    holds the join token, and nobody else does."""
-    return hmac.new(token.encode(), b"elastic-magic rendezvous store", hashlib.sha256).digest()
-
-
-def _mac(key: bytes, name: str, value: bytes) -> bytes:
-    # The key's name is signed too: a value cannot be moved to another key.
-    return hmac.new(key, name.encode() + b"\0" + value, hashlib.sha256).digest()
-
-
-def _rejected(what: str, where: str) -> RendezvousRejected:
-    return RendezvousRejected(
-        f"unauthenticated rendezvous state rejected: {what} in the rendezvous store at "
-        f"{where}. It was not written by this job's agents, so it was not used; someone "
-        "who can reach that port wrote into the store, and the job was stopped. Keep the "
-        "rendezvous endpoint on a private network (see the README's Security section).")
-
-
-def put_signed(store: Store, key: bytes, name: str, value: str, *, scope: str = "") -> None:
-    """Set ``name`` to ``value`` with its MAC; ``scope`` (a run or round id) is signed with
-    it, so the value is refused anywhere else."""
-    mac = _mac(key, f"{scope}/{name}", value.encode())
-    store.set(name, f"{mac.hex()} {value}")
-
-
-def get_signed(store: Store, key: bytes, name: str, where: str, *, scope: str = "") -> str:
-    """The value of ``name`` (waiting for it), verified; RendezvousRejected otherwise."""
-    mac, _, value = store.get(name).partition(b" ")
-    if not hmac.compare_digest(mac, _mac(key, f"{scope}/{name}", value).hex().encode()):
-        raise _rejected(f"the value of {name!r} is not signed with this job's key", where)
-    return value.decode()
-
-
-class SignedBackend(RendezvousBackend):
-    """torch's c10d backend, except that every state written is signed with the job's key
-    and every state read is verified before torch's handler unpickles it.
-
-    A stored state is ``version (8 bytes) | HMAC-SHA256 | torch's pickle`` (base64-encoded
-    by the c10d backend, as before). Each write replaces the state it was based on
-    (compare_set) with the next version, so versions only grow: an older state written
-    back (a replay), a reset to "no state", or a deleted key is refused too."""
-
-    def __init__(self, store: Store, run_id: str, key: bytes, where: str,
-                 on_reject: Callable[[RendezvousRejected], None]) -> None:
-        self._inner = C10dRendezvousBackend(store, run_id)
-        self._store = store
-        self._name = f"torch.rendezvous.{run_id}"  # the key torch's backend keeps it under
-        self._key = key
-        self._where = where
-        self._on_reject = on_reject
-        self._seen = 0  # the highest version read so far
-
-    @property
-    def name(self) -> str:
-        return self._inner.name
-
-    def get_state(self) -> tuple[bytes, Token] | None:
-        # A get on a missing key would block until the store's timeout (a minute).
-        if not self._store.check([self._name]):
-            raise self._reject("the rendezvous state was deleted")
-        try:
-            found = self._inner.get_state()
-        except RendezvousStateError:  # not even base64: not ours
-            raise self._reject("the rendezvous state is not signed with this job's key") \
-                from None
-        if found is None:
-            self._no_state()
-            return None
-        state, token = found
-        return self._open(state), token
-
-    def set_state(self, state: bytes, token: Token | None = None
-                  ) -> tuple[bytes, Token, bool] | None:
-        version = _VERSION.pack(self._seen + 1)
-        sealed = version + _mac(self._key, self._name, version + state) + state
-        try:
-            found = self._inner.set_state(sealed, token)
-        except RendezvousStateError:
-            raise self._reject("the rendezvous state is not signed with this job's key") \
-                from None
-        if found is None:
-            self._no_state()
-            return None
-        current, new_token, written = found
-        return self._open(current), new_token, written
-
-    def _open(self, sealed: bytes) -> bytes:
-        version, mac = sealed[:_VERSION.size], sealed[_VERSION.size:_VERSION.size + _MAC_BYTES]
-        state = sealed[_VERSION.size + _MAC_BYTES:]
-        if len(mac) != _MAC_BYTES or not hmac.compare_digest(
-                mac, _mac(self._key, self._name, version + state)):
-            raise self._reject("the rendezvous state is not signed with this job's key")
-        (number,) = _VERSION.unpack(version)
-        if number < self._seen:
-            raise self._reject("an older rendezvous state was written back")
-        self._seen = number
-        return state
-
-    def _no_state(self) -> None:
-        if self._seen:  # only the very first read may find no state
-            raise self._reject("the rendezvous state was reset")
-
-    def _reject(self, what: str) -> RendezvousRejected:
-        error = _rejected(what, self._where)
-        self._on_reject(error)
-        return error
 
 
 def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
@@ -263,6 +147,7 @@ class Rendezvous:
                                                is_master=False, timeout=timedelta(seconds=60))
         self.handler: _Handler | None = self._new_handler(self.store)
         self.rounds = 0
+        self.sizes: list[int] = []  # every node's local world size in the last round
         self._worker_store: TCPStore | None = None
 
     def _new_handler(self, store: TCPStore) -> _Handler:
@@ -325,6 +210,7 @@ class Rendezvous:
                    str(local_world_size), scope=round_id)
         sizes = [int(get_signed(round_store, self.key, f"{_LOCAL_SIZE_PREFIX}{r}",
                                 self._where, scope=round_id)) for r in range(nnodes)]
+        self.sizes = sizes
         return RoundInfo(
             round=self.rounds,
             round_id=round_id,
@@ -369,6 +255,39 @@ class Rendezvous:
         if error is not None:
             raise error
         return info
+
+    def remove_node(self, addr: str, pid: int) -> int | None:
+        """Take the machine whose agent runs as ``pid`` on ``addr`` out of torch's state
+        (participants, wait list, redundancy list, heartbeats), as torch's sanitizer does
+        once a heartbeat expires: the next round completes without it at once. Its node
+        rank in the round it took part in, if any. Written through a second handler's
+        state holder (handlers are not thread-safe), compare-and-set until it holds."""
+        store, _ = self._live()
+        other = self._new_handler(store)
+        rank: int | None = None
+        try:
+            holder, settings = other._state_holder, other.settings
+            while True:
+                holder.sync()
+                state = holder.state
+                gone = {node for node in (*state.participants, *state.wait_list,
+                                          *state.redundancy_list, *state.last_heartbeats)
+                        if node.addr == addr and node.pid == pid}
+                if not gone:
+                    return rank
+                for node in gone:
+                    if node in state.participants and state.complete:
+                        rank = state.participants[node]
+                    state.participants.pop(node, None)
+                    state.wait_list.discard(node)
+                    state.redundancy_list.discard(node)
+                    state.last_heartbeats.pop(node, None)
+                _remove_participant_epilogue(state, settings)
+                holder.mark_dirty()
+                if holder.sync():
+                    return rank
+        finally:
+            other.release()
 
     def cancel(self) -> None:
         """Close the run id from a second handler: a next_round() blocked on another thread

@@ -11,13 +11,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from ..events import AcceptingNodes, EventSink, NetworkChosen, NodeConnected, Output
+from ..events import AcceptingNodes, EventSink, Excluded, NetworkChosen, NodeConnected, Output
 from ..messages import (
     Action,
     Commit,
-    CommitReply,
     EndJob,
     Forward,
     GroupResult,
@@ -36,11 +35,11 @@ from ..protocol import new_secret
 from ..result import JobState, RankFailure
 from ..spec import JobSpec
 from .group import WorkerGroup
-from .hub import HUB_KEY, FromLink, Hub, Link, read_into
+from .hub import HUB_KEY, FromLink, Hub, Link, join_command, read_into
 from .network import choose
 from .rendezvous import Rendezvous, RoundInfo, rendezvous_key
 from .snapshots import StateServer
-from .workers import Worker, take_handoff
+from .workers import Worker, take_memory_file
 
 if TYPE_CHECKING:
     from ..payload import Payload
@@ -48,24 +47,6 @@ if TYPE_CHECKING:
 # Waits for the next incoming message up to a timeout, handles it, and says what the loop
 # must do about it (None: nothing).
 NextAction = Callable[[float], Action | None]
-
-
-def _take_memory_file(worker: Worker, request: StateRequest) -> int | Literal[False] | None:
-    """The memory file a commit's snapshot is in, now ours; None for a snapshot sent as
-    bytes; False when the file cannot be read here (the worker is told to use the pipe)."""
-    if not isinstance(request, Commit) or request.handoff is None:
-        return None
-    memory_file = take_handoff(worker, request.handoff)
-    if memory_file is None:
-        worker.send(Reply(request.request_id, CommitReply(handoff_failed=True)))
-        return False
-    return memory_file
-
-
-def join_command(endpoint: str, token: str) -> str:
-    """What other machines run. The token goes in the environment, never on the command
-    line, where every user of that machine would see it (ps)."""
-    return f"ELASTIC_MAGIC_TOKEN={token} elastic-magic join {endpoint}"
 
 
 class SingleMachine:
@@ -81,6 +62,7 @@ class SingleMachine:
         self.emit = emit
         self.stop_reason: str | None = None  # why a link asked this agent to stop
         self.node_failures: list[RankFailure] = []  # another machine's, for good
+        self.excluded: list[str] = []  # machines the job went on without, and why
         # Signs what the rendezvous store holds: a secret of this job alone.
         self.rdzv_key = new_secret()
 
@@ -98,7 +80,7 @@ class SingleMachine:
               world_size: int) -> None:
         """Answer a local rank's State request from the snapshots held here."""
         assert server is not None
-        memory_file = _take_memory_file(worker, request)
+        memory_file = take_memory_file(worker, request)
         if memory_file is False:
             return
         if isinstance(request, Commit):
@@ -115,6 +97,10 @@ class SingleMachine:
 
     def regrouping(self) -> None:
         """This agent leaves its group for a new round."""
+
+    def reforming(self) -> None:
+        """This agent's group failed and a new one follows (a restart, a slot left out):
+        the other machines' ranks lose their peers, which is a regroup there."""
 
     def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
         return False
@@ -149,6 +135,8 @@ class Head(SingleMachine):
         self.inbox = inbox
         self.hub: Hub | None = None
         self.names: dict[int, str] = {}  # hub connection -> the machine's address
+        self.pids: dict[int, int] = {}  # hub connection -> its agent's pid
+        self.rendezvous: Rendezvous | None = None
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
 
     def open(self) -> Rendezvous:
@@ -164,13 +152,15 @@ class Head(SingleMachine):
         self.join_command = join_command(rendezvous.endpoint, self.token)
         self.emit(self.network)
         self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
+        self.rendezvous = rendezvous
         return rendezvous
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
         match item.message:
-            case Hello(host, nproc):
+            case Hello(host, nproc, pid):
                 self.names[item.node] = host
+                self.pids[item.node] = pid
                 self.emit(NodeConnected(host, nproc, True))
             case Forward(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0
@@ -183,14 +173,50 @@ class Head(SingleMachine):
             case GroupResult() as result:
                 self.results.setdefault(result.round_id, {})[result.node_rank] = result
             case NodeFinished(JobState.FAILED, failures) if failures:
-                self.node_failures += failures  # that machine has no restarts left
-                return Action.NODE_FAILED
+                # That machine has no restarts left: the others go on without it if the
+                # job's bounds allow.
+                why = f"its workers failed with no restart left ({failures[0].headline})"
+                return self._lost(item.node, why, group, failures)
+            case NodeFinished():  # the job is over for it: not a loss
+                self.pids.pop(item.node, None)
             case Leaving():  # its ranks are about to go: regroup without them
+                self.pids.pop(item.node, None)
                 self._left(item.node)
                 return Action.REGROUP
+            case Regroup():  # its group failed: its ranks' peers lose them, here too
+                return Action.REGROUP
+            case None if item.node in self.pids:  # no Leaving: the machine is lost
+                why = item.reason or "its link closed without notice (its agent was killed " \
+                    "or crashed)"
+                return self._lost(item.node, why, group)
             case None:
                 self._left(item.node, item.link.peer, item.reason)
         return None
+
+    def _lost(self, node: int, why: str, group: WorkerGroup | None,
+              failures: list[RankFailure] | None = None) -> Action | None:
+        """A machine is gone for good: out of torch's rendezvous now (no wait for its
+        heartbeat there to expire); the others regroup without it while the job's bounds
+        allow, else the job fails with it as the root cause."""
+        host, pid = self.names.pop(node, "?"), self.pids.pop(node, 0)
+        rendezvous = self.rendezvous
+        node_rank = rendezvous.remove_node(host, pid) if rendezvous else None
+        if node_rank is None and not failures:
+            self.emit(NodeConnected(host, 0, False, why))  # it was in no group yet
+            return None
+        what = f"machine {host}" + (f" (node {node_rank})" if node_rank is not None else "")
+        goes_on = 1 + len(self.pids) >= self.spec.min_nodes
+        self.emit(Excluded(what, why, goes_on))
+        if goes_on:
+            self.excluded.append(f"{what}: {why}")
+            return Action.REGROUP
+        sizes = rendezvous.sizes if rendezvous else []
+        first_rank = sum(sizes[:node_rank]) if node_rank is not None \
+            and node_rank < len(sizes) else -1
+        self.node_failures += failures or [RankFailure(
+            rank=first_rank, local_rank=0, attempt=group.attempt if group else 0, pid=pid,
+            time=time.time(), reason=f"{what} was lost: {why}")]
+        return Action.NODE_FAILED
 
     def _left(self, node: int, peer: str = "", reason: str | None = None) -> None:
         """A machine left; one whose link failed is reported even if it never said hello."""
@@ -210,6 +236,8 @@ class Head(SingleMachine):
         if self.hub is not None:
             self.hub.broadcast(Regroup())
 
+    reforming = regrouping
+
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
                      next_action: NextAction) -> JobState:
         """Wait for every other machine's results of this round."""
@@ -223,6 +251,8 @@ class Head(SingleMachine):
                 return JobState.STOPPED
             if action is Action.NODE_FAILED:
                 return JobState.FAILED
+            if action is Action.REGROUP:  # a machine went before its results came
+                return JobState.RESIZING  # so re-form, and finish from the last commit
         return JobState.SUCCEEDED
 
     def other_ranks(self, info: RoundInfo | None) -> tuple[dict[int, Result],
@@ -255,7 +285,10 @@ class JoinedJob:
 
 class JoinedMachine(SingleMachine):
     """A machine that joined the head's job: it follows the head's rendezvous, proxies its
-    workers' State requests to the head and reports its results there."""
+    workers' State requests to the head and reports its results there. It does not watch
+    for waiting machines itself (the head does, and says Regroup): a read of the head's
+    store could block its loop for the store's timeout on a cut link, long after the
+    link's own timeout has said that the head is lost."""
 
     hosts_rendezvous = False
 
@@ -263,6 +296,7 @@ class JoinedMachine(SingleMachine):
                  inbox: queue.Queue[Any]) -> None:
         super().__init__(spec, run_id, emit)
         self.link = joined.link
+        self.head_lost = False
         self.joined = joined
         self.rdzv_key = joined.rdzv_key
         self._reader = threading.Thread(target=read_into, args=(self.link, 0, inbox),
@@ -290,15 +324,21 @@ class JoinedMachine(SingleMachine):
                 self.stop_reason = reason
                 return Action.STOP
             case None:
-                self.stop_reason = f"the link to the head failed: {item.reason}" \
-                    if item.reason else "the head of the job (the notebook's kernel) went away"
-                return Action.STOP
+                # The job cannot go on here without the head: stop the workers, and fail
+                # (a scheduler sees this machine's agent end in error).
+                why = f"the link to the head failed: {item.reason}" if item.reason \
+                    else "the head of the job (the notebook's kernel) went away"
+                self.head_lost = True
+                self.node_failures.append(RankFailure(
+                    rank=-1, local_rank=-1, attempt=group.attempt if group else 0, pid=0,
+                    time=time.time(), reason=f"lost the head at {self.link.peer}: {why}"))
+                return Action.NODE_FAILED
         return None
 
     def serve(self, worker: Worker, request: StateRequest, server: StateServer | None,
               world_size: int) -> None:
         """The head holds the snapshots: a snapshot in a memory file crosses as bytes."""
-        memory_file = _take_memory_file(worker, request)
+        memory_file = take_memory_file(worker, request)
         if memory_file is False:
             return
         if memory_file is not None:
@@ -313,8 +353,8 @@ class JoinedMachine(SingleMachine):
     def stop_requested(self, reason: str) -> None:
         self.link.send(Leaving(reason))  # a membership change there, before our ranks go
 
-    def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
-        return rendezvous.num_nodes_waiting() > 0
+    def reforming(self) -> None:
+        self.link.send(Regroup())  # the head regroups every machine
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
                      next_action: NextAction) -> JobState:
@@ -329,7 +369,15 @@ class JoinedMachine(SingleMachine):
             self.link.close()
 
     def close_rendezvous(self, rendezvous: Rendezvous | None) -> None:
-        if rendezvous is not None:  # the run id stays open: the job belongs to the head
+        if rendezvous is None:  # the run id stays open: the job belongs to the head
+            return
+        if self.head_lost:
+            # torch's rendezvous heartbeat thread may wait on the lost head's store for the
+            # store's timeout (a minute), and releasing the handler joins it. This agent is
+            # about to exit (elastic-magic join): it does not wait for that thread.
+            threading.Thread(target=rendezvous.close, kwargs={"shutdown": False},
+                             name="elastic-rendezvous-close", daemon=True).start()
+        else:
             rendezvous.close(shutdown=False)
 
 

@@ -7,10 +7,9 @@ machine) and the State server carry it out and report back."""
 
 from __future__ import annotations
 
-import os
 import queue
 import time
-from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
@@ -18,7 +17,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from ..events import (
     Committed,
     EventSink,
-    JobFinished,
+    Excluded,
     MembershipChanged,
     RendezvousCompleted,
     ResizeRequested,
@@ -37,8 +36,9 @@ from ..messages import (
 )
 from ..payload import Payload
 from ..protocol import new_secret
-from ..result import JobResult, JobState, assemble_result, root_cause_order
+from ..result import JobResult, JobState, is_consequence, root_cause_order
 from ..spec import JobSpec
+from .ending import finish
 from .group import WorkerGroup
 from .hangs import HangWatch
 from .hub import FromLink
@@ -51,6 +51,7 @@ from .policy import (
     after_group,
     final_state,
     most_urgent,
+    own_failure,
     settle,
 )
 from .policy import while_running as decide
@@ -97,6 +98,8 @@ class Agent:
         self.stop_reason: str | None = None
         self.stop_requested = False
         self.node_failed = False  # another machine failed for good: latched, as a stop
+        self.regroup_heard = False  # in this group: a failure then is a consequence of it
+        self.excluded: list[str] = []  # this machine's slots left out, and why
         self.uses_state = False  # a worker asked for the elastic State
 
     # -- the loop ------------------------------------------------------------------------
@@ -104,7 +107,7 @@ class Agent:
     def run(self) -> JobResult:
         final = JobState.FAILED
         try:
-            self._set_state(JobState.RENDEZVOUS)
+            self.set_state(JobState.RENDEZVOUS)
             self.run_lock = open_run(self.log_root)  # first, so no prune takes this run
             if is_default(self.spec.log_dir):
                 prune(self.spec.log_dir)
@@ -120,27 +123,34 @@ class Agent:
                     self.emit(MembershipChanged(*change))
                 info = self._next_round()
                 if info is None:
-                    final = JobState.STOPPED
+                    failed = self.node_failed and not self.stop_requested
+                    final = JobState.FAILED if failed else JobState.STOPPED
+                    self.failures = list(self.role.node_failures) if failed else []
                     break
                 self._start_group(info)
                 step = settle(self._end_group(self._monitor(), info),
-                              stop_requested=self.stop_requested, node_failed=self.node_failed)
+                              stop_requested=self.stop_requested, node_failed=self.node_failed,
+                              regroup=self.regroup_heard)
+                if step is Step.NODE_FAILED:  # what ended it here comes first
+                    self.failures = [*self.role.node_failures, *root_cause_order(self.failures)]
                 final = final_state(step)
-                next_ = after_group(step, self.restarts, self.spec.max_restarts)
+                next_ = self._after_group(step)
                 if next_ is Next.END:
                     break
+                if next_ in (Next.RESTART, Next.EXCLUDE):
+                    self.role.reforming()
                 if next_ is Next.RESTART:
                     self.restarts += 1
                     self.board.publish(restarts=self.restarts)
-                    self._set_state(JobState.RESTARTING)
+                    self.set_state(JobState.RESTARTING)
                     self.emit(Restarting(self.restarts, self.spec.max_restarts,
                                          self.failures[0]))
-                self._set_state(JobState.RENDEZVOUS)
+                self.set_state(JobState.RENDEZVOUS)
         except BaseException:
             final = JobState.FAILED
             raise
         finally:
-            result = self._finish(final)
+            result = finish(self, final)
         return result
 
     def _monitor(self) -> Step:
@@ -149,7 +159,7 @@ class Agent:
         while True:
             action = self._next_action(self.spec.monitor_interval)
             status = self.hangs.watch(self.group.poll(), self.group)
-            step = decide(action, self._regroup_due(), status)
+            step = decide(action, action is None and self._regroup_due(), status)
             if step is not Step.WAIT:
                 self._carry_out(step)
                 self.board.publish(pids=self.group.live_pids())
@@ -159,26 +169,28 @@ class Agent:
         group = self.group
         assert group is not None
         if step is Step.STOP:  # SIGINT first: the cell sees KeyboardInterrupt
-            self._set_state(JobState.STOPPING)
+            self.set_state(JobState.STOPPING)
             self.role.stopping_job(self.stop_reason or "stopped")
             group.interrupt()
         elif step is Step.REGROUP:
             self.role.regrouping()
-            self._set_state(JobState.RESIZING)
+            self.set_state(JobState.RESIZING)
             group.stop_now()
         elif step is Step.NODE_FAILED:
-            self._set_state(JobState.STOPPING)
+            self.set_state(JobState.STOPPING)
             group.stop_now()
-            self.failures = root_cause_order([*self.failures, *self.role.node_failures])
         elif step is Step.FAILED:
-            self._set_state(JobState.STOPPING)
+            self.set_state(JobState.STOPPING)
             teardown_at = group.tear_down()
             self._drain()  # error reports still in flight
             self.failures = self.hangs.explain(group.failures_before(teardown_at))
+            self._await_cause()
+            if self.regroup_heard or self.node_failed:  # a machine went: its consequences
+                self.failures = [replace(f, consequence=True) for f in self.failures]
             for failure in self.failures:
                 self.emit(WorkerFailed(failure))
         elif step is Step.RESIZED:
-            self._set_state(JobState.RESIZING)
+            self.set_state(JobState.RESIZING)
             group.release()
         elif step is Step.SUCCEEDED:
             group.release()
@@ -191,68 +203,11 @@ class Agent:
         outcome = self.role.finish_round(info, self.group, self._next_action)
         if outcome is JobState.STOPPED:
             return Step.STOP
+        if outcome is JobState.RESIZING:  # a machine was lost before its results came
+            return Step.REGROUP
         if outcome is JobState.FAILED:
-            self.failures = root_cause_order([*self.failures, *self.role.node_failures])
             return Step.NODE_FAILED
         return Step.SUCCEEDED
-
-    def _finish(self, final: JobState) -> JobResult:
-        """Release everything the job held and tell the other machines, each step even
-        when an earlier one raised; then report the result."""
-        errors: list[BaseException] = []
-
-        def attempt(release: Callable[[], object]) -> None:
-            try:
-                release()
-            except Exception as exc:
-                errors.append(exc)
-
-        attempt(self._close_group)
-        attempt(self._release_run_lock)
-        attempt(lambda: self.role.close_rendezvous(self.rendezvous))
-        result: JobResult | None = None
-        try:
-            result = self._result(final)
-        finally:
-            attempt(self.hangs.close)
-            attempt(self.snapshots.close)
-            attempt(lambda: self._set_state(final))
-            attempt(lambda: self.role.finished(final, self.failures))
-            if result is not None:
-                attempt(lambda: self.emit(JobFinished(result)))
-            # The State server calls back into this agent: without this, the stores and
-            # pipes would wait for the garbage collector (a notebook ran out of files).
-            self.server = self.rendezvous = self.group = None
-        if errors:
-            raise errors[0]
-        return result
-
-    def _result(self, final: JobState) -> JobResult:
-        others, other_tails = self.role.other_ranks(self.round) \
-            if final is JobState.SUCCEEDED else ({}, {})
-        # The result is plain data: assembling it cannot fail on a released resource.
-        group = self.group
-        return assemble_result(
-            run_id=self.run_id, state=final, world_size=self.world_size,
-            restarts=self.restarts, max_restarts=self.spec.max_restarts,
-            started=self.board.current.started, log_dir=self.log_root,
-            failures=self.failures, stop_reason=self.stop_reason,
-            resizes=self.membership.resizes, commit=self.snapshots.meta,
-            snapshot=self.snapshots.blob,
-            ranks={**(group.results() if group else {}), **others},
-            tails={**(group.tails() if group else {}), **other_tails},
-            stacks=self.hangs.kept,
-        )
-
-    def _release_run_lock(self) -> None:
-        if self.run_lock is not None:
-            os.close(self.run_lock)
-            self.run_lock = None
-
-    def _close_group(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.board.publish(pids={})
 
     # -- rounds and groups ---------------------------------------------------------------
 
@@ -262,7 +217,7 @@ class Agent:
         assert self.rendezvous is not None
         try:
             info = self.rendezvous.next_round_unless(
-                self.membership.nproc, lambda: self._drain() is Action.STOP,
+                self.membership.nproc, lambda: self._drain() in (Action.STOP, Action.NODE_FAILED),
                 self.spec.monitor_interval, cancel=self.role.hosts_rendezvous)
         except RendezvousClosedError:
             if self.role.hosts_rendezvous:
@@ -280,15 +235,17 @@ class Agent:
         self.attempt += 1
         self.world_size = info.world_size
         self.regroup_clock.reset()
+        self.regroup_heard = False
         self.failures = []
-        self._set_state(JobState.STARTING)
+        self.set_state(JobState.STARTING)
         group = self.group = WorkerGroup(self.attempt, info.base_rank, self.membership.nproc)
 
         def env_for(worker: Worker) -> dict[str, str]:
             error_file = rank_dir(self.log_root, self.attempt, worker.global_rank) / "error.json"
             return torchrun_env(worker, info, self.spec, nproc=self.membership.nproc,
                                 run_id=self.run_id, restart_count=self.restarts,
-                                error_file=error_file, network=self.role.network)
+                                error_file=error_file, network=self.role.network,
+                                slots=self.membership.slots)
 
         group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
                     log_root=self.log_root, inbox=self.inbox,
@@ -329,6 +286,12 @@ class Agent:
         return Action.NODE_FAILED if self.node_failed else None
 
     def _handle(self, item: Any) -> Action | None:
+        action = self._dispatch(item)
+        if action is Action.REGROUP:
+            self.regroup_heard = True
+        return action
+
+    def _dispatch(self, item: Any) -> Action | None:
         if self.hangs.handle(item, self.group):  # stacks and progress
             return None
         match item:
@@ -348,7 +311,7 @@ class Agent:
                 if request is not None:
                     self._serve(self.group.workers[item.local_rank], request)
                 elif self.state is JobState.STARTING and self.group.running:
-                    self._set_state(JobState.RUNNING)
+                    self.set_state(JobState.RUNNING)
             case FromLink():
                 if isinstance(item.message, NodeRequest):
                     self.uses_state = True  # another machine's ranks use State
@@ -361,6 +324,38 @@ class Agent:
                 return action
         return None
 
+    # -- decisions after a group ---------------------------------------------------------
+
+    def _after_group(self, step: Step) -> Next:
+        """What follows; a slot excluded here is left out of the next round."""
+        cause = own_failure(self.failures) if step is Step.FAILED else None
+        slot = self.membership.slots[cause.local_rank] if cause else None
+        next_ = after_group(
+            step, self.restarts, self.spec.max_restarts,
+            failed_before=slot is not None and self.membership.failed_before(slot),
+            can_shrink=slot is not None and self.membership.nproc > self.spec.min_nproc)
+        if next_ is Next.EXCLUDE and cause and slot is not None:
+            self.emit(MembershipChanged(*self.membership.exclude(slot)))
+            again = "failed again after a restart" if self.restarts \
+                else "failed, no restart left"
+            what, why = f"slot {slot} of this machine", f"{again} (rank {cause.rank}: " \
+                f"{cause.headline})"
+            self.excluded.append(f"{what}: {why}")
+            self.emit(Excluded(what, why, goes_on=True))
+        return next_
+
+    def _await_cause(self) -> None:
+        """Ranks that only lost their peers, in a job of several machines: the cause is on
+        another machine, whose word (a regroup, its failure for good, its loss) comes
+        within the link timeout; a restart here would be spent on someone else's fault."""
+        if not (self.spec.multi_node and self.failures
+                and all(is_consequence(f) for f in self.failures)):
+            return
+        deadline = time.monotonic() + self.spec.link_timeout
+        while not (self.regroup_heard or self.node_failed or self.stop_requested) \
+                and (left := deadline - time.monotonic()) > 0:
+            self._next_action(left)
+
     # -- State ---------------------------------------------------------------------------
 
     def _serve(self, worker: Worker, request: StateRequest) -> None:
@@ -371,7 +366,7 @@ class Agent:
         """Every rank leaves at this commit when this machine resizes or others wait."""
         leave = self.membership.resize_pending or self._nodes_waiting()
         if leave:
-            self._set_state(JobState.RESIZING)
+            self.set_state(JobState.RESIZING)
         return leave
 
     def _committed(self, event: Committed) -> None:
@@ -392,7 +387,7 @@ class Agent:
         graceful = self.uses_state and self.state is JobState.RUNNING
         return self.regroup_clock.due(now, waiting, graceful)
 
-    def _set_state(self, state: JobState) -> None:
+    def set_state(self, state: JobState) -> None:
         if state is not self.state or state is JobState.RENDEZVOUS:
             self.state = state
             self.board.publish(state=state, finished=time.time() if state.is_final else None)

@@ -23,17 +23,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..events import EventSink, NetworkChosen
 from ..logs import make_rank_dir
 from ..messages import (
+    Commit,
+    CommitReply,
     ErrorInfo,
     Exit,
     Handoff,
     Reply,
     Result,
     Run,
+    StateRequest,
     WorkerMessage,
 )
 from ..protocol import Channel, ProtocolError, widen_pipe
@@ -168,10 +171,12 @@ def inherited_env(nproc: int) -> dict[str, str]:
 
 def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,
                  restart_count: int, error_file: Path,
-                 network: NetworkChosen | None = None) -> dict[str, str]:
+                 network: NetworkChosen | None = None,
+                 slots: list[int] | None = None) -> dict[str, str]:
     """The kernel's environment plus every variable torchrun sets, with its meaning, for
     ``worker`` of this machine's ``nproc`` in round ``info``; the interface chosen for this
-    machine (``network``, a multi-node job); then the job's ``--env``."""
+    machine (``network``, a multi-node job); its worker slots (``slots``, see
+    ``policy.Membership``); then the job's ``--env``."""
     world_size = info.world_size
     env = inherited_env(nproc)
     env.update({
@@ -196,6 +201,14 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
     })
     if network is not None:
         env.update(network.variables)
+    slots = slots or list(range(nproc))
+    env["ELASTIC_MAGIC_SLOT"] = str(slots[worker.local_rank])
+    visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",") \
+        if os.environ.get("CUDA_VISIBLE_DEVICES") else [str(i) for i in range(spec.gpus)]
+    if spec.gpus and slots != list(range(nproc)) and max(slots) < len(visible):
+        # A GPU left out: LOCAL_RANK i must still be the i-th visible GPU (the cell, as
+        # torchrun's scripts do, calls set_device(LOCAL_RANK)).
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[s] for s in slots)
     env.update(spec.env)
     return env
 
@@ -262,6 +275,18 @@ def _read_reports(worker: Worker, channel: Channel, inbox: queue.Queue[Any]) -> 
             channel.close()
             return
         inbox.put(WorkerReport(worker.attempt, worker.local_rank, message, time.time()))
+
+
+def take_memory_file(worker: Worker, request: StateRequest) -> int | Literal[False] | None:
+    """The memory file a commit's snapshot is in, now ours; None for a snapshot sent as
+    bytes; False when the file cannot be read here (the worker is told to use the pipe)."""
+    if not isinstance(request, Commit) or request.handoff is None:
+        return None
+    memory_file = take_handoff(worker, request.handoff)
+    if memory_file is None:
+        worker.send(Reply(request.request_id, CommitReply(handoff_failed=True)))
+        return False
+    return memory_file
 
 
 def take_handoff(worker: Worker, offer: Handoff) -> int | None:

@@ -10,6 +10,7 @@ from ..events import (
     AcceptingNodes,
     Committed,
     Event,
+    Excluded,
     JobFinished,
     MembershipChanged,
     NetworkChosen,
@@ -63,6 +64,10 @@ def describe(event: Event) -> Note | None:
         case NodeConnected(peer=peer, nproc=nproc, connected=connected, reason=reason):
             verb = f"joined with {count_of(nproc, 'worker')}" if connected else "left"
             return Note("nodes", f"machine {peer} {verb}" + (f": {reason}" if reason else ""))
+        case Excluded(what=what, why=why, goes_on=goes_on):
+            then = "the others go on from the last commit (not a restart)" if goes_on \
+                else "too few are left to go on"
+            return Note("excluded", f"{what} excluded: {why}; {then}")
         case NetworkChosen():
             return Note("network", network_text(event))
         case JobFinished(result=result):

@@ -1,0 +1,123 @@
+"""A machine is lost from a running job: from the loss to the head's rank running user code
+again in the smaller world. Both sides on loopback, one worker per machine, 2 -> 1 machines.
+
+- killed: the joined machine's agent is SIGKILLed (its link closes without a Leaving).
+- frozen: the agent and all its processes are SIGSTOPped (a stand-in for a cut link: only the
+  missing heartbeats tell), with ``--link-timeout 2``.
+
+Each run reports: detected (the loss -> the head names the machine), regrouped (the loss ->
+the smaller group's workers started), running (the loss -> the rank runs user code again),
+and beyond_start (workers started -> running: the workers' own start, the part that is not
+ours). Before heartbeats and the rendezvous clean-up, a kill cost about 16 s of waiting for
+torch's rendezvous heartbeat to expire, and a frozen machine went unnoticed until the
+collective timeout.
+
+Usage: python benchmarks/lose.py [--repeat 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from elastic import RESIZE_CELL  # benchmarks/ is on sys.path when run as a script
+
+from elastic_magic.agent.job import Job
+from elastic_magic.events import Excluded, Output, WorkersStarted
+from elastic_magic.payload import build_payload
+from elastic_magic.spec import JobSpec
+
+HANG = 60.0
+
+
+def lose(how: str) -> dict[str, float]:
+    spec = JobSpec.create(1, nnodes="1:2", link_timeout=2)
+    job = Job(spec, build_payload(RESIZE_CELL, spec)).start()
+    seen: dict[str, float] = {}
+    lost_at: list[float] = []
+    joiner: list[subprocess.Popen[bytes]] = []
+    frozen: list[psutil.Process] = []
+
+    def render(events: list) -> None:
+        for event in events:
+            after = bool(lost_at) and event.time >= lost_at[0]
+            if isinstance(event, Output) and after and "running" not in seen:
+                if any(line.startswith("READY") and line.endswith(" 1")
+                       for line in event.lines):
+                    seen["running"] = float(next(
+                        line.split()[1] for line in event.lines if line.startswith("READY")))
+            elif isinstance(event, Excluded) and "detected" not in seen:
+                seen["detected"] = event.time
+            elif isinstance(event, WorkersStarted) and after and "started" not in seen:
+                seen["started"] = event.time
+
+    def drive() -> None:
+        command = job.wait_for_join_command(timeout=60)
+        assert command is not None
+        assignment, _program, *args = shlex.split(command)
+        variable, _, token = assignment.partition("=")
+        joiner.append(subprocess.Popen(
+            [sys.executable, "-m", "elastic_magic.cli", *args, "--nproc", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            env={**os.environ, variable: token}))
+        deadline = time.monotonic() + HANG
+        while (job.last_commit or {}).get("world_size") != 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # a few shared commits
+        agent = psutil.Process(joiner[0].pid)
+        targets = [agent] if how == "killed" else [agent, *agent.children(recursive=True)]
+        lost_at.append(time.time())
+        for proc in targets:  # ours, by PID
+            proc.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        frozen.extend(targets if how == "frozen" else [])
+        while "running" not in seen and time.monotonic() < deadline + HANG and not job.done:
+            time.sleep(0.02)
+        job.stop("benchmark done")
+
+    threading.Thread(target=drive, daemon=True).start()
+    try:
+        job.wait(render)
+    finally:
+        for proc in reversed(frozen):
+            proc.send_signal(signal.SIGCONT)
+        for popen in joiner:
+            popen.wait(timeout=60)
+    if not lost_at or "running" not in seen:
+        return {}
+    return {"detected": seen["detected"] - lost_at[0],
+            "regrouped": seen["started"] - lost_at[0],
+            "running": seen["running"] - lost_at[0],
+            "beyond_start": seen["running"] - seen["started"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    opts = parser.parse_args()
+    runs = {how: [lose(how) for _ in range(opts.repeat)] for how in ("killed", "frozen")}
+    report: dict = {"cpus": os.cpu_count(), "repeat": opts.repeat, "runs": runs}
+    print(f"a machine is lost: seconds from the loss (median of {opts.repeat})")
+    for how, results in runs.items():
+        done = [r for r in results if r]
+        medians = {key: statistics.median(r[key] for r in done) for key in
+                   ("detected", "regrouped", "running", "beyond_start")} if done else {}
+        report[f"median_{how}"] = medians
+        text = "  ".join(f"{k} {v:5.2f}" for k, v in medians.items()) or "n/a"
+        print(f"  {how:7s} {text}   failed {len(results) - len(done)}/{opts.repeat}")
+    if opts.json:
+        opts.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
