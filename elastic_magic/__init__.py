@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .events import JobState
     from .payload import PayloadError
     from .result import JobFailedError, JobResult, RankFailure
+    from .session import Session, SessionEndedError
     from .spec import JobSpec, SpecError
     from .state import ElasticSampler, State
 
@@ -35,6 +36,8 @@ _EXPORTS = {
     "PayloadError": ".payload",
     "RankFailure": ".result",
     "SpecError": ".spec",
+    "Session": ".session",
+    "SessionEndedError": ".session",
     "ElasticSampler": ".state",
     "State": ".state",
     "launch": ".api",
@@ -50,6 +53,8 @@ __all__ = [
     "JobState",
     "PayloadError",
     "RankFailure",
+    "Session",
+    "SessionEndedError",
     "SpecError",
     "State",
     "launch",

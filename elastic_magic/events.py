@@ -126,6 +126,29 @@ class NodeConnected:
 
 
 @dataclass(frozen=True)
+class SessionBroken:
+    """A session's group cannot run the next cell (a rank died, or did not come back from
+    an interrupt): it is re-formed before the next cell, or the session ends (restarts
+    spent)."""
+
+    reason: str
+    restart_count: int  # the re-formation it will be (restarts so far, this one included)
+    max_restarts: int
+    reforms: bool
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class SessionReformed:
+    """A session's group was formed again: setup cells replayed, State restored."""
+
+    setup_cells: int
+    step: Any  # of the State restored; None when the session keeps no State
+    world_size: int
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class JobFinished:
     result: JobResult
     time: float = field(default_factory=_now)
@@ -134,6 +157,6 @@ class JobFinished:
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
-    | JobFinished | RanksFinished
+    | JobFinished | RanksFinished | SessionBroken | SessionReformed
 )
 EventSink = Callable[[Event], None]

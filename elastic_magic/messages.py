@@ -3,7 +3,7 @@
 Three conversations share this vocabulary, each over signed frames (``protocol.py``):
 
 - agent -> worker (control pipe): :class:`Run`, :class:`Reply`, :class:`Exit`,
-  :class:`DumpStacks`;
+  :class:`DumpStacks`, :class:`Interrupt`;
 - worker -> agent (report pipe): :class:`Running`, :class:`Result`, :class:`Failed`,
   :class:`Resized`, the State requests :class:`StateGet` and :class:`Commit`, and
   :class:`Progress` and :class:`Stacks` for hang diagnosis;
@@ -78,6 +78,12 @@ class DumpStacks:
     keeps running)."""
 
     request_id: int
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """A session's cell is interrupted: KeyboardInterrupt in the rank's running code (none
+    when it is idle); the worker lives on."""
 
 
 # -- worker -> agent ------------------------------------------------------------------

@@ -16,6 +16,8 @@ from ..events import (
     RendezvousCompleted,
     ResizeRequested,
     Restarting,
+    SessionBroken,
+    SessionReformed,
     WorkerFailed,
     WorkersStarted,
 )
@@ -60,6 +62,16 @@ def describe(event: Event) -> Note | None:
         case NodeConnected(peer=peer, nproc=nproc, connected=connected, reason=reason):
             verb = f"joined with {count_of(nproc, 'worker')}" if connected else "left"
             return Note("nodes", f"machine {peer} {verb}" + (f": {reason}" if reason else ""))
+        case SessionBroken(reason=reason, reforms=True, restart_count=count, max_restarts=most):
+            return Note("restart", f"{reason}: the session re-forms before the next cell "
+                                   f"(restart {count}/{most})")
+        case SessionBroken(reason=reason, max_restarts=most):
+            return Note("failed", f"{reason}: the session has ended ({most} restarts spent; "
+                                  "--max-restarts allows more)")
+        case SessionReformed(setup_cells=cells, step=step, world_size=size):
+            state = "" if step is None else f", State at step {step}"
+            return Note("reformed", f"session re-formed: {count_of(cells, 'setup cell')} "
+                                    f"replayed{state}; world size {size}")
         case JobFinished(result=result):
             reason = f" ({result.stop_reason})" if result.stop_reason else ""
             return Note(result.state.value,

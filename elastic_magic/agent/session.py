@@ -1,0 +1,368 @@
+"""A session's agent: the job's agent kept alive between cells (design decision 15).
+
+The group is formed as a job's is (rendezvous round, workers from the warm pool, torchrun's
+environment), then waits: each cell is one payload that every rank runs in its persistent
+namespace (``worker/session.py``). Between cells the agent blocks on its inbox (no polling):
+a worker that dies while idle arrives there as its report pipe closing. A group that broke
+(a rank died, or did not come back from an interrupt) is re-formed before the next cell:
+a new round, fresh workers, the setup cells replayed in order (a ``State`` they make restores
+the last commit). Re-formations after a failure count against ``--max-restarts``; a resize
+does not. What to do is decided in ``policy`` (``during_cell``, ``reform_allowed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..events import (
+    Event,
+    MembershipChanged,
+    Output,
+    SessionBroken,
+    SessionReformed,
+    WorkerFailed,
+)
+from ..logs import is_default, open_run, prune
+from ..messages import Action, Exit, Interrupt, Run
+from ..payload import Payload, build_payload
+from ..result import JobResult, JobState, RankFailure, assemble_result, root_cause_order
+from ..spec import JobSpec
+from ..worker import session as worker_session
+from ..worker.session import CELL_END_MARK
+from .policy import CellStatus, CellStep, during_cell, reform_allowed
+from .status import StatusBoard
+from .supervisor import Agent
+from .workers import WorkerState, wait_for_exit
+
+# Ranks still in the cell this long after an interrupt are stuck (a collective, C code).
+INTERRUPT_GRACE = 5.0
+# A rank that answered but whose output has not reached its end mark by then (it closed its
+# stdout, say) is not waited for any longer.
+OUTPUT_GRACE = 2.0
+# Idle workers told to leave when the session ends exit within this, or are stopped.
+EXIT_GRACE = 2.0
+# Events that happen between cells (a rank dying), shown by the next cell; older ones go.
+IDLE_EVENTS = 200
+
+
+@dataclass
+class CellRequest:
+    """One cell for the session: its payload, and where its events and result go."""
+
+    payload: Payload
+    setup: bool = False
+    events: queue.Queue[Event] = field(default_factory=queue.Queue)
+    outcome: Future[JobResult] = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class InterruptCommand:
+    """Ctrl-C in the kernel: KeyboardInterrupt in every rank's running code."""
+
+
+@dataclass(frozen=True)
+class OutputEnded:
+    """A rank's stream reached the end-of-cell mark (posted by the output router)."""
+
+    attempt: int
+    rank: int
+    stream: str
+
+
+def session_payload(payload: Payload) -> Payload:
+    return dataclasses.replace(payload, session=True)
+
+
+class SessionAgent(Agent):
+    """Runs a session's cells on a group that outlives them; re-forms it when it breaks."""
+
+    def __init__(self, spec: JobSpec, run_id: str, inbox: queue.Queue[Any],
+                 board: StatusBoard) -> None:
+        self.cell: CellRequest | None = None
+        self.idle_events: deque[Event] = deque(maxlen=IDLE_EVENTS)
+        # Forming a group runs this first: every rank is up once it answers.
+        ready = session_payload(build_payload(worker_session.assign, spec, args=({},)))
+        super().__init__(spec, ready, run_id, self._route, inbox, board)
+        self.setup: list[Payload] = []
+        self.broken: str | None = "the session starts"  # why the group must be formed
+        self.pending: deque[CellRequest] = deque()
+        self.ended: JobState | None = None
+        self.interrupt = False
+        self.marks: set[tuple[int, str]] = set()
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _route(self, event: Event) -> None:
+        """Every event goes to the running cell, or waits for the next one. Called from
+        output pumps too: end-of-cell marks are taken out of the lines here."""
+        if isinstance(event, Output) and any(line.endswith(CELL_END_MARK)
+                                             for line in event.lines):
+            lines = []
+            for line in event.lines:
+                if line.endswith(CELL_END_MARK):
+                    self.inbox.put(OutputEnded(event.attempt, event.rank, event.stream))
+                    line = line[:-len(CELL_END_MARK)]
+                    if not line:
+                        continue
+                lines.append(line)
+            if not lines:
+                return
+            event = dataclasses.replace(event, lines=tuple(lines))
+        cell = self.cell
+        if cell is not None:
+            cell.events.put(event)
+        else:
+            self.idle_events.append(event)
+
+    # -- the session's life ---------------------------------------------------------------
+
+    def run(self) -> JobResult:
+        final = JobState.STOPPED
+        try:
+            self.run_lock = open_run(self.log_root)
+            if is_default(self.spec.log_dir):
+                prune(self.spec.log_dir)
+            if self.server is not None:
+                self.server.resume_from_checkpoint()
+            self.rendezvous = self.role.open()
+            self._set_state(JobState.IDLE)
+            while (request := self._next_cell()) is not None:
+                self._serve_cell(request)
+            final = self.ended or JobState.STOPPED
+        except BaseException:
+            final = JobState.FAILED
+            raise
+        finally:
+            self._dismiss()
+            for request in self.pending:  # cells queued behind the end
+                request.outcome.set_result(
+                    self._cell_result(JobState.STOPPED, [], self.stop_reason))
+            result = self._finish(final)
+        return result
+
+    def _next_cell(self) -> CellRequest | None:
+        """Block until a cell comes (None: the session ends). A rank that dies meanwhile
+        breaks the group at once, so that its peers do not wait for it."""
+        while self.ended is None:
+            if self.pending:
+                return self.pending.popleft()
+            if self._handle(self.inbox.get()) is Action.STOP:
+                self.ended = JobState.STOPPED
+            elif self.group is not None and self.broken is None and self._died():
+                self._break("a rank died while the session was idle", self._tear_down())
+        return None
+
+    def _handle(self, item: Any) -> Action | None:
+        match item:
+            case CellRequest():
+                self.pending.append(item)
+                return None
+            case InterruptCommand():
+                self.interrupt = self.cell is not None
+                return None
+            case OutputEnded(attempt, rank, stream):
+                if self.group is not None and attempt == self.group.attempt:
+                    self.marks.add((rank, stream))
+                return None
+        return super()._handle(item)
+
+    def _serve_cell(self, request: CellRequest) -> None:
+        self.cell = request
+        for event in self.idle_events:  # what happened since the last cell
+            request.events.put(event)
+        self.idle_events.clear()
+        try:
+            result = self._run_cell(request)
+        except BaseException as exc:
+            request.outcome.set_exception(exc)
+            raise
+        finally:
+            self.cell = None
+        request.outcome.set_result(result)
+
+    def _run_cell(self, request: CellRequest) -> JobResult:
+        if self.broken is not None or self.membership.resize_pending \
+                or self._nodes_waiting():
+            failures = self._reform()
+            if failures is not None:
+                return self._cell_result(self.ended or JobState.FAILED, failures)
+        step, failures = self._run_on_group(request.payload)
+        while step is CellStep.RESIZED:  # every rank left at a commit: on, at the new size
+            self.broken = "resize"
+            failures = self._reform()
+            if failures is not None:
+                return self._cell_result(self.ended or JobState.FAILED, failures)
+            step, failures = self._run_on_group(request.payload)
+        if step is CellStep.STOP:
+            self.ended = JobState.STOPPED
+            return self._cell_result(JobState.STOPPED, [], self.stop_reason)
+        if step is CellStep.DONE and not failures and request.setup:
+            self.setup.append(request.payload)
+        if failures and all(f.exc_type == "KeyboardInterrupt" for f in failures):
+            return self._cell_result(JobState.STOPPED, failures, "interrupted")
+        return self._cell_result(JobState.FAILED if failures else JobState.SUCCEEDED,
+                                 failures)
+
+    # -- one payload on the group -----------------------------------------------------------
+
+    def _run_on_group(self, payload: Payload | None) -> tuple[CellStep, list[RankFailure]]:
+        """Send ``payload`` to every rank (None: it was sent when the group started) and
+        wait for their answers; what ended the cell, and the ranks that failed."""
+        group = self.group
+        assert group is not None
+        self.marks = set()
+        self.interrupt = False
+        for worker in group.workers:
+            worker.result = worker.error = None
+            worker.state = WorkerState.HEALTHY
+            if payload is not None:
+                worker.send(Run(payload))
+        self._set_state(JobState.RUNNING)
+        interrupted_at: float | None = None
+        answered_at: float | None = None
+        while True:
+            action = self._next_action(self.spec.monitor_interval)
+            group.poll()  # notes exits
+            answered = all(w.result is not None or w.error is not None for w in group.workers)
+            if answered and answered_at is None:
+                answered_at = time.monotonic()
+            ended = {(w.global_rank, s) for w in group.workers for s in ("stdout", "stderr")}
+            status = CellStatus(
+                died=self._died(), errors=any(w.error is not None for w in group.workers),
+                resized=all(w.resized for w in group.workers),
+                reported=answered and (ended <= self.marks or time.monotonic()
+                                       - (answered_at or 0.0) > OUTPUT_GRACE))
+            step = during_cell(
+                action, status, interrupt=self.interrupt, grace=INTERRUPT_GRACE,
+                interrupted_for=None if interrupted_at is None
+                else time.monotonic() - interrupted_at)
+            if step is CellStep.INTERRUPT:
+                interrupted_at = time.monotonic()
+                self._interrupt_running()
+                continue
+            if step is CellStep.WAIT:
+                continue
+            break
+        own = root_cause_order([w.failure() for w in group.workers if w.error is not None])
+        if step is CellStep.DONE:
+            self._set_state(JobState.IDLE)
+            self._emit_failures(own)
+            return step, own
+        if step is CellStep.BROKEN:
+            failures = self._tear_down()
+            if status.died:
+                reason = "a rank died in the cell"
+            else:
+                stuck = [w.global_rank for w in group.workers
+                         if w.result is None and w.error is None]
+                reason = (f"rank{'s' if len(stuck) > 1 else ''} "
+                          f"{', '.join(map(str, stuck))} did not come back within "
+                          f"{INTERRUPT_GRACE:g}s of the interrupt")
+            self._break(reason, failures)
+            return step, failures
+        if step is CellStep.RESIZED:
+            self._close_group()
+        return step, own
+
+    def _interrupt_running(self) -> None:
+        for worker in self.group.workers if self.group else []:
+            if worker.result is None and worker.error is None and worker.control is not None:
+                with contextlib.suppress(OSError):  # gone: its pipe closing says so
+                    worker.control.send(Interrupt())
+
+    def _died(self) -> bool:
+        return self.group is not None and any(
+            (w.channel_closed_at is not None or w.exited_at is not None) and not w.resized
+            for w in self.group.workers)
+
+    def _emit_failures(self, failures: list[RankFailure]) -> None:
+        for failure in failures:
+            self.emit(WorkerFailed(failure))
+
+    def _tear_down(self) -> list[RankFailure]:
+        """Stop the group at once; its failures, root cause first."""
+        assert self.group is not None
+        teardown_at = self.group.tear_down()
+        self._drain()  # error reports still in flight
+        failures = self.hangs.explain(self.group.failures_before(teardown_at))
+        self._emit_failures(failures)
+        self._close_group()
+        return failures
+
+    def _break(self, reason: str, failures: list[RankFailure]) -> None:
+        """The group is gone: re-form before the next cell, if a restart is left."""
+        self.failures = failures
+        reforms = reform_allowed(self.restarts, self.spec.max_restarts)
+        if reforms:
+            self.restarts += 1
+            self.board.publish(restarts=self.restarts)
+        else:
+            self.ended = JobState.FAILED
+        self.broken = reason
+        self.emit(SessionBroken(reason, self.restarts, self.spec.max_restarts, reforms))
+        self._set_state(JobState.RESTARTING if reforms else JobState.FAILED)
+
+    # -- forming the group ----------------------------------------------------------------
+
+    def _reform(self) -> list[RankFailure] | None:
+        """New round, fresh workers, setup cells replayed (a State restores the last
+        commit). None once the group is up; else why not (failures, or none: stopped)."""
+        if self.ended is not None:
+            return self.failures
+        first = self.attempt < 0
+        self._close_group()
+        if change := self.membership.apply():
+            self.emit(MembershipChanged(*change))
+        self._set_state(JobState.RENDEZVOUS)
+        info = self._next_round()
+        if info is None:
+            self.ended = JobState.STOPPED
+            return []
+        self._start_group(info)
+        for payload in [None, *self.setup]:  # None: the ready payload, sent at the start
+            step, failures = self._run_on_group(payload)
+            if step is CellStep.STOP:
+                self.ended = JobState.STOPPED
+                return []
+            if step is not CellStep.DONE or failures:
+                if step is CellStep.DONE:  # a setup cell failed: this group cannot go on
+                    self._close_group()
+                    self._break("a setup cell failed when it was replayed", failures)
+                return failures
+        self.broken = None
+        if not first:
+            step_ = (self.snapshots.meta or {}).get("step")
+            self.emit(SessionReformed(len(self.setup), step_, self.world_size))
+        return None
+
+    def _dismiss(self) -> None:
+        """The session ends: idle workers leave on their own (their process group closes
+        cleanly); ``_finish`` stops any still there."""
+        group = self.group
+        if group is None:
+            return
+        self._interrupt_running()
+        for worker in group.workers:
+            worker.send(Exit())
+        wait_for_exit(group.workers, EXIT_GRACE)
+
+    def _cell_result(self, state: JobState, failures: list[RankFailure],
+                     reason: str | None = None) -> JobResult:
+        group = self.group
+        tails = {rank: [line for line in lines if CELL_END_MARK not in line]
+                 for rank, lines in (group.tails() if group else {}).items()}
+        return assemble_result(
+            run_id=self.run_id, state=state, world_size=self.world_size,
+            restarts=self.restarts, max_restarts=self.spec.max_restarts,
+            started=self.board.current.started, log_dir=self.log_root,
+            failures=failures, stop_reason=reason or "the session ended",
+            resizes=self.membership.resizes, commit=self.snapshots.meta, snapshot=None,
+            ranks=group.results() if group and state is JobState.SUCCEEDED else {},
+            tails=tails)
