@@ -18,6 +18,8 @@ from .events import JobState
 from .logs import rank_log
 from .payload import Payload, PayloadError, build_payload, uses_ipython_syntax
 from .result import JobFailedError, JobResult
+from .session_magic import USAGE as SESSION_USAGE
+from .session_magic import SessionCommands
 from .spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
 from .ui.describe import count_of
 from .ui.text import TextRenderer
@@ -32,7 +34,9 @@ _SUBCOMMANDS = """\
 %elastic scale N [JOB] [--now]    resize to N workers (at the next commit, or --now)
 %elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
 %elastic stacks [JOB]             every rank's Python stacks (all threads), without stopping
-JOB is a number from `%elastic jobs` or a run id; the default is the latest job."""
+JOB is a number from `%elastic jobs` or a run id; the default is the latest job.
+Sessions (workers that live across cells; see %%elastic?):
+""" + SESSION_USAGE
 
 # The magic's own flags: how a job is shown, not what it runs (those come from JobSpec).
 _VIEW_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
@@ -44,6 +48,9 @@ _VIEW_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                           "see %%elastic jobs/status/stop/logs")),
     (("--text",), dict(action="store_true",
                        help="plain-text output even where widgets render (no dashboard)")),
+    (("--setup",), dict(action="store_true",
+                        help="in a session: record this cell; it is replayed, in order, "
+                             "whenever the session re-forms")),
 ]
 
 
@@ -63,6 +70,7 @@ class ElasticMagics(Magics):
         super().__init__(shell)
         self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
         self._numbers = itertools.count(1)
+        self.sessions = SessionCommands(self)
 
     @_with_flags
     @cell_magic
@@ -91,6 +99,18 @@ class ElasticMagics(Magics):
         machine that joins or leaves, or a resize here, makes every machine re-rendezvous
         (torch's waiting-node mechanism); their ranks' output shows here.
 
+        Sessions: `%elastic session start --nproc 2 [job flags]` starts workers that stay
+        alive; while it is active, each %%elastic cell (no job flags) runs on every rank in
+        that rank's persistent namespace, so what one cell defines the next one sees. A rank
+        that raises reports it and the session goes on; Ctrl-C interrupts every rank's code.
+        Cells marked --setup are replayed, in order, when the session re-forms: after a rank
+        dies (or does not come back from an interrupt within 5 s), up to --max-restarts
+        times (default 3 for sessions), and on `%elastic scale N` (before the next cell, or
+        at a State commit of the running cell). Kernel variables travel only when asked:
+        `%elastic push NAME`, `%elastic pull NAME [--rank R]`, `%elastic gather NAME`.
+        `%elastic session stop` (or the kernel ending) ends it. In Python:
+        elastic_magic.Session(nproc=2).
+
         Example::
 
             %%elastic --nproc 2 --max-restarts 1 -o job
@@ -103,6 +123,16 @@ class ElasticMagics(Magics):
             opts = parse_argstring(self.elastic, line)
         except ValueError as exc:  # shlex: unbalanced quotes in the flags
             raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
+        if self.sessions.active:
+            self.sessions.check_cell(opts, cell)
+            view = self._view(self.sessions.controls(), opts.text)
+            try:
+                return self.sessions.run_cell(opts, cell, view)
+            finally:
+                self._finish_view(view)
+        if opts.setup:
+            raise UsageError("%%elastic --setup: no session is active; `%elastic session "
+                             "start` starts one.")
         spec = self._spec(opts)
         job = Job(spec, self._payload(cell, spec))
         view: Renderer | None = None
@@ -134,12 +164,20 @@ class ElasticMagics(Magics):
 
         %elastic jobs | status [JOB] | stop [JOB] | scale N [JOB] [--now]
         %elastic logs RANK [JOB] [-n N] [--stderr] | stacks [JOB]
+        %elastic session start [flags] | stop | status; push|pull|gather NAME
         """
         words = shlex.split(line)
-        if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs", "stacks"):
+        if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs", "stacks",
+                                         "session", "push", "pull", "gather"):
             raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")
         command, rest = words[0], words[1:]
-        if command == "jobs":
+        if command == "session":
+            self.sessions.command(rest)
+        elif command in ("push", "pull", "gather"):
+            self.sessions.move(command, rest)
+        elif command == "scale" and self.sessions.active:
+            self.sessions.scale(rest)
+        elif command == "jobs":
             self._print_jobs()
         elif command == "status":
             self._print_status(self._job(rest))
@@ -222,6 +260,8 @@ class ElasticMagics(Magics):
         """End every job of this kernel that still runs (the extension is unloaded)."""
         for job in list(self.jobs.values()):
             job.end("the extension was unloaded")
+        if self.sessions.session is not None:
+            self.sessions.session.stop()
 
     # -- %elastic helpers ----------------------------------------------------------------
 

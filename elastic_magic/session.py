@@ -22,12 +22,19 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import cloudpickle
 
 from .agent.job import RENDER_INTERVAL, AgentError, Renderer, _without_locals, new_run_id
-from .agent.session import CellRequest, InterruptCommand, SessionAgent, session_payload
+from .agent.session import (
+    CellRequest,
+    InterruptCommand,
+    SessionAgent,
+    SessionEndedError,
+    session_payload,
+)
 from .agent.status import StatusBoard
 from .events import Event, JobFinished
 from .messages import ScaleCommand, StacksCommand, StopCommand
@@ -42,10 +49,6 @@ from .worker import session as worker_session
 SESSION_MAX_RESTARTS = 3
 
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
-
-
-class SessionEndedError(RuntimeError):
-    """The session has ended (stopped, or its restarts were spent)."""
 
 
 class Session:
@@ -251,15 +254,21 @@ class Session:
                 "restarts": f"{s.restarts}/{self.spec.max_restarts}", "cells": self.cells,
                 "pids": dict(s.pids), "log_dir": str(self.spec.log_dir / self.run_id)}
 
+    def interrupt(self) -> None:
+        """KeyboardInterrupt in every rank's running cell (what Ctrl-C does)."""
+        self._inbox.put(InterruptCommand())
+
     def stacks(self, timeout: float = 10.0) -> dict[int, str]:
         """Every rank's Python stacks, without stopping anything."""
-        from concurrent.futures import Future
+        return self.request_stacks().result(timeout)
 
+    def request_stacks(self) -> Future[dict[int, str]]:
         answer: Future[dict[int, str]] = Future()
         if self._done.is_set():
-            return {}
-        self._inbox.put(StacksCommand(answer))
-        return answer.result(timeout)
+            answer.set_result({})
+        else:
+            self._inbox.put(StacksCommand(answer))
+        return answer
 
     def __enter__(self) -> Session:
         return self

@@ -52,6 +52,10 @@ EXIT_GRACE = 2.0
 IDLE_EVENTS = 200
 
 
+class SessionEndedError(RuntimeError):
+    """The session has ended (stopped, or its restarts were spent)."""
+
+
 @dataclass
 class CellRequest:
     """One cell for the session: its payload, and where its events and result go."""
@@ -142,8 +146,8 @@ class SessionAgent(Agent):
         finally:
             self._dismiss()
             for request in self.pending:  # cells queued behind the end
-                request.outcome.set_result(
-                    self._cell_result(JobState.STOPPED, [], self.stop_reason))
+                request.outcome.set_exception(SessionEndedError(
+                    f"the session {self.run_id} has ended; start a new one."))
             result = self._finish(final)
         return result
 
