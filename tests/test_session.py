@@ -201,3 +201,53 @@ def test_bad_session_options_are_errors_before_anything_starts(log_dir):
     with pytest.raises(TypeError, match="unknown job option"):
         em.Session(nproc=1, nprocs=2)
     assert not tagged_workers()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, log_dir,
+                                                                           capsys):
+    from IPython.core.error import UsageError
+
+    ip.run_line_magic("elastic", f"session start --nproc 2 --log-dir {log_dir}")
+    assert "session of 2 workers" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="already active"):
+        ip.run_line_magic("elastic", "session start --nproc 1")
+    ip.run_cell_magic("elastic", "--setup", "import torch.distributed as dist\n"
+                                            "w = [dist.get_rank()]\nprint('made w')\n")
+    assert "[rank 1] made w" in capsys.readouterr().out
+    ip.run_cell("factor = 3")
+    ip.run_line_magic("elastic", "push factor")
+    result = ip.run_cell_magic("elastic", "-o cell", "w.append(factor)\nw")
+    assert result.values == {0: [0, 3], 1: [1, 3]} and ip.user_ns["cell"] is result
+    ip.run_line_magic("elastic", "pull w --rank 1")
+    ip.run_line_magic("elastic", "gather factor")
+    assert ip.user_ns["w"] == [1, 3] and ip.user_ns["factor"] == {0: 3, 1: 3}
+    with pytest.raises(em.JobFailedError):
+        ip.run_cell_magic("elastic", "", "w[5]")
+    with pytest.raises(UsageError, match="take no job options"):
+        ip.run_cell_magic("elastic", "--nproc 4", "1")
+    with pytest.raises(UsageError, match="IPython syntax"):
+        ip.run_cell_magic("elastic", "", "!ls")
+
+    # Many cells: the kernel's threads and files stay as they were.
+    for _ in range(5):
+        ip.run_cell_magic("elastic", "", "x = 1")
+    threads, fds = threading.active_count(), _open_fds()
+    for i in range(50):
+        ip.run_cell_magic("elastic", "", f"x = {i}")
+    assert threading.active_count() <= threads and _open_fds() <= fds
+    assert ip.run_cell_magic("elastic", "", "x").values == {0: 49, 1: 49}
+    capsys.readouterr()
+    ip.run_line_magic("elastic", "session status")
+    assert "cells:" in capsys.readouterr().out
+
+    # The extension unloaded: the session ends with it.
+    session = ip.find_line_magic("elastic").__self__.sessions.session
+    ip.run_line_magic("unload_ext", "elastic_magic")
+    assert not session.active and not tagged_workers()
+    ip.run_line_magic("load_ext", "elastic_magic")
+    with pytest.raises(UsageError, match="no session is active"):
+        ip.run_cell_magic("elastic", "--setup", "1")
