@@ -124,12 +124,7 @@ class ElasticMagics(Magics):
         except ValueError as exc:  # shlex: unbalanced quotes in the flags
             raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
         if self.sessions.active:
-            self.sessions.check_cell(opts, cell)
-            view = self._view(self.sessions.controls(), opts.text)
-            try:
-                return self.sessions.run_cell(opts, cell, view)
-            finally:
-                self._finish_view(view)
+            return self._session_cell(opts, cell)
         if opts.setup:
             raise UsageError("%%elastic --setup: no session is active; `%elastic session "
                              "start` starts one.")
@@ -213,8 +208,17 @@ class ElasticMagics(Magics):
         except PayloadError as exc:
             raise UsageError(f"%%elastic: {exc}") from None
 
-    def _view(self, job: Job, text: bool) -> Renderer:
-        """The live dashboard where a frontend renders widgets, else plain text."""
+    def _session_cell(self, opts: Any, cell: str) -> JobResult | None:
+        self.sessions.check_cell(opts, cell)
+        view = self._view(self.sessions.controls(), opts.text)
+        try:
+            return self.sessions.run_cell(opts, cell, view)
+        finally:
+            self._finish_view(view)
+
+    def _view(self, job: Any, text: bool) -> Renderer:
+        """The live dashboard where a frontend renders widgets, else plain text. ``job``: a
+        Job, or a session cell's controls."""
         if not text and getattr(self.shell, "kernel", None) is not None:
             from .ui.dashboard import LiveView
 
