@@ -126,6 +126,20 @@ class NodeConnected:
 
 
 @dataclass(frozen=True)
+class CellStarted:
+    """A session's cell starts on a group that was formed earlier: the view of the cell
+    learns the group (not news: no sentence)."""
+
+    attempt: int
+    ranks: tuple[int, ...]
+    world_size: int
+    nnodes: int
+    round: int
+    restart_count: int
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class SessionBroken:
     """A session's group cannot run the next cell (a rank died, or did not come back from
     an interrupt): it is re-formed before the next cell, or the session ends (restarts
@@ -157,6 +171,6 @@ class JobFinished:
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
-    | JobFinished | RanksFinished | SessionBroken | SessionReformed
+    | JobFinished | RanksFinished | CellStarted | SessionBroken | SessionReformed
 )
 EventSink = Callable[[Event], None]

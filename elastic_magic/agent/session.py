@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..events import (
+    CellStarted,
     Event,
     MembershipChanged,
     Output,
@@ -100,6 +101,7 @@ class SessionAgent(Agent):
         self.ended: JobState | None = None
         self.interrupt = False
         self.marks: set[tuple[int, str]] = set()
+        self.cell_started = time.time()
 
     # -- events ---------------------------------------------------------------------------
 
@@ -179,6 +181,7 @@ class SessionAgent(Agent):
 
     def _serve_cell(self, request: CellRequest) -> None:
         self.cell = request
+        self.cell_started = time.time()
         for event in self.idle_events:  # what happened since the last cell
             request.events.put(event)
         self.idle_events.clear()
@@ -192,11 +195,19 @@ class SessionAgent(Agent):
         request.outcome.set_result(result)
 
     def _run_cell(self, request: CellRequest) -> JobResult:
+        self._drain()  # a rank's death that is already known breaks the group first
+        if self.group is not None and self.broken is None:
+            self.group.poll()  # notes exits
+            if self._died():
+                self._break("a rank died while the session was idle", self._tear_down())
+        if self.ended is not None:
+            return self._cell_result(self.ended, self.failures)
         if self.broken is not None or self.membership.resize_pending \
                 or self._nodes_waiting():
             failures = self._reform()
             if failures is not None:
                 return self._cell_result(self.ended or JobState.FAILED, failures)
+        self._cell_started()
         step, failures = self._run_on_group(request.payload)
         while step is CellStep.RESIZED:  # every rank left at a commit: on, at the new size
             self.broken = "resize"
@@ -213,6 +224,12 @@ class SessionAgent(Agent):
             return self._cell_result(JobState.STOPPED, failures, "interrupted")
         return self._cell_result(JobState.FAILED if failures else JobState.SUCCEEDED,
                                  failures)
+
+    def _cell_started(self) -> None:
+        group, info = self.group, self.round
+        assert group is not None and info is not None
+        self.emit(CellStarted(group.attempt, group.ranks, info.world_size, info.nnodes,
+                              info.round, self.restarts))
 
     # -- one payload on the group -----------------------------------------------------------
 
@@ -365,7 +382,7 @@ class SessionAgent(Agent):
         return assemble_result(
             run_id=self.run_id, state=state, world_size=self.world_size,
             restarts=self.restarts, max_restarts=self.spec.max_restarts,
-            started=self.board.current.started, log_dir=self.log_root,
+            started=self.cell_started, log_dir=self.log_root,
             failures=failures, stop_reason=reason or "the session ended",
             resizes=self.membership.resizes, commit=self.snapshots.meta, snapshot=None,
             ranks=group.results() if group and state is JobState.SUCCEEDED else {},
