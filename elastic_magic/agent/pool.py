@@ -42,6 +42,18 @@ _START_TIMEOUT = 120.0  # importing torch on a busy machine
 _MAX_REPLY = 1 << 16
 
 
+def _can_watch_others() -> bool:
+    """pidfd_open (Linux 5.3): how we see a shepherd that is not our child exit."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+_SUPPORTED = sys.platform.startswith("linux") and _can_watch_others()
+
+
 def zygote_env(env: dict[str, str]) -> dict[str, str]:
     """A worker's environment without what is particular to its round and job."""
     return {k: v for k, v in env.items()
@@ -199,6 +211,8 @@ class WarmPool:
     def zygote_for(self, env: dict[str, str], cwd: str, sys_path: Iterable[str]) -> Zygote:
         """The zygote whose workers inherit what these would: the current one, or a new
         one (the old one retires). Raises PoolError when it cannot start."""
+        if not _SUPPORTED:
+            raise PoolError("the warm pool needs Linux 5.3 or later (pidfd_open)")
         key = fingerprint(env, cwd, sys_path)
         with self._lock:
             current = self._current

@@ -22,6 +22,7 @@ from elastic_magic.worker import client as agent_client
 from elastic_magic.worker import session, shepherd
 from elastic_magic.worker.progress import answer_stacks, report_progress
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
+from elastic_magic.worker.stdout import buffer_stdout
 
 PR_SET_PDEATHSIG = 1
 
@@ -97,6 +98,7 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
                     session.interrupt_main()
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
+    buffer_stdout()
     report_progress(client)
     while isinstance(message := inbox.get(), Run):
         run_payload(message.payload, client)  # exits the process itself when it fails

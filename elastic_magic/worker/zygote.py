@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -54,6 +55,10 @@ def warm_up() -> None:
     with contextlib.suppress(ImportError):
         import numpy  # noqa: F401  (torch's object collectives need it)
     assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
+    # What is imported now is kept for good: the collector of a forked worker then never
+    # walks (and so never copies) the pages it shares with us.
+    gc.collect()
+    gc.freeze()
 
 
 def main() -> None:
