@@ -53,6 +53,33 @@ def run_in_thread(session: em.Session, source: str, watcher: Watcher) -> dict:
     return box
 
 
+def _wakeups(pid: int, tids: set[int]) -> int:
+    """Times these threads of ``pid`` blocked again after running (voluntary switches)."""
+    total = 0
+    for tid in tids:
+        if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+            continue  # a thread object copied by a fork, without its thread
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            total += sum(int(line.split()[1]) for line in f
+                         if line.startswith("voluntary_ctxt_switches"))
+    return total
+
+
+def assert_idle_costs_nothing(session: em.Session) -> None:
+    """Between cells our threads sleep until woken, in the kernel and in the workers (not
+    gloo's own TCP loop, nor torch's rendezvous keep-alive timer)."""
+    session.run("import os, threading\n"
+                "_ours = (os.getpid(), {t.native_id for t in threading.enumerate()})")
+    workers = list(session.gather("_ours").values())
+    kernel = {t.native_id for t in threading.enumerate() if t.name.startswith("elastic")}
+    time.sleep(0.5)  # the last cell's reports and output settle
+    before = [_wakeups(pid, tids) for pid, tids in workers] + \
+        [_wakeups(os.getpid(), kernel)]
+    time.sleep(2.0)
+    after = [_wakeups(pid, tids) for pid, tids in workers] + [_wakeups(os.getpid(), kernel)]
+    assert [b - a for a, b in zip(before, after, strict=True)] == [0] * len(after)
+
+
 def test_a_session_keeps_values_reports_failures_moves_variables_and_survives_ctrl_c(log_dir):
     with em.Session(nproc=2, log_dir=log_dir) as s:
         # Three cells, one namespace per rank: a tensor made in the first is there later.
@@ -62,6 +89,7 @@ def test_a_session_keeps_values_reports_failures_moves_variables_and_survives_ct
                                                                    1: [3.0, 3.0]}
         pids = s.status()["pids"]
         assert s.run("t.sum().item()").values == {0: 6.0, 1: 6.0}
+        assert_idle_costs_nothing(s)
 
         # A rank that raises: the cell reports it, the session goes on with the same ranks.
         with pytest.raises(em.JobFailedError) as err:

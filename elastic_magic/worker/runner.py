@@ -20,7 +20,7 @@ from elastic_magic.messages import ErrorInfo, Failed, Resized, Result, Running
 from elastic_magic.payload import Payload
 from elastic_magic.result import Unpicklable
 from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR
-from elastic_magic.worker import session
+from elastic_magic.worker import progress, session
 from elastic_magic.worker.client import AgentClient, ResizeExit
 
 
@@ -29,6 +29,7 @@ def run_payload(payload: Payload, report: AgentClient) -> None:
     and the worker waits for the next cell)."""
     namespace: dict[str, Any] = {}
     value = None
+    progress.running.set()
     try:
         namespace = _prepare(payload)
         report.send(Running(time.time()))
@@ -46,6 +47,7 @@ def run_payload(payload: Payload, report: AgentClient) -> None:
     except BaseException as exc:  # user code may raise anything, KeyboardInterrupt included
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         return _fail(report, exc, exit_code=code, leave=not payload.session)
+    progress.running.clear()
     message = _result_message(payload, value, namespace)
     if payload.session:
         session.end_output()
@@ -156,6 +158,7 @@ def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool =
     info = describe_exception(exc, exit_code)
     sys.stderr.write(info.traceback)
     if not leave:  # a session's cell: report, drop the frames, wait for the next cell
+        progress.running.clear()
         traceback.clear_frames(exc.__traceback__)
         session.end_output()
         report.send(Failed(info))
