@@ -112,15 +112,19 @@ def test_a_session_keeps_values_reports_failures_moves_variables_and_survives_ct
         with pytest.raises(PayloadError, match="cannot travel back"):
             s.pull("held")
 
-        # Ctrl-C: KeyboardInterrupt in every rank's running code; the ranks come back.
+        # Ctrl-C (SIGINT to the kernel's main thread, which waits for the cell):
+        # KeyboardInterrupt in every rank's running code; the ranks come back.
         watcher = Watcher()
-        box = run_in_thread(s, "import time\nprint('sleeping', flush=True)\n"
-                               "time.sleep(120)\n", watcher)
-        assert watcher.wait_for_lines("sleeping", 2)
-        s.interrupt()
-        box["thread"].join(60)
-        result = box["result"]
-        assert result.state is em.JobState.STOPPED and result.stop_reason == "interrupted"
+        main = threading.main_thread().ident
+
+        def ctrl_c_once_running() -> None:
+            if watcher.wait_for_lines("sleeping", 2):
+                signal.pthread_kill(main, signal.SIGINT)
+
+        threading.Thread(target=ctrl_c_once_running, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            s.run("import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n",
+                  render=watcher)
         assert {f.exc_type for f in watcher.of(WorkerFailed) for f in [f.failure]} \
             == {"KeyboardInterrupt"}
         assert s.run("t[0].item()").values == {0: 3.0, 1: 3.0}  # the namespace survived
