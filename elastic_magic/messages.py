@@ -10,7 +10,8 @@ Three conversations share this vocabulary, each over signed frames (``protocol.p
 - head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
   :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
   :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`,
-  :class:`StacksRequest`, :class:`NodeStacks`.
+  :class:`StacksRequest`, :class:`NodeStacks`; a session's :class:`SessionCell`,
+  :class:`InterruptCell` and :class:`CellReport`.
 
 Receivers dispatch with ``match``. Workers import this module, so it imports nothing heavy.
 """
@@ -303,5 +304,37 @@ class NodeStacks:
     stacks: dict[int, str]
 
 
+@dataclass(frozen=True)
+class SessionCell:
+    """The head of a session: run ``payload`` on your group, cell ``seq`` of this round
+    (a session's cell, or a setup cell replayed). Seq 0 is the group starting."""
+
+    round_id: str
+    seq: int
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class InterruptCell:
+    """The head of a session: KeyboardInterrupt in your ranks' running cell."""
+
+    round_id: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class CellReport:
+    """A joined machine's answer to :class:`SessionCell` (seq 0: its group is up; seq -1: a
+    rank died between cells). ``broken``: its group is gone."""
+
+    round_id: str
+    seq: int
+    node_rank: int
+    results: dict[int, Result]
+    failures: list[RankFailure]
+    broken: bool = False
+
+
 LinkMessage = (JobOffer | Hello | Forward | NodeRequest | NodeReply | GroupResult
-               | NodeFinished | Leaving | Regroup | EndJob | StacksRequest | NodeStacks)
+               | NodeFinished | Leaving | Regroup | EndJob | StacksRequest | NodeStacks
+               | SessionCell | InterruptCell | CellReport)

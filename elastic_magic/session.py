@@ -11,12 +11,15 @@ on. A rank that dies (in a cell or between cells), or that does not come back fr
 interrupt, breaks the group: before the next cell the session is re-formed (new rendezvous
 round, workers from the warm pool, the setup cells replayed in order, an elastic State
 restored from its last commit), up to ``max_restarts`` times. Kernel variables do not travel
-implicitly: ``push`` sends them. ``%elastic session start`` is the same from the notebook.
+implicitly: ``push`` sends them. With ``nnodes`` other machines join (``wait_for_join_command``)
+and run every cell too; a machine that joins or leaves re-forms the session at the next cell.
+``%elastic session start`` is the same from the notebook.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 import time
@@ -27,20 +30,16 @@ from typing import Any
 
 import cloudpickle
 
+from .agent.cells import CellRequest, InterruptCommand, SessionEndedError, session_payload
+from .agent.hub import new_token
 from .agent.job import RENDER_INTERVAL, AgentError, Renderer, _without_locals, new_run_id
-from .agent.session import (
-    CellRequest,
-    InterruptCommand,
-    SessionAgent,
-    SessionEndedError,
-    session_payload,
-)
+from .agent.session import SessionAgent
 from .agent.status import StatusBoard
 from .events import Event, JobFinished
 from .messages import ScaleCommand, StacksCommand, StopCommand
 from .payload import PayloadError, build_payload
 from .result import JobFailedError, JobResult, JobState, Unpicklable
-from .spec import JobSpec, SpecError, options_help
+from .spec import JobSpec, options_help
 from .ui.text import TextRenderer
 from .worker import session as worker_session
 
@@ -58,15 +57,15 @@ class Session:
                  **options: Any) -> None:
         options.setdefault("max_restarts", SESSION_MAX_RESTARTS)
         self.spec = JobSpec.create(nproc, **options)
-        if self.spec.multi_node:
-            raise SpecError("--nnodes: sessions run on one machine for now; use a job "
-                            "(%%elastic without a session) across machines.")
         self.run_id = new_run_id()
         self.render = render
+        # What other machines must show to join (ELASTIC_MAGIC_TOKEN fixes it for scripts).
+        self.token = (os.environ.get("ELASTIC_MAGIC_TOKEN") or new_token()) \
+            if self.spec.multi_node else None
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._board = StatusBoard()
         self._agent: SessionAgent | None = SessionAgent(self.spec, self.run_id, self._inbox,
-                                                        self._board)
+                                                        self._board, token=self.token)
         self._lock = threading.Lock()  # one cell at a time from the kernel's threads
         self._done = threading.Event()
         self.result: JobResult | None = None  # the session's own, once it has ended
@@ -243,6 +242,13 @@ class Session:
         if not self._done.is_set():
             self._inbox.put(StopCommand("the session was stopped"))
         self._thread.join(timeout)
+
+    def wait_for_join_command(self, timeout: float | None = None) -> str | None:
+        """What other machines run to join (``nnodes`` above 1), once the session accepts
+        them; None on one machine, or if the session ended first."""
+        if not self.spec.multi_node:
+            return None
+        return self._board.wait_for(lambda s: s.join_command is not None, timeout).join_command
 
     @property
     def active(self) -> bool:

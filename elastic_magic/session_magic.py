@@ -94,6 +94,9 @@ class SessionCommands:
         print(f"{self.session.run_id}: session of {s.nproc} workers; %%elastic cells now "
               f"run in it (--setup to replay a cell when it re-forms; up to "
               f"{s.max_restarts} re-formations)")
+        command = self.session.wait_for_join_command(timeout=s.timeout)
+        if command is not None:
+            print(f"other machines join with: {command}")
 
     def run_cell(self, opts: Any, cell: str, view: Any) -> JobResult | None:
         """``%%elastic`` while the session is active: the cell runs on its ranks."""

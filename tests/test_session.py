@@ -228,8 +228,8 @@ def test_resize_between_cells_and_at_a_commit_keeps_state(log_dir):
 
 
 def test_bad_session_options_are_errors_before_anything_starts(log_dir):
-    with pytest.raises(em.SpecError, match="sessions run on one machine"):
-        em.Session(nproc=1, nnodes="1:2", log_dir=log_dir)
+    with pytest.raises(em.SpecError, match="--max-nproc"):
+        em.Session(nproc=2, max_nproc=1, log_dir=log_dir)
     with pytest.raises(TypeError, match="unknown job option"):
         em.Session(nproc=1, nprocs=2)
     assert not tagged_workers()
@@ -283,3 +283,48 @@ def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, l
     ip.run_line_magic("load_ext", "elastic_magic")
     with pytest.raises(UsageError, match="no session is active"):
         ip.run_cell_magic("elastic", "--setup", "1")
+
+
+def test_a_session_with_a_joined_machine_runs_cells_there_and_re_forms_when_one_joins(
+        tmp_path, log_dir):
+    from test_multinode import Machines
+
+    machines = Machines(tmp_path)
+    watcher = Watcher()
+    try:
+        with em.Session(nproc=1, nnodes="2:3", log_dir=log_dir, timeout=120,
+                        render=watcher) as s:
+            command = s.wait_for_join_command(timeout=60)
+            machines.endpoint, machines.token = command.split()[-1], s.token
+            machines.join(1)
+            s.run("import os, torch, torch.distributed as dist\n"
+                  "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+                  "dist.all_reduce(t)\n"
+                  "print('node', os.environ['GROUP_RANK'], 'has', t.item(), flush=True)",
+                  setup=True)
+            result = s.run("t.item(), int(os.environ['GROUP_RANK'])")
+            assert sorted(result.values.values()) == [(3.0, 0), (3.0, 1)]
+            lines = [line for e in watcher.of(Output) for line in e.lines]
+            assert "node 0 has 3.0" in lines and "node 1 has 3.0" in lines
+
+            # A machine joins: the next cell re-forms the session on all three, the setup
+            # cell replayed everywhere; not a restart.
+            machines.join(1)
+            watcher.events.clear()
+            deadline = time.monotonic() + 90
+            result = s.run("t.item(), dist.get_world_size()")
+            while result.world_size < 3 and time.monotonic() < deadline:
+                time.sleep(0.2)  # until it waits in the rendezvous: the next cell re-forms
+                result = s.run("t.item(), dist.get_world_size()")
+            assert result.values == {r: (6.0, 3) for r in range(3)}
+            assert result.restarts == 0
+            assert watcher.of(SessionReformed)[0].world_size == 3
+            # A rank on another machine that raises reports it; the session goes on.
+            with pytest.raises(em.JobFailedError) as err:
+                s.run("if os.environ['GROUP_RANK'] == '2':\n    raise KeyError('far away')")
+            assert "far away" in err.value.result.failure.headline
+            assert s.run("dist.get_rank()").values == {0: 0, 1: 1, 2: 2}
+        for proc in machines.procs:  # the session's end ends them
+            assert proc.wait(timeout=60) == 0
+    finally:
+        machines.reap()

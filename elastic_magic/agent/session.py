@@ -17,8 +17,6 @@ import dataclasses
 import queue
 import time
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..events import (
@@ -31,13 +29,23 @@ from ..events import (
     WorkerFailed,
 )
 from ..logs import is_default, open_run, prune
-from ..messages import Action, Exit, Interrupt, Run
+from ..messages import Action, CellReport, Exit, Interrupt, Run
 from ..payload import Payload, build_payload
 from ..result import JobResult, JobState, RankFailure, assemble_result, root_cause_order
 from ..spec import JobSpec
 from ..worker import session as worker_session
 from ..worker.session import CELL_END_MARK
+from .cells import (
+    CellRequest,
+    InterruptCommand,
+    OtherMachines,
+    OutputEnded,
+    SessionEndedError,
+    session_payload,
+)
+from .hub import FromLink
 from .policy import CellStatus, CellStep, during_cell, reform_allowed
+from .roles import JoinedJob
 from .status import StatusBoard
 from .supervisor import Agent
 from .workers import WorkerState, wait_for_exit
@@ -53,48 +61,20 @@ EXIT_GRACE = 2.0
 IDLE_EVENTS = 200
 
 
-class SessionEndedError(RuntimeError):
-    """The session has ended (stopped, or its restarts were spent)."""
-
-
-@dataclass
-class CellRequest:
-    """One cell for the session: its payload, and where its events and result go."""
-
-    payload: Payload
-    setup: bool = False
-    events: queue.Queue[Event] = field(default_factory=queue.Queue)
-    outcome: Future[JobResult] = field(default_factory=Future)
-
-
-@dataclass(frozen=True)
-class InterruptCommand:
-    """Ctrl-C in the kernel: KeyboardInterrupt in every rank's running code."""
-
-
-@dataclass(frozen=True)
-class OutputEnded:
-    """A rank's stream reached the end-of-cell mark (posted by the output router)."""
-
-    attempt: int
-    rank: int
-    stream: str
-
-
-def session_payload(payload: Payload) -> Payload:
-    return dataclasses.replace(payload, session=True)
-
-
 class SessionAgent(Agent):
     """Runs a session's cells on a group that outlives them; re-forms it when it breaks."""
 
     def __init__(self, spec: JobSpec, run_id: str, inbox: queue.Queue[Any],
-                 board: StatusBoard) -> None:
+                 board: StatusBoard, *, token: str | None = None,
+                 joined: JoinedJob | None = None, ready: Payload | None = None) -> None:
         self.cell: CellRequest | None = None
         self.idle_events: deque[Event] = deque(maxlen=IDLE_EVENTS)
         # Forming a group runs this first: every rank is up once it answers.
-        ready = session_payload(build_payload(worker_session.assign, spec, args=({},)))
-        super().__init__(spec, ready, run_id, self._route, inbox, board)
+        ready = ready or session_payload(build_payload(worker_session.assign, spec,
+                                                       args=({},)))
+        super().__init__(spec, ready, run_id, self._route, inbox, board, token=token,
+                         joined=joined)
+        self.others = OtherMachines()  # a multi-node session's other machines
         self.setup: list[Payload] = []
         self.broken: str | None = "the session starts"  # why the group must be formed
         self.pending: deque[CellRequest] = deque()
@@ -121,6 +101,9 @@ class SessionAgent(Agent):
             if not lines:
                 return
             event = dataclasses.replace(event, lines=tuple(lines))
+        self._deliver(event)
+
+    def _deliver(self, event: Event) -> None:
         cell = self.cell
         if cell is not None:
             cell.events.put(event)
@@ -138,7 +121,8 @@ class SessionAgent(Agent):
             if self.server is not None:
                 self.server.resume_from_checkpoint()
             self.rendezvous = self.role.open()
-            self._set_state(JobState.IDLE)
+            self.board.publish(join_command=self.role.join_command)
+            self._reform()  # now: the first cell finds its workers ready
             while (request := self._next_cell()) is not None:
                 self._serve_cell(request)
             final = self.ended or JobState.STOPPED
@@ -163,6 +147,10 @@ class SessionAgent(Agent):
                 self.ended = JobState.STOPPED
             elif self.group is not None and self.broken is None and self._died():
                 self._break("a rank died while the session was idle", self._tear_down())
+            elif self.broken is None and self.others.broken():
+                self._close_group()
+                self._break("a rank on another machine died while the session was idle",
+                            self.others.failures())
         return None
 
     def _handle(self, item: Any) -> Action | None:
@@ -177,7 +165,14 @@ class SessionAgent(Agent):
                 if self.group is not None and attempt == self.group.attempt:
                     self.marks.add((rank, stream))
                 return None
-        return super()._handle(item)
+            case FromLink(message=CellReport() as report):
+                self.others.take(report)
+                return None
+        action = super()._handle(item)
+        if action is Action.REGROUP and self.group is not None and self.broken is None \
+                and not self.membership.resize_pending:  # a machine left: not a restart
+            self.broken = "a machine left the session"
+        return action
 
     def _serve_cell(self, request: CellRequest) -> None:
         self.cell = request
@@ -245,18 +240,23 @@ class SessionAgent(Agent):
             worker.state = WorkerState.HEALTHY
             if payload is not None:
                 worker.send(Run(payload))
+        if payload is not None:
+            self.others.send_cell(self.role, payload)
         self._set_state(JobState.RUNNING)
         interrupted_at: float | None = None
         answered_at: float | None = None
         while True:
             action = self._next_action(self.spec.monitor_interval)
             group.poll()  # notes exits
-            answered = all(w.result is not None or w.error is not None for w in group.workers)
+            answered = all(w.result is not None or w.error is not None
+                           for w in group.workers) and self.others.answered()
             if answered and answered_at is None:
                 answered_at = time.monotonic()
             ended = {(w.global_rank, s) for w in group.workers for s in ("stdout", "stderr")}
             status = CellStatus(
-                died=self._died(), errors=any(w.error is not None for w in group.workers),
+                died=self._died() or self.others.broken(),
+                errors=any(w.error is not None for w in group.workers)
+                or bool(self.others.failures()),
                 resized=all(w.resized for w in group.workers),
                 reported=answered and (ended <= self.marks or time.monotonic()
                                        - (answered_at or 0.0) > OUTPUT_GRACE))
@@ -267,6 +267,7 @@ class SessionAgent(Agent):
             if step is CellStep.INTERRUPT:
                 interrupted_at = time.monotonic()
                 self._interrupt_running()
+                self.others.interrupt(self.role)
                 continue
             if step is CellStep.WAIT:
                 continue
@@ -274,11 +275,13 @@ class SessionAgent(Agent):
         own = root_cause_order([w.failure() for w in group.workers if w.error is not None])
         if step is CellStep.DONE:
             self._set_state(JobState.IDLE)
-            self._emit_failures(own)
-            return step, own
+            self._emit_failures(own)  # other machines send their own
+            return step, root_cause_order([*own, *self.others.failures()])
         if step is CellStep.BROKEN:
-            failures = self._tear_down()
-            if status.died:
+            failures = root_cause_order([*self._tear_down(), *self.others.failures()])
+            if self.others.broken():
+                reason = "a rank on another machine died in the cell"
+            elif status.died:
                 reason = "a rank died in the cell"
             else:
                 stuck = [w.global_rank for w in group.workers
@@ -339,6 +342,8 @@ class SessionAgent(Agent):
             return self.failures
         first = self.attempt < 0
         self._close_group()
+        if not first:  # the other machines leave their groups for the new round too
+            self.role.regrouping()
         if change := self.membership.apply():
             self.emit(MembershipChanged(*change))
         self._set_state(JobState.RENDEZVOUS)
@@ -347,6 +352,7 @@ class SessionAgent(Agent):
             self.ended = JobState.STOPPED
             return []
         self._start_group(info)
+        self.others.new_round(info)
         for payload in [None, *self.setup]:  # None: the ready payload, sent at the start
             step, failures = self._run_on_group(payload)
             if step is CellStep.STOP:
@@ -385,5 +391,6 @@ class SessionAgent(Agent):
             started=self.cell_started, log_dir=self.log_root,
             failures=failures, stop_reason=reason or "the session ended",
             resizes=self.membership.resizes, commit=self.snapshots.meta, snapshot=None,
-            ranks=group.results() if group and state is JobState.SUCCEEDED else {},
+            ranks={**group.results(), **self.others.results()}
+            if group and state is JobState.SUCCEEDED else {},
             tails=tails)
