@@ -108,8 +108,9 @@ class ElasticMagics(Magics):
         times (default 3 for sessions), and on `%elastic scale N` (before the next cell, or
         at a State commit of the running cell). Kernel variables travel only when asked:
         `%elastic push NAME`, `%elastic pull NAME [--rank R]`, `%elastic gather NAME`.
-        `%elastic session stop` (or the kernel ending) ends it. In Python:
-        elastic_magic.Session(nproc=2).
+        With --nnodes, joined machines run every cell too, and a machine that joins or
+        leaves re-forms the session at the next cell. `%elastic session stop` (or the
+        kernel ending) ends it. In Python: elastic_magic.Session(nproc=2).
 
         Example::
 
@@ -172,6 +173,8 @@ class ElasticMagics(Magics):
             self.sessions.move(command, rest)
         elif command == "scale" and self.sessions.active:
             self.sessions.scale(rest)
+        elif command == "stacks" and self.sessions.active and not rest:
+            self.sessions.print_stacks()
         elif command == "jobs":
             self._print_jobs()
         elif command == "status":

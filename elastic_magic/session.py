@@ -290,7 +290,7 @@ def stop_all(reason: Callable[[Session], bool] = lambda _: True) -> None:
     """End every live session (the kernel exits, or the extension is unloaded)."""
     for session in list(_live):
         if reason(session):
-            session.stop()
+            session.stop(timeout=30)  # the workers die with the kernel anyway (lifeline)
 
 
 atexit.register(stop_all)

@@ -18,6 +18,7 @@ from .spec import OPTION_NAMES, SpecError
 USAGE = """\
 %elastic session start [job flags]   start workers that stay alive across cells
 %elastic session stop | status       end the session | show it
+%elastic scale N | stacks            resize the session | every rank's stacks
 %elastic push NAME [NAME ...]        send kernel variables to every rank
 %elastic pull NAME [--rank R]        copy a rank's variable into the kernel (rank 0)
 %elastic gather NAME                 every rank's variable, as {rank: value}"""
@@ -139,6 +140,16 @@ class SessionCommands:
             raise UsageError(f"%elastic {exc}") from None
         print(f"{self.session.run_id}: the session re-forms with {words[0]} workers before "
               "the next cell (or at a State commit of the running one)")
+
+    def print_stacks(self) -> None:
+        assert self.session is not None
+        try:
+            stacks = self.session.stacks()
+        except TimeoutError:
+            raise UsageError("%elastic stacks: the session did not answer in time; try "
+                             "again.") from None
+        for rank, text in stacks.items():
+            print(f"==> rank {rank} <==\n{text}\n")
 
     def controls(self) -> _CellControls:
         assert self.session is not None

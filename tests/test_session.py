@@ -275,6 +275,9 @@ def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, l
     capsys.readouterr()
     ip.run_line_magic("elastic", "session status")
     assert "cells:" in capsys.readouterr().out
+    ip.run_line_magic("elastic", "stacks")  # idle ranks: their main threads wait for a cell
+    out = capsys.readouterr().out
+    assert "==> rank 0 <==" in out and "==> rank 1 <==" in out
 
     # The extension unloaded: the session ends with it.
     session = ip.find_line_magic("elastic").__self__.sessions.session
