@@ -226,6 +226,8 @@ class Session:
 
     def _ended_error(self) -> SessionEndedError:
         why = f" ({self.result.summary()})" if self.result is not None else ""
+        if self.error is not None:
+            why = f" (its agent failed: {self.error!r})"
         return SessionEndedError(f"the session {self.run_id} has ended{why}; start a new "
                                  "one.")
 

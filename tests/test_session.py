@@ -331,3 +331,28 @@ def test_a_session_with_a_joined_machine_runs_cells_there_and_re_forms_when_one_
             assert proc.wait(timeout=60) == 0
     finally:
         machines.reap()
+
+
+def test_in_a_real_kernel_ctrl_c_leaves_the_session_alive_and_it_ends_with_the_kernel():
+    from conftest import wait_until_no_workers
+    from jupyter_client.manager import start_new_kernel
+    from test_kernel import execute
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        execute(kc, "%load_ext elastic_magic\n%elastic session start --nproc 2")
+        reply, text = execute(kc, "%%elastic --text\nimport os, time\n"
+                                  "print('waiting', flush=True)\ntime.sleep(120)\n",
+                              trigger="[rank 1] waiting", action=km.interrupt_kernel)
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", text
+        assert "KeyboardInterrupt" in text
+        reply, text = execute(kc, "%%elastic --text\nprint('still here', os.getpid())")
+        assert reply["status"] == "ok" and "[rank 1] still here" in text, text
+        assert len(tagged_workers()) == 2
+        km.shutdown_kernel(now=False)
+        left = wait_until_no_workers(timeout=5.0)
+        assert not left, f"workers outlived the kernel: {[p.pid for p in left]}"
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)

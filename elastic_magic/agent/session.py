@@ -383,7 +383,7 @@ class SessionAgent(Agent):
     def _cell_result(self, state: JobState, failures: list[RankFailure],
                      reason: str | None = None) -> JobResult:
         group = self.group
-        tails = {rank: [line for line in lines if CELL_END_MARK not in line]
+        tails = {rank: [text for line in lines if (text := line.replace(CELL_END_MARK, ""))]
                  for rank, lines in (group.tails() if group else {}).items()}
         return assemble_result(
             run_id=self.run_id, state=state, world_size=self.world_size,
