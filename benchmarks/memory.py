@@ -3,6 +3,8 @@ worker for a rank's own memory.
 
 - kernel_job_overhead: how much the launching process's RSS grows while a 2-rank job runs
   (agent thread, stores, pumps, buffers), after a first job;
+- kernel_cpu_s: CPU seconds the launching process spends on a job whose ranks hold 3 s
+  (what the agent, pumps and polling take from the workers' cores);
 - pool_rss / pool_uss: the idle zygote (USS: the memory only it holds);
 - pool_idle_cpu_s: CPU seconds the idle zygote used over 2 s (0 is the goal);
 - worker_rss / worker_uss: a rank forked from the pool (its USS is what it does not share
@@ -66,6 +68,11 @@ def memory(nproc: int, quick: bool) -> dict[str, float]:
     ours(pooled)  # the pool is warm, torch's once-only state made
     before = psutil.Process().memory_info().rss
     peak = _peak_rss_during(lambda: ours(pooled))
+    me, hold = psutil.Process(), scratch()
+    before_cpu = me.cpu_times()
+    launch(RANK_MEMORY, nproc, namespace={"OUT": str(hold), "HOLD": 3.0},
+           init_process_group=False)
+    after_cpu = me.cpu_times()
     ours(fresh, pool=False)
     script = scratch() / "user_code.py"
     script.write_text("import sys\nOUT = sys.argv[1]\nHOLD = 0.0\n" + RANK_MEMORY)
@@ -77,6 +84,8 @@ def memory(nproc: int, quick: bool) -> dict[str, float]:
     pool = zygote.memory_full_info()
     return {
         "kernel_job_overhead_mb": (peak - before) / MB,
+        "kernel_cpu_s": (after_cpu.user + after_cpu.system)
+        - (before_cpu.user + before_cpu.system),
         "pool_rss_mb": pool.rss / MB, "pool_uss_mb": pool.uss / MB,
         "pool_idle_cpu_s": (busy.user + busy.system) - (idle.user + idle.system),
         "worker_rss_mb (pool)": stamps(pooled, "rss")[0] / MB,

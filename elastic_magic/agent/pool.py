@@ -102,8 +102,11 @@ class Zygote:
         if self._error is not None:
             self._sock.close()
             raise PoolError(f"the worker pool did not start: {self._error}")
-        ready = self._receive(_START_TIMEOUT)
-        self.pid = int(ready["ready"])
+        try:
+            self.pid = int(self._receive(_START_TIMEOUT)["ready"])
+        except (PoolError, KeyError, ValueError):
+            self.close()  # reaped, and its keeper thread ends
+            raise
 
     def _keep(self, env: dict[str, str], cwd: str, theirs: socket.socket) -> None:
         # Blocked here, a Ctrl-C meant for the kernel cannot reach the zygote before it
@@ -207,6 +210,7 @@ class WarmPool:
         self._current: Zygote | None = None
         self._retired: list[Zygote] = []
         self._prewarming: threading.Thread | None = None
+        self._failed: set[str] = set()  # fingerprints whose zygote could not start
 
     def zygote_for(self, env: dict[str, str], cwd: str, sys_path: Iterable[str]) -> Zygote:
         """The zygote whose workers inherit what these would: the current one, or a new
@@ -218,9 +222,16 @@ class WarmPool:
             current = self._current
             if current is not None and current.key == key and current.alive():
                 return current
+            if key in self._failed:  # it would fail again: fresh workers say why
+                raise PoolError("the worker pool failed to start with these settings")
             if current is not None:
                 self._retire(current)
-            self._current = Zygote(env, cwd, key)
+                self._current = None
+            try:
+                self._current = Zygote(env, cwd, key)
+            except PoolError:
+                self._failed.add(key)
+                raise
             return self._current
 
     def prewarm(self, env: dict[str, str], cwd: str, sys_path: list[str]) -> None:
