@@ -327,8 +327,27 @@ def test_a_session_with_a_joined_machine_runs_cells_there_and_re_forms_when_one_
                 s.run("if os.environ['GROUP_RANK'] == '2':\n    raise KeyError('far away')")
             assert "far away" in err.value.result.failure.headline
             assert s.run("dist.get_rank()").values == {0: 0, 1: 1, 2: 2}
-        for proc in machines.procs:  # the session's end ends them
-            assert proc.wait(timeout=60) == 0
+
+            # Ctrl-C reaches the ranks of every machine; all come back.
+            box = run_in_thread(s, "import time\nprint('nap', flush=True)\n"
+                                   "time.sleep(120)\n", watcher)
+            assert watcher.wait_for_lines("nap", 3)
+            s.interrupt()
+            box["thread"].join(60)
+            assert box["result"].state is em.JobState.STOPPED
+            assert s.status()["restarts"] == "0/3"
+
+            # A machine leaves (Ctrl-C on it): the next cell re-forms without it.
+            leaving = machines.procs[1]
+            leaving.send_signal(signal.SIGINT)  # ours, by PID
+            assert leaving.wait(timeout=60) == 130
+            deadline = time.monotonic() + 90
+            result = s.run("t.item(), dist.get_world_size()", check=False)
+            while result.world_size != 2 and time.monotonic() < deadline:
+                result = s.run("t.item(), dist.get_world_size()", check=False)
+            assert result.values == {0: (3.0, 2), 1: (3.0, 2)}
+            assert result.restarts == 0
+        assert machines.procs[0].wait(timeout=60) == 0  # the session's end ends it
     finally:
         machines.reap()
 

@@ -68,10 +68,11 @@ class OtherMachines:
         self.seq = 0
         self.reports: dict[int, CellReport] = {}  # node rank -> report of cell ``seq``
         self.idle_break: CellReport | None = None  # a rank there died between cells
+        self.lost = False  # a machine left or its link failed: its report may never come
 
     def new_round(self, info: RoundInfo) -> None:
         self.round_id, self.expected, self.seq = info.round_id, info.nnodes - 1, 0
-        self.reports, self.idle_break = {}, None
+        self.reports, self.idle_break, self.lost = {}, None, False
 
     def send_cell(self, role: SingleMachine, payload: Payload) -> None:
         self.seq += 1
@@ -95,7 +96,8 @@ class OtherMachines:
         return len(self.reports) >= self.expected
 
     def broken(self) -> bool:
-        return self.idle_break is not None or any(r.broken for r in self.reports.values())
+        return self.lost or self.idle_break is not None \
+            or any(r.broken for r in self.reports.values())
 
     def failures(self) -> list[RankFailure]:
         reports = [*self.reports.values(), *([self.idle_break] if self.idle_break else [])]

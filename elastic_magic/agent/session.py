@@ -29,7 +29,7 @@ from ..events import (
     WorkerFailed,
 )
 from ..logs import is_default, open_run, prune
-from ..messages import Action, CellReport, Exit, Interrupt, Run
+from ..messages import Action, CellReport, Exit, Interrupt, Leaving, Run
 from ..payload import Payload, build_payload
 from ..result import JobResult, JobState, RankFailure, assemble_result, root_cause_order
 from ..spec import JobSpec
@@ -168,6 +168,8 @@ class SessionAgent(Agent):
             case FromLink(message=CellReport() as report):
                 self.others.take(report)
                 return None
+            case FromLink(message=None | Leaving()) if self.others.expected:
+                self.others.lost = True  # then what the role makes of it
         action = super()._handle(item)
         if action is Action.REGROUP and self.group is not None and self.broken is None \
                 and not self.membership.resize_pending:  # a machine left: not a restart

@@ -114,6 +114,8 @@ def join_session(spec: JobSpec, payload: Payload, run_id: str, joined: JoinedJob
     agent = JoinedSessionAgent(spec, run_id, inbox, StatusBoard(), joined=joined,
                                   ready=payload, forward=forward)
     outcome: list[JobState] = []
+    # Not Thread.join: a KeyboardInterrupt inside it can leave the thread looking ended.
+    finished = threading.Event()
 
     def run() -> None:
         import signal
@@ -124,14 +126,18 @@ def join_session(spec: JobSpec, payload: Payload, run_id: str, joined: JoinedJob
         except BaseException:
             outcome.append(JobState.FAILED)
             raise
+        finally:
+            finished.set()
 
-    thread = threading.Thread(target=run, name=f"elastic-session-{run_id}", daemon=True)
-    thread.start()
+    threading.Thread(target=run, name=f"elastic-session-{run_id}", daemon=True).start()
     try:
-        while thread.is_alive():
-            thread.join(1.0)  # a timed join: KeyboardInterrupt reaches the main thread
+        finished.wait()
     except KeyboardInterrupt:
         inbox.put(StopCommand("this machine was interrupted"))
-        thread.join()
+        while not finished.is_set():  # until its workers are gone and the head told
+            try:
+                finished.wait()
+            except KeyboardInterrupt:
+                continue
         raise
     return outcome[0] if outcome else JobState.FAILED
