@@ -124,7 +124,7 @@ class ElasticMagics(Magics):
             opts = parse_argstring(self.elastic, line)
         except ValueError as exc:  # shlex: unbalanced quotes in the flags
             raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
-        if self.sessions.active:
+        if self.sessions.session is not None:  # active, or ended and not yet stopped
             return self._session_cell(opts, cell)
         if opts.setup:
             raise UsageError("%%elastic --setup: no session is active; `%elastic session "

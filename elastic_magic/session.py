@@ -100,7 +100,7 @@ class Session:
             except queue.Empty:
                 return
             if isinstance(item, CellRequest) and not item.outcome.done():
-                item.outcome.set_exception(self._ended_error())
+                item.outcome.set_exception(self.ended_error())
             elif isinstance(item, StacksCommand) and not item.answer.done():
                 item.answer.set_result({})
 
@@ -169,7 +169,7 @@ class Session:
                 check: bool) -> JobResult:
         with self._lock:
             if self._done.is_set():
-                raise self._ended_error()
+                raise self.ended_error()
             request = CellRequest(payload, setup)
             self.cells += 1
             self._inbox.put(request)
@@ -210,7 +210,7 @@ class Session:
         started = time.monotonic()
         ended = finished.is_set()  # read first: every event of an ended cell is queued
         if not ended and self._done.is_set() and not request.outcome.done():
-            request.outcome.set_exception(self._ended_error())
+            request.outcome.set_exception(self.ended_error())
         batch: list[Event] = []
         try:
             if not ended:
@@ -224,7 +224,8 @@ class Session:
             finished.wait(max(0.0, RENDER_INTERVAL - (time.monotonic() - started)))
         return ended
 
-    def _ended_error(self) -> SessionEndedError:
+    def ended_error(self) -> SessionEndedError:
+        """What a cell sent to an ended session raises."""
         why = f" ({self.result.summary()})" if self.result is not None else ""
         if self.error is not None:
             why = f" (its agent failed: {self.error!r})"

@@ -61,11 +61,12 @@ class SessionCommands:
         if action == "start":
             self._start(rest)
         elif action == "stop":
-            if not self.active:
+            session, self.session = self.session, None
+            if session is None:
                 raise UsageError("%elastic session stop: no session is active.")
-            assert self.session is not None
-            self.session.stop()
-            print(f"{self.session.run_id}: session ended; its workers have exited")
+            session.stop()
+            print(f"{session.run_id}: session ended; its workers have exited; %%elastic "
+                  "cells are one-shot jobs again")
         elif action == "status":
             if self.session is None:
                 print("no session in this kernel; start one with %elastic session start")
@@ -76,9 +77,9 @@ class SessionCommands:
             raise UsageError(f"%elastic session {action}: unknown.\n{USAGE}")
 
     def _start(self, words: list[str]) -> None:
-        if self.active:
-            raise UsageError("%elastic session start: a session is already active; "
-                             "`%elastic session stop` ends it.")
+        if self.session is not None:
+            raise UsageError("%elastic session start: a session is already active (or "
+                             "ended without a stop); `%elastic session stop` ends it.")
         try:
             opts = parse_argstring(self.magics.elastic, shlex.join(words))
         except ValueError as exc:
@@ -107,7 +108,8 @@ class SessionCommands:
         try:
             result = session.run(cell, setup=opts.setup, render=view, check=False)
         except SessionEndedError as exc:
-            raise UsageError(f"%%elastic: {exc}") from None
+            raise UsageError(f"%%elastic: {exc} (`%elastic session stop` to run one-shot "
+                             "jobs again)") from None
         except PayloadError as exc:
             raise UsageError(f"%%elastic: {exc}") from None
         finally:
@@ -118,7 +120,12 @@ class SessionCommands:
         return result if any(v is not None for v in result.values.values()) else None
 
     def check_cell(self, opts: Any, cell: str) -> None:
-        """Before a session's cell runs: flags that only jobs take are an error."""
+        """Before a session's cell runs: flags that only jobs take are an error, and so is
+        a session that has ended (restarts spent) and was not stopped."""
+        if not self.active:
+            assert self.session is not None
+            raise UsageError(f"%%elastic: {self.session.ended_error()} (`%elastic session "
+                             "stop` to run one-shot jobs again)")
         given = sorted(k for k in vars(opts) if k in OPTION_NAMES)
         if given or opts.bg:
             flags = ", ".join(given + (["bg"] if opts.bg else []))

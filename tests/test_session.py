@@ -279,6 +279,11 @@ def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, l
     out = capsys.readouterr().out
     assert "==> rank 0 <==" in out and "==> rank 1 <==" in out
 
+    ip.run_line_magic("elastic", "session stop")
+    with pytest.raises(UsageError, match="no session is active"):
+        ip.run_line_magic("elastic", "session stop")
+    ip.run_line_magic("elastic", f"session start --nproc 1 --log-dir {log_dir}")
+
     # The extension unloaded: the session ends with it.
     session = ip.find_line_magic("elastic").__self__.sessions.session
     ip.run_line_magic("unload_ext", "elastic_magic")
