@@ -179,9 +179,8 @@ class SessionAgent(Agent):
     def _serve_cell(self, request: CellRequest) -> None:
         self.cell = request
         self.cell_started = time.time()
-        for event in self.idle_events:  # what happened since the last cell
-            request.events.put(event)
-        self.idle_events.clear()
+        while self.idle_events:  # what happened since the last cell (pumps may add more)
+            request.events.put(self.idle_events.popleft())
         try:
             result = self._run_cell(request)
         except BaseException as exc:
