@@ -20,8 +20,11 @@ from elastic_magic.agent.pool import shutdown_pool, warm_pool
 # What a rank sees of itself, and whose child its shepherd is (the zygote, or us). The
 # first attempt's rank 1 fails, so the restarted group's workers are seen too.
 PROBE = textwrap.dedent("""
-    import os, random, signal, sys
+    import atexit, os, random, signal, sys
     import numpy, torch
+    atexit.register(print, "the cell's atexit ran", flush=True)
+    left_open = open(os.path.join(FILES, os.environ["RANK"]), "w")
+    left_open.write("written, never closed")
     import torch.distributed as dist
     dist.barrier()
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
@@ -43,10 +46,13 @@ PROBE = textwrap.dedent("""
 PER_JOB = {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT"}
 
 
-def _probe(log_dir, **options):
-    result = em.launch(PROBE, nproc=2, max_restarts=1, argv="--lr 0.1", log_dir=log_dir,
-                       render=lambda e: None, **options)
+def _probe(log_dir, files, **options):
+    result = em.launch(PROBE, nproc=2, namespace={"FILES": str(files)}, max_restarts=1,
+                       argv="--lr 0.1", log_dir=log_dir, render=lambda e: None, **options)
     assert result.restarts == 1
+    for rank in (0, 1):  # the interpreter ended as interpreters end
+        assert "the cell's atexit ran" in result.tails[rank]
+        assert (files / str(rank)).read_text() == "written, never closed"
     return result.values
 
 
@@ -62,12 +68,13 @@ def _zygotes() -> list[psutil.Process]:
     return found
 
 
-def test_a_pooled_worker_is_a_fresh_worker_but_forked(log_dir):
+def test_a_pooled_worker_is_a_fresh_worker_but_forked(log_dir, tmp_path):
     """Restarted workers come from the pool too, and see what fresh interpreters see:
     environment, cwd, sys.path, argv, __main__, their own session, no stray descriptors,
-    their own random state (Python's, numpy's, torch's), no CUDA."""
-    pooled = _probe(log_dir)
-    fresh = _probe(log_dir, pool=False)
+    their own random state (Python's, numpy's, torch's), no CUDA; at the end, atexit runs
+    and files left open are flushed."""
+    pooled = _probe(log_dir, tmp_path)
+    fresh = _probe(log_dir, tmp_path, pool=False)
     assert {v["spawner"] for v in pooled.values()} == {ZYGOTE}
     assert ZYGOTE not in {v["spawner"] for v in fresh.values()}
     for rank in (0, 1):

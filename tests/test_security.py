@@ -61,9 +61,11 @@ def listening_ports(pid: int | None = None) -> set[int]:
 
 
 def job_threads() -> set[threading.Thread]:
-    """Our threads, and torch's rendezvous heartbeat."""
+    """Our threads, and torch's rendezvous heartbeat; not the warm pool's, which is kept
+    between jobs by design (test_pool)."""
     return {t for t in threading.enumerate()
-            if t.name.startswith(("elastic-", "RendezvousKeepAliveTimer"))}
+            if t.name.startswith(("elastic-", "RendezvousKeepAliveTimer"))
+            and t.name != "elastic-pool"}
 
 
 def forge_every_store(ports: set[int], values: list[bytes]) -> dict[int, list[str]]:

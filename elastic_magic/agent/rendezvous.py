@@ -38,6 +38,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     Token,
 )
 
+from . import quick_rounds  # noqa: F401  (torch's first-round sleep, skipped)
+
 _WORKER_STORE_KEY = "elastic_magic/worker_store"
 _LOCAL_SIZE_PREFIX = "elastic_magic/local_world_size/"
 _VERSION = struct.Struct("!Q")
