@@ -227,6 +227,20 @@ def test_resize_between_cells_and_at_a_commit_keeps_state(log_dir):
         assert watcher.of(SessionReformed)[0].world_size == 2
 
 
+def test_ctrl_c_while_the_session_waits_for_machines_ends_it(log_dir):
+    watcher = Watcher()
+    s = em.Session(nproc=1, nnodes=2, log_dir=log_dir, timeout=120)
+    assert s.wait_for_join_command(timeout=60)
+    box = run_in_thread(s, "1", watcher)  # waits for the second machine, which never comes
+    time.sleep(0.5)
+    s.interrupt()
+    box["thread"].join(60)
+    assert isinstance(box.get("error"), em.SessionEndedError) or \
+        box["result"].state is em.JobState.STOPPED, box
+    s.stop(timeout=60)
+    assert not s.active and s.result.state is em.JobState.STOPPED
+
+
 def test_bad_session_options_are_errors_before_anything_starts(log_dir):
     with pytest.raises(em.SpecError, match="--max-nproc"):
         em.Session(nproc=2, max_nproc=1, log_dir=log_dir)

@@ -29,7 +29,7 @@ from ..events import (
     WorkerFailed,
 )
 from ..logs import is_default, open_run, prune
-from ..messages import Action, CellReport, Exit, Interrupt, Leaving, Run
+from ..messages import Action, CellReport, Exit, Interrupt, Leaving, Run, StopCommand
 from ..payload import Payload, build_payload
 from ..result import JobResult, JobState, RankFailure, assemble_result, root_cause_order
 from ..spec import JobSpec
@@ -158,6 +158,10 @@ class SessionAgent(Agent):
             case CellRequest():
                 self.pending.append(item)
                 return None
+            case InterruptCommand() if (self.cell is not None or self.pending) \
+                    and self.state is JobState.RENDEZVOUS:
+                # A cell waits for a round (for machines): only a stop ends that wait.
+                return super()._handle(StopCommand("interrupted while the session formed"))
             case InterruptCommand():
                 self.interrupt = self.cell is not None
                 return None
