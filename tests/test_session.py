@@ -394,3 +394,16 @@ def test_in_a_real_kernel_ctrl_c_leaves_the_session_alive_and_it_ends_with_the_k
         kc.stop_channels()
         if km.is_alive():
             km.shutdown_kernel(now=True)
+
+
+def test_end_of_cell_marks_leave_the_cells_own_lines_whole():
+    from elastic_magic.agent.cells import OutputEnded, take_end_marks
+    from elastic_magic.worker.session import CELL_END_MARK
+
+    ended: list = []
+    event = Output(1, "stdout", ("a", "", "partial" + CELL_END_MARK), attempt=0)
+    assert take_end_marks(event, ended.append).lines == ("a", "", "partial")
+    assert take_end_marks(Output(1, "stderr", (CELL_END_MARK,), 0), ended.append) is None
+    assert ended == [OutputEnded(0, 1, "stdout"), OutputEnded(0, 1, "stderr")]
+    plain = Output(0, "stdout", ("x",), 0)
+    assert take_end_marks(plain, ended.append) is plain and len(ended) == 2

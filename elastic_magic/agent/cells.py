@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..events import Event
+from ..events import Event, Output
 from ..messages import CellReport, InterruptCell, LinkMessage, Result, SessionCell
 from ..payload import Payload
 from ..result import JobResult, RankFailure
+from ..worker.session import CELL_END_MARK
 
 if TYPE_CHECKING:
     from .rendezvous import RoundInfo
@@ -47,6 +49,22 @@ class OutputEnded:
     attempt: int
     rank: int
     stream: str
+
+
+def take_end_marks(event: Output, ended: Callable[[OutputEnded], None]) -> Output | None:
+    """``event`` without the end-of-cell marks in its lines (None: nothing else was in
+    it); ``ended`` is told of each mark."""
+    if not any(line.endswith(CELL_END_MARK) for line in event.lines):
+        return event
+    lines = []
+    for line in event.lines:
+        if line.endswith(CELL_END_MARK):
+            ended(OutputEnded(event.attempt, event.rank, event.stream))
+            line = line[:-len(CELL_END_MARK)]
+            if not line:
+                continue  # the mark alone: not a line of the cell's
+        lines.append(line)
+    return dataclasses.replace(event, lines=tuple(lines)) if lines else None
 
 
 def session_payload(payload: Payload) -> Payload:

@@ -13,7 +13,6 @@ does not. What to do is decided in ``policy`` (``during_cell``, ``reform_allowed
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue
 import time
 from collections import deque
@@ -42,6 +41,7 @@ from .cells import (
     OutputEnded,
     SessionEndedError,
     session_payload,
+    take_end_marks,
 )
 from .hub import FromLink
 from .policy import CellStatus, CellStep, during_cell, reform_allowed
@@ -88,19 +88,11 @@ class SessionAgent(Agent):
     def _route(self, event: Event) -> None:
         """Every event goes to the running cell, or waits for the next one. Called from
         output pumps too: end-of-cell marks are taken out of the lines here."""
-        if isinstance(event, Output) and any(line.endswith(CELL_END_MARK)
-                                             for line in event.lines):
-            lines = []
-            for line in event.lines:
-                if line.endswith(CELL_END_MARK):
-                    self.inbox.put(OutputEnded(event.attempt, event.rank, event.stream))
-                    line = line[:-len(CELL_END_MARK)]
-                    if not line:
-                        continue
-                lines.append(line)
-            if not lines:
+        if isinstance(event, Output):
+            kept = take_end_marks(event, self.inbox.put)
+            if kept is None:
                 return
-            event = dataclasses.replace(event, lines=tuple(lines))
+            event = kept
         self._deliver(event)
 
     def _deliver(self, event: Event) -> None:
