@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .agent.job import AgentError, Job
     from .api import launch
+    from .data import DataLoader, ElasticSampler
     from .events import JobState
     from .payload import PayloadError
     from .result import JobFailedError, JobResult, RankFailure
     from .session import Session, SessionEndedError
     from .spec import JobSpec, SpecError
-    from .state import ElasticSampler, State
+    from .state import State
 
 __version__ = "0.1.0"
 
@@ -38,13 +39,15 @@ _EXPORTS = {
     "SpecError": ".spec",
     "Session": ".session",
     "SessionEndedError": ".session",
-    "ElasticSampler": ".state",
+    "DataLoader": ".data",
+    "ElasticSampler": ".data",
     "State": ".state",
     "launch": ".api",
 }
 
 __all__ = [
     "AgentError",
+    "DataLoader",
     "ElasticSampler",
     "Job",
     "JobFailedError",

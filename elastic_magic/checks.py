@@ -133,6 +133,10 @@ def parse_endpoint(endpoint: str | None) -> tuple[str, int]:
     if not host or port > 65535:
         raise SpecError(f"--rdzv-endpoint {endpoint!r}: expected HOST or HOST:PORT, for "
                         "example 10.0.0.5:29400 (this machine's address as the others see it).")
+    if host in ("0.0.0.0", "::"):  # it would reach the others as their own MASTER_ADDR
+        raise SpecError(f"--rdzv-endpoint {endpoint}: {host} is every interface, not an "
+                        "address the other machines can reach; give this machine's address "
+                        "on their network (see `hostname -I`), for example 10.0.0.5:29400.")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:

@@ -25,16 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from .checks import cuda_device_count, resolve_nproc
-from .events import Event, JobState, Output, WorkerFailed
+from .events import Event, JobState, NetworkChosen, Output, WorkerFailed
 from .spec import JobSpec, SpecError
 
 # A stop that reaches this machine comes from the head: the job is over, not failed here.
 _EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 0}
 _INTERRUPTED = 130
-# What a node shows in the notebook: its ranks' lines and failures. Its own states,
-# restarts and rounds stay on this terminal.
-_FORWARDED = (Output, WorkerFailed)
+# What a node shows in the notebook: its ranks' lines and failures, and the network its
+# workers use. Its own states, restarts and rounds stay on this terminal.
+_FORWARDED = (Output, WorkerFailed, NetworkChosen)
 TOKEN_VARIABLE = "ELASTIC_MAGIC_TOKEN"
+
+
+_HELP = (__doc__ or "").replace("``", "")
 
 
 class UsageError(Exception):
@@ -42,9 +45,22 @@ class UsageError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic-magic", description=__doc__.split("\n")[0])
+    # The module's docstring is the help, less its reStructuredText quoting.
+    parser = argparse.ArgumentParser(prog="elastic-magic", description=_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    join = commands.add_parser("join", help="run this machine's workers in a notebook's job")
+    join = commands.add_parser(
+        "join", help="run this machine's workers in a notebook's job",
+        description="Run this machine's workers in the job of the notebook whose cell "
+                    "printed ENDPOINT, until that job ends or this command is interrupted "
+                    "(SIGINT, or SIGTERM as schedulers send it: the job regroups without "
+                    "this machine).",
+        epilog=f"The token is never an argument: set {TOKEN_VARIABLE} in this command's "
+               "environment (a batch script's export, a Kubernetes Secret) or use "
+               "--token-file. The workers reach the other machines through the interface "
+               "that carries this machine's address (--host); GLOO_SOCKET_IFNAME or "
+               "NCCL_SOCKET_IFNAME in this command's environment choose another. Slurm and "
+               "Kubernetes: see examples/slurm and examples/kubernetes in the repository.")
     join.add_argument("endpoint", help="HOST:PORT the cell printed (its --rdzv-endpoint)")
     join.add_argument("--token-file", type=Path, default=None,
                       help=f"a file holding the job's token, readable by you only (chmod "
@@ -57,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                            "GPU, or 1)")
     join.add_argument("--host", default=None,
                       help="this machine's address as the others reach it (default: the "
-                           "address it reaches the notebook from)")
+                           "address it reaches the notebook from); its interface carries "
+                           "the workers' traffic")
     join.add_argument("--log-dir", default=None, help="where this machine keeps rank logs")
     return parser
 

@@ -44,13 +44,17 @@ class WorkersStarted:
 
 @dataclass(frozen=True)
 class Output:
-    """Whole lines from one rank's stdout or stderr, in order."""
+    """Whole lines from one rank's stdout or stderr, in order, each as it finally shows
+    (after its last carriage return). With ``partial``, the last one is a line still being
+    rewritten with carriage returns (a progress bar), as it shows now: it stands until the
+    next Output of this rank and stream, whose first line replaces it."""
 
     rank: int
     stream: str  # "stdout" | "stderr"
     lines: tuple[str, ...]
     attempt: int
     time: float = field(default_factory=_now)
+    partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,26 @@ class SessionReformed:
 
 
 @dataclass(frozen=True)
+class NetworkChosen:
+    """A multi-node job: the interface this machine's workers reach the other machines
+    through (see agent/network.py), and whether its hostname resolves to loopback."""
+
+    machine: str  # this machine's address as the others reach it
+    interface: str | None  # the interface carrying it; None: none found
+    variables: tuple[tuple[str, str], ...]  # set for the workers
+    kept: tuple[tuple[str, str], ...]  # the user's own settings, which win
+    hostname: str
+    hostname_address: str | None  # what the hostname resolves to; None: it does not
+    time: float = field(default_factory=_now)
+
+    @property
+    def hostname_is_loopback(self) -> bool:
+        """What gloo and NCCL would offer the other machines without an interface named."""
+        address = (self.hostname_address or "").split("%")[0]
+        return address.startswith("127.") or address == "::1"
+
+
+@dataclass(frozen=True)
 class JobFinished:
     result: JobResult
     time: float = field(default_factory=_now)
@@ -171,6 +195,7 @@ class JobFinished:
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
-    | JobFinished | RanksFinished | CellStarted | SessionBroken | SessionReformed
+    | JobFinished | RanksFinished | NetworkChosen | CellStarted | SessionBroken
+    | SessionReformed
 )
 EventSink = Callable[[Event], None]

@@ -1,5 +1,7 @@
-"""Where per-rank logs live: ``<log_dir>/<run_id>/attempt_<n>/rank_<r>/{stdout,stderr}.log``.
-One place for the layout; ``attempt`` counts worker groups (restarts and resizes).
+"""Where per-rank logs live: ``<log_dir>/<run_id>/group_<n>/rank_<r>/{stdout,stderr}.log``.
+One place for the layout. ``n`` counts the job's worker groups from 0: a restart and a
+resize each start a new group (so it is not a count of restarts; the functions below call it
+``attempt``, as torch's agent does).
 
 Logs hold all the ranks print, so they are private: the folders a job creates are 0700 and
 its log files 0600, whatever the umask. Without --log-dir they go to a folder of the user's
@@ -33,12 +35,15 @@ class NotPrivate(Exception):
     """The default log folder exists but others could read it. The message says what to do."""
 
 
+GROUP_PREFIX = "group_"
+
+
 def rank_dir(job_logs: Path, attempt: int, rank: int) -> Path:
-    return job_logs / f"attempt_{attempt}" / f"rank_{rank}"
+    return job_logs / f"{GROUP_PREFIX}{attempt}" / f"rank_{rank}"
 
 
 def latest_attempt(job_logs: Path) -> int | None:
-    numbers = [int(p.name.removeprefix("attempt_")) for p in job_logs.glob("attempt_*")]
+    numbers = [int(p.name.removeprefix(GROUP_PREFIX)) for p in job_logs.glob(f"{GROUP_PREFIX}*")]
     return max(numbers, default=None)
 
 

@@ -14,6 +14,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .agent.job import Job, Renderer
+from .comm import JobsChannel, current_cell_id
 from .events import JobState
 from .logs import rank_log
 from .payload import Payload, PayloadError, build_payload, uses_ipython_syntax
@@ -21,7 +22,7 @@ from .result import JobFailedError, JobResult
 from .session_magic import USAGE as SESSION_USAGE
 from .session_magic import SessionCommands
 from .spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
-from .ui.describe import count_of
+from .ui.describe import count_of, duration
 from .ui.text import TextRenderer
 
 # Finished jobs that `%elastic jobs` keeps listing; running jobs are always kept.
@@ -62,6 +63,13 @@ def _with_flags(magic: Callable[..., Any]) -> Callable[..., Any]:
     return magic_arguments()(magic)
 
 
+def _visible(line: str) -> str:
+    """A log line as a terminal showed it: after its last carriage return."""
+    end = "\n" if line.endswith("\n") else ""
+    parts = [p for p in line.rstrip("\n").rstrip("\r").split("\r") if p]
+    return (parts[-1] if parts else "") + end
+
+
 @magics_class
 class ElasticMagics(Magics):
     shell: Any  # set once registered (IPython types it Optional)
@@ -71,6 +79,8 @@ class ElasticMagics(Magics):
         self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
         self._numbers = itertools.count(1)
         self.sessions = SessionCommands(self)
+        self.channel = JobsChannel()  # the JupyterLab extension's "Elastic jobs" panel
+        self.channel.open(shell)
 
     @_with_flags
     @cell_magic
@@ -134,15 +144,25 @@ class ElasticMagics(Magics):
         view: Renderer | None = None
         try:  # from here on, an interrupt or error anywhere must not orphan the job
             job.start()
-            self._remember(job)
+            number = self._remember(job)
+            self.channel.track(number, job, current_cell_id(self.shell), opts.bg)
             view = self._view(job, opts.text)
             if opts.bg:
                 if opts.out:
                     self.shell.user_ns[opts.out] = job
                 threading.Thread(target=self._follow, args=(job, view), daemon=True,
                                  name=f"elastic-view-{job.run_id}").start()
-                return job
+                # Where the live dashboard shows the job, a returned handle would print
+                # once and go stale ("rendezvous"): -o NAME and %elastic reach it.
+                return None if self._live(view) else job
             result = job.wait(view)
+        except KeyboardInterrupt as exc:
+            job.end("interrupted")
+            self._finish_view(view)  # the record of what ran
+            # Shown without the library's frames: nothing in them is the user's.
+            exc._render_traceback_ = lambda: [  # type: ignore[attr-defined]
+                f"KeyboardInterrupt: job {job.run_id} was stopped; its workers have exited"]
+            raise
         except BaseException:
             job.end("interrupted")
             self._finish_view(view)  # the record of what ran
@@ -152,7 +172,7 @@ class ElasticMagics(Magics):
             if opts.out and not opts.bg and job.result is not None:
                 self.shell.user_ns[opts.out] = job.result
         self._finish_view(view)
-        return self._deliver(result)
+        return self._deliver(result, shown=self._live(view))
 
     @line_magic("elastic")  # type: ignore[arg-type]  # IPython mistypes line_magic(name)
     def elastic_command(self, line: str) -> None:
@@ -229,6 +249,11 @@ class ElasticMagics(Magics):
         return TextRenderer()
 
     @staticmethod
+    def _live(view: Renderer | None) -> bool:
+        """The live dashboard (then its record) is the cell's output."""
+        return view is not None and not isinstance(view, TextRenderer)
+
+    @staticmethod
     def _finish_view(view: Renderer | None) -> None:
         finish = getattr(view, "finish", None)
         if finish is not None:
@@ -243,9 +268,9 @@ class ElasticMagics(Magics):
         if result.ok:
             self.shell.user_ns.update(result.pulled)
 
-    def _deliver(self, result: JobResult) -> JobResult | None:
+    def _deliver(self, result: JobResult, shown: bool = False) -> JobResult | None:
         if result.state is JobState.FAILED:
-            raise JobFailedError(result)
+            raise JobFailedError(result, shown=shown)
         self.shell.user_ns.update(result.pulled)
         if result.missing_pulls:
             raise UsageError(
@@ -255,13 +280,16 @@ class ElasticMagics(Magics):
         # Like IPython's own cells: show a value only when the cell produced one.
         return result if any(v is not None for v in result.values.values()) else None
 
-    def _remember(self, job: Job) -> None:
+    def _remember(self, job: Job) -> int:
         """Number the job for %elastic; keep a bounded history of finished jobs (each
         keeps its result, which may hold a snapshot)."""
-        self.jobs[next(self._numbers)] = job
+        number = next(self._numbers)
+        self.jobs[number] = job
         finished = [n for n, j in self.jobs.items() if j.done]
-        for number in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:
-            del self.jobs[number]
+        for old in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:
+            del self.jobs[old]
+        self.channel.forget(j.run_id for j in self.jobs.values())
+        return number
 
     def stop_all(self) -> None:
         """End every job of this kernel that still runs (the extension is unloaded)."""
@@ -269,6 +297,7 @@ class ElasticMagics(Magics):
             job.end("the extension was unloaded")
         if self.sessions.session is not None:
             self.sessions.session.stop()
+        self.channel.close()
 
     # -- %elastic helpers ----------------------------------------------------------------
 
@@ -291,8 +320,9 @@ class ElasticMagics(Magics):
             return
         for number, job in self.jobs.items():
             s = job.status()
+            elapsed = duration(job.status_snapshot.elapsed)  # stops when the job ends
             print(f"{number:>3}  {job.run_id}  {s['state']:<10} world size {s['world_size']}  "
-                  f"restarts {s['restarts']}  {s['elapsed']}")
+                  f"restarts {s['restarts']}  {elapsed}")
 
     def _print_status(self, job: Job) -> None:
         status = job.status()
@@ -361,7 +391,8 @@ class ElasticMagics(Magics):
         path = rank_log(job.log_dir, rank, stream)
         if path is None or not path.exists():
             raise UsageError(f"%elastic logs: no {stream} log for rank {rank} of {job.run_id}.")
-        with open(path, errors="replace") as f:
+        with open(path, errors="replace", newline="") as f:
             tail = deque(f, maxlen=lines)
         print(f"==> {path} <==")
-        print("".join(tail), end="")
+        # A line rewritten with carriage returns (a progress bar) as it finally showed.
+        print("".join(_visible(line) for line in tail), end="")

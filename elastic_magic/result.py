@@ -135,8 +135,15 @@ class JobResult:
         return ", ".join(parts)
 
     def __repr__(self) -> str:
-        values = ", ".join(f"{r}: {v!r}" for r, v in sorted(self.values.items()))
-        return f"JobResult({self.summary()}, values={{{values}}})"
+        """Short, whatever the ranks returned (tensors would print in full): the summary and
+        rank 0's value cut to one line; ``.values`` has them all."""
+        if not self.values:
+            return f"JobResult({self.summary()})"
+        value = " ".join(repr(self.values[min(self.values)]).split())
+        if len(value) > 60:
+            value = value[:57] + "..."
+        return (f"JobResult({self.summary()}, value={value}, "
+                f"values of {len(self.values)} ranks in .values)")
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))
@@ -312,10 +319,14 @@ def describe_failure(result: JobResult) -> str:
 class JobFailedError(RuntimeError):
     """The job ended in failure after its restarts; ``.result`` holds the details."""
 
-    def __init__(self, result: JobResult) -> None:
+    def __init__(self, result: JobResult, *, shown: bool = False) -> None:
         super().__init__(describe_failure(result))
         self.result = result
+        self.shown = shown  # the cell's record already shows the root cause and traceback
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of the kernel-side stack, which says nothing useful.
+        if self.shown:
+            return [f"JobFailedError: {self.args[0].splitlines()[0]}",
+                    "(its traceback is in the record above; the error's .result has it all)"]
         return [f"JobFailedError: {self.args[0]}"]

@@ -1,15 +1,23 @@
 """Elastic state: what a training must carry across restarts and resizes.
 
-    state = elastic_magic.State(model=model, optimizer=opt, sampler=sampler, step=0)
-    for indices in sampler:          # resumes where the last commit left off
+    state = elastic_magic.State(model=model, optimizer=opt, loader=loader, step=0)
+    for batch in loader:             # resumes where the last commit left off
         ...one training step...
         state.step += 1
-        state.commit()               # snapshot to the agent; a pending resize applies here
+        state.commit(every=5)        # a snapshot every 5th call; a pending resize applies then
 
 Snapshots live in the agent (kernel memory, and with ``--checkpoint-dir`` on disk), so a
 restarted or resized group starts from the last commit, whatever its new world size. Rank 0
 builds the snapshot after every rank has finished the step; model and optimizer states are
-identical across ranks under DDP, and the sampler's position is global.
+identical across ranks under DDP, the sampler's position is global, and the RNG states are
+gathered from every rank.
+
+The one rule: an argument with ``state_dict`` and ``load_state_dict`` (a module, optimizer,
+scheduler, GradScaler, AveragedModel, sampler, loader, your own class) or a
+``torch.Generator`` is an *object*, restored in place, so your variables see the restored
+state. Anything else is a *value* (``state.step``), read and written through the State and
+replaced by the restored one. What can be neither (a generator, an iterator, an open file,
+a socket) is refused.
 """
 
 from __future__ import annotations
@@ -17,49 +25,124 @@ from __future__ import annotations
 import io
 import os
 import random
+import socket
 import time
-from collections.abc import Iterator
+import types
+from collections.abc import Callable
 from typing import Any
 
 from . import snapshot_format
+from .data import DataLoader, ElasticSampler, _dist, rank_and_world
 from .messages import Commit, CommitReply, Handoff, StateGet, StateReply
 from .worker.client import AgentClient, ResizeExit, current
 
-_STATEFUL = ("model", "optimizer", "scheduler", "sampler")
+__all__ = ["DataLoader", "ElasticSampler", "State"]
+
+_OWN = ("restored_step",)  # attributes of the State itself, not values
 
 
-def _dist() -> Any:
-    """torch.distributed when the job has a default group (the automatic one is made
-    now if nothing used it yet: State may come before any collective); else None."""
-    import torch.distributed as dist
+def _unwrap(obj: Any) -> Any:
+    """The model inside a DDP or DataParallel wrapper (its state_dict has no prefix)."""
+    from torch.nn import DataParallel
+    from torch.nn.parallel import DistributedDataParallel
 
-    if not dist.is_available():
-        return None
-    from .worker import default_group
-
-    return dist if default_group.ensure() else None
+    return obj.module if isinstance(obj, (DistributedDataParallel, DataParallel)) else obj
 
 
-def _unwrap(model: Any) -> Any:
-    return getattr(model, "module", model)  # DDP/FSDP-style wrappers keep the model here
+class _GeneratorState:
+    """A torch.Generator as a stateful object."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> Any:
+        return self.generator.get_state()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.generator.set_state(state)
+
+
+def _stateful(name: str, value: Any) -> Any:
+    """What restores ``value`` in place, or None for a plain value; refuses what cannot
+    be restored at all."""
+    import torch
+
+    if isinstance(value, torch.Generator):
+        return _GeneratorState(value)
+    if type(value).__name__ == "StatefulDataLoader":
+        raise TypeError(
+            f"State cannot restore {name}=StatefulDataLoader exactly: torchdata keeps each "
+            "rank's own position, which does not carry over to another world size (a resize "
+            "would skip or repeat samples). Use elastic_magic.DataLoader (same arguments)")
+    if callable(getattr(value, "state_dict", None)) and callable(
+            getattr(value, "load_state_dict", None)):
+        return _unwrap(value)
+    if isinstance(value, (types.GeneratorType, io.IOBase, socket.socket)) or (
+            hasattr(value, "__next__") and hasattr(value, "__iter__")):
+        raise TypeError(
+            f"State cannot restore {name}={type(value).__name__}: it has no state to save. "
+            "Pass objects with state_dict()/load_state_dict() (restored in place) or plain "
+            "values (numbers, strings, tensors, lists and dicts of them); make iterators "
+            "and open files again after State(...) from what it restored")
+    return None
+
+
+def _rng_state() -> dict[str, Any]:
+    import torch
+
+    rng: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()  # this rank's device (dropout)
+    try:
+        import numpy
+
+        rng["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return rng
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    if "numpy" in rng:
+        import numpy
+
+        numpy.random.set_state(rng["numpy"])
 
 
 class State:
-    """Model, optimizer, LR scheduler, sampler position, RNG states and plain values."""
+    """Stateful objects (restored in place), plain values, RNG states and commits.
+
+    ``on_resize(old_world_size, new_world_size)`` runs after a restore from a commit made
+    at another world size (Horovod's reset callbacks), e.g. to scale the learning rate."""
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
-                 sampler: Any = None, **values: Any) -> None:
-        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
-                   "sampler": sampler}
-        object.__setattr__(self, "_objects", {k: v for k, v in objects.items()
-                                               if v is not None})
-        object.__setattr__(self, "_values", dict(values))
-        object.__setattr__(self, "_commits", 0)
+                 sampler: Any = None, *, on_resize: Callable[[int, int], Any] | None = None,
+                 **values: Any) -> None:
+        object.__setattr__(self, "_objects", {})
+        object.__setattr__(self, "_values", {})
+        object.__setattr__(self, "_commits", 0)  # commit() calls: the step, if none is given
+        object.__setattr__(self, "_since_commit", 0)
+        object.__setattr__(self, "_last_commit", time.monotonic())
+        object.__setattr__(self, "_on_resize", on_resize)
         object.__setattr__(self, "restored_step", None)
+        named = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                 "sampler": sampler}
+        for name, value in {**named, **values}.items():
+            if value is not None or name in values:
+                setattr(self, name, value)
         self.restore()
 
-    # plain values read and written as attributes: state.step, state.epoch
+    # state.step, state.epoch, state.model: values and objects read and set as attributes
     def __getattr__(self, name: str) -> Any:
+        if name in self._objects:
+            obj = self._objects[name]
+            return obj.generator if isinstance(obj, _GeneratorState) else obj
         try:
             return self._values[name]
         except KeyError:
@@ -67,10 +150,16 @@ class State:
                                  ) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _STATEFUL or name.startswith("_") or name == "restored_step":
+        if name.startswith("_") or name in _OWN:
             object.__setattr__(self, name, value)
-        else:
+            return
+        stateful = _stateful(name, value)
+        if stateful is None:
+            self._objects.pop(name, None)
             self._values[name] = value
+        else:
+            self._values.pop(name, None)
+            self._objects[name] = stateful
 
     @property
     def step(self) -> Any:
@@ -84,45 +173,33 @@ class State:
 
     def snapshot(self) -> bytes:
         buffer = io.BytesIO()
-        self._save(buffer)
+        self._save(buffer, [_rng_state()], 1)
         return buffer.getvalue()
 
-    def _save(self, file: Any) -> None:
-        import torch
-
-        data: dict[str, Any] = {"values": dict(self._values), "commits": self._commits}
-        for name, obj in self._objects.items():
-            data[name] = (_unwrap(obj) if name == "model" else obj).state_dict()
-        data["rng"] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            data["rng"]["cuda"] = torch.cuda.get_rng_state()  # this rank's device (dropout)
-        try:
-            import numpy
-
-            data["rng"]["numpy"] = numpy.random.get_state()
-        except ImportError:
-            pass
-        snapshot_format.save(data, file)
+    def _save(self, file: Any, rngs: list[dict[str, Any]], world_size: int) -> None:
+        snapshot_format.save({
+            "values": dict(self._values), "commits": self._commits,
+            "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
+            "rngs": rngs, "world_size": world_size}, file)
 
     def load(self, blob: bytes | Any) -> None:
         """Restore from a snapshot: bytes, or a binary file positioned at its start."""
-        import torch
-
         source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
         data = snapshot_format.load(source)
         self._values.update(data["values"])
         object.__setattr__(self, "_commits", data["commits"])
+        saved = data.get("objects") or {n: data[n] for n in
+                                        ("model", "optimizer", "scheduler", "sampler")
+                                        if n in data}  # snapshots before objects were general
         for name, obj in self._objects.items():
-            if name in data:
-                (_unwrap(obj) if name == "model" else obj).load_state_dict(data[name])
-        random.setstate(data["rng"]["python"])
-        torch.set_rng_state(data["rng"]["torch"])
-        if "cuda" in data["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(data["rng"]["cuda"])
-        if "numpy" in data["rng"]:
-            import numpy
-
-            numpy.random.set_state(data["rng"]["numpy"])
+            if name in saved:
+                obj.load_state_dict(saved[name])
+        rank, world = rank_and_world()
+        rngs = data.get("rngs") or [data["rng"]]
+        _set_rng_state(rngs[rank % len(rngs)])  # a new rank of a larger group: an old one's
+        old_world = data.get("world_size", world)
+        if old_world != world and self._on_resize is not None:
+            self._on_resize(old_world, world)
 
     def restore(self) -> bool:
         """Load the agent's latest snapshot on every rank; True when there was one."""
@@ -149,25 +226,45 @@ class State:
         object.__setattr__(self, "restored_step", self.step)
         return True
 
-    def commit(self) -> None:
-        """Snapshot this step in the agent. Call it on every rank after the step; if a
-        resize is pending, every rank then leaves and the job goes on at the new size."""
+    def commit(self, *, every: int = 1, seconds: float | None = None) -> bool:
+        """Call it on every rank after each (optimizer) step. It snapshots this step in the
+        agent on every ``every``-th call, or once ``seconds`` have passed since the last
+        commit (rank 0's clock decides, one small broadcast per call); True when it did.
+        After a failure the steps since the last commit run again, from the same data and
+        random numbers. If a resize is pending, every rank leaves at a commit."""
+        if every < 1:
+            raise ValueError(f"commit(every={every}): give a number of calls, 1 or more")
         object.__setattr__(self, "_commits", self._commits + 1)
+        object.__setattr__(self, "_since_commit", self._since_commit + 1)
         client, dist = current(), _dist()
-        if dist is not None:
-            dist.barrier()  # every rank has finished the step
+        due = self._since_commit >= every
+        if seconds is not None and not due:
+            due = time.monotonic() - self._last_commit >= seconds
+            if dist is not None:  # every rank must agree, or the collectives below hang
+                flag = [due]
+                dist.broadcast_object_list(flag, src=0)
+                due = flag[0]
+        if not due:
+            return False
+        object.__setattr__(self, "_since_commit", 0)
+        object.__setattr__(self, "_last_commit", time.monotonic())
+        rngs: list[Any] = [_rng_state()]
+        if dist is not None:  # every rank's random streams; waits until all finished the step
+            rngs = [None] * dist.get_world_size()
+            dist.all_gather_object(rngs, _rng_state())
         resize = False
         if client is not None and (dist is None or dist.get_rank() == 0):
-            resize = self._send_snapshot(client)
+            resize = self._send_snapshot(client, rngs, len(rngs))
         if dist is not None:
             flag = [resize]
             dist.broadcast_object_list(flag, src=0)
             resize = flag[0]
         if resize:
             raise ResizeExit(self.step)
+        return True
 
-
-    def _send_snapshot(self, client: AgentClient) -> bool:
+    def _send_snapshot(self, client: AgentClient, rngs: list[dict[str, Any]],
+                       world: int) -> bool:
         """Commit this snapshot in the agent; True when every rank must leave for a resize.
 
         A large snapshot is dominated by copies, so it is written once, into an anonymous
@@ -180,7 +277,7 @@ class State:
             fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
             try:
                 with os.fdopen(fd, "wb", closefd=False) as file:
-                    self._save(file)
+                    self._save(file, rngs, world)
                 offer = Handoff.of(fd)
                 reply = client.request(lambda request_id: Commit(request_id, step, now,
                                                                  handoff=offer))
@@ -189,7 +286,9 @@ class State:
             if not reply.handoff_failed:
                 return reply.resize
             _HANDOFF = False  # the agent cannot read our memory files: use the pipe
-        blob = self.snapshot()
+        buffer = io.BytesIO()
+        self._save(buffer, rngs, world)
+        blob = buffer.getvalue()
         reply = client.request(lambda request_id: Commit(request_id, step, now, snapshot=blob))
         return reply.resize
 
@@ -206,61 +305,3 @@ def _open_handoff(offer: Handoff | None) -> Any:
         return open(offer.path, "rb")
     except OSError:
         return None
-
-
-class ElasticSampler:
-    """Deterministic, resumable batches whose order does not depend on the world size.
-
-    Each epoch is one permutation of ``range(length)`` (seeded by ``seed + epoch``), cut
-    into global batches of ``global_batch_size``; rank r of w takes the r-th of w equal
-    slices of each global batch. Iterating yields this rank's indices for the remaining
-    global batches of the epoch; ``state_dict`` records (epoch, position), so a group of
-    any size resumes at the next global batch. The last incomplete batch is dropped.
-    """
-
-    def __init__(self, length: int, global_batch_size: int, *, seed: int = 0,
-                 shuffle: bool = True) -> None:
-        if global_batch_size < 1 or length < global_batch_size:
-            raise ValueError(f"global_batch_size {global_batch_size} must be between 1 and "
-                             f"the dataset length {length}")
-        self.length = length
-        self.global_batch_size = global_batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.position = 0  # global batches of this epoch already handed out
-
-    def __len__(self) -> int:
-        return self.length // self.global_batch_size
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
-
-    def _order(self) -> list[int]:
-        import torch
-
-        if not self.shuffle:
-            return list(range(self.length))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.length, generator=generator).tolist()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        dist = _dist()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-        if self.global_batch_size % world:
-            raise ValueError(
-                f"global batch {self.global_batch_size} cannot be split evenly across "
-                f"{world} ranks; pick a global batch size divisible by every world size")
-        local = self.global_batch_size // world
-        order = self._order()
-        while self.position < len(self):
-            start = self.position * self.global_batch_size + rank * local
-            self.position += 1  # counted when handed out; a commit after the step keeps it
-            yield order[start:start + local]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]

@@ -1,15 +1,21 @@
-"""The dashboard in a real browser: JupyterLab on loopback, Debian's Chromium driven by
-Playwright (through its executable path; no browser download)."""
+"""The dashboard and the JupyterLab extension in a real browser: JupyterLab on loopback,
+Debian's Chromium driven by Playwright (through its executable path; no browser download).
+
+Where Chromium is not installed these tests skip, saying how to install it; under CI
+(``CI=true``) that is a failure instead, so CI cannot pass without running them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -18,7 +24,10 @@ from conftest import tagged_workers, wait_until_no_workers
 from playwright.sync_api import expect, sync_playwright
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+# Where the Python package's build puts the JupyterLab extension (labextension/).
+EXTENSION = ROOT / "elastic_magic" / "labextension"
 
 CELLS = [
     "%load_ext elastic_magic",
@@ -30,18 +39,73 @@ CELLS = [
     "time.sleep(600)",
 ]
 
+PANEL_CELLS = [
+    "%load_ext elastic_magic",
+    "%%elastic --bg --nproc 2 --max-nproc 3 -o job\nimport time\n"
+    "print('background job up', flush=True)\ntime.sleep(600)",
+    "x = 1",
+    "%%elastic --nproc 1\nimport os, time\nprint('about to fail', flush=True)\n"
+    "while not os.path.exists('fail-now'):\n    time.sleep(0.1)\nraise ValueError('boom')",
+]
 
-@pytest.fixture
-def lab(tmp_path):
-    """JupyterLab on 127.0.0.1 with a private config, runtime and settings directory."""
+# WCAG contrast of an element's text against the first opaque background behind it.
+CONTRAST = """(el) => {
+  const rgb = (s) => s.match(/[\\d.]+/g).map(Number);
+  const lum = ([r, g, b]) => [r, g, b].map((c) => {
+    c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
+  }).reduce((sum, c, i) => sum + c * [0.2126, 0.7152, 0.0722][i], 0);
+  let node = el, bg = [255, 255, 255];
+  while (node) {
+    const c = rgb(getComputedStyle(node).backgroundColor);
+    if (c.length < 4 || c[3] > 0) { bg = c; break; }
+    node = node.parentElement;
+  }
+  const [a, b] = [lum(rgb(getComputedStyle(el).color)), lum(bg)].sort((x, y) => y - x);
+  return (a + 0.05) / (b + 0.05);
+}"""
+
+
+def require(present: bool, reason: str) -> None:
+    """Skip, saying why, where something the test needs is not installed; under CI (which
+    installs everything) fail instead, so a green CI has run every browser test."""
+    if present:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI runs the browser tests: {reason}")
+    pytest.skip(reason)
+
+
+def require_chromium() -> None:
+    require(Path(CHROMIUM).exists(), "Debian's Chromium is not installed (apt-get install -y "
+                                     "chromium); the browser tests drive it through its "
+                                     "executable path")
+
+
+def require_extension() -> None:
+    require((EXTENSION / "package.json").exists(),
+            "the JupyterLab extension is not built: pip install -e . builds it where node "
+            "and npm are installed (apt-get install -y nodejs npm)")
+
+
+@contextlib.contextmanager
+def jupyterlab(tmp_path: Path, cells: list[str]) -> Iterator[str]:
+    """JupyterLab on 127.0.0.1 with a private config, runtime and settings directory, and
+    this tree's build of the extension ahead of any installed one."""
+    require_chromium()
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
     nbformat.write(nb, tmp_path / "dashboard.ipynb")
     runtime = tmp_path / "runtime"
+    data = tmp_path / "data"
+    (data / "labextensions").mkdir(parents=True)
+    if (EXTENSION / "package.json").exists():
+        (data / "labextensions" / "elastic-magic").symlink_to(EXTENSION)
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(runtime),
                JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+               JUPYTER_PATH=os.pathsep.join(filter(None, [str(data),
+                                                          os.environ.get("JUPYTER_PATH")])),
                JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
     log = open(tmp_path / "lab.log", "w")  # noqa: SIM115 (closed below, after the server)
@@ -74,6 +138,42 @@ def lab(tmp_path):
         log.close()
 
 
+@pytest.fixture
+def lab(tmp_path):
+    with jupyterlab(tmp_path, CELLS) as url:
+        yield url
+
+
+@pytest.fixture
+def panel_lab(tmp_path):
+    require_extension()
+    with jupyterlab(tmp_path, PANEL_CELLS) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def chromium_page() -> Iterator:
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync"],
+        )
+        try:
+            yield browser.new_page(viewport={"width": 1280, "height": 1000})
+        finally:
+            browser.close()
+
+
+def open_notebook(page, url: str, cells: int) -> None:
+    page.goto(url)
+    expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(cells, timeout=60_000)
+    expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+           ).to_have_count(1, timeout=60_000)
+
+
 def run_cell(page, index: int) -> None:
     """Run one cell. A keypress that lands while JupyterLab is still settling (a
     notification taking focus) is lost: the prompt then stays "[ ]:", and we press again.
@@ -93,72 +193,149 @@ def run_cell(page, index: int) -> None:
 
 
 def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
-    assert Path(CHROMIUM).exists(), "install Debian's chromium (apt-get install -y chromium)"
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync"],
-        )
-        page = browser.new_page(viewport={"width": 1280, "height": 1000})
-        try:
-            page.goto(lab)
-            expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(3, timeout=60_000)
-            expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-                   ).to_have_count(1, timeout=60_000)
-            run_cell(page, 0)
-            run_cell(page, 1)
-            # A finished cell keeps the static record: world size 2, both ranks' output.
-            record = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".elastic-record")
-            expect(record).to_contain_text("succeeded", timeout=90_000)
-            expect(record).to_contain_text("world size 2")
-            expect(record).to_contain_text("hello from rank 0")
-            expect(record).to_contain_text("hello from rank 1")
+    with chromium_page() as page:
+        open_notebook(page, lab, 3)
+        run_cell(page, 0)
+        run_cell(page, 1)
+        # A finished cell keeps the static record: world size 2, both ranks' output.
+        record = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".elastic-record")
+        expect(record).to_contain_text("succeeded", timeout=90_000)
+        expect(record).to_contain_text("world size 2")
+        expect(record).to_contain_text("hello from rank 0")
+        expect(record).to_contain_text("hello from rank 1")
 
-            run_cell(page, 2)
-            dash = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".em-dash")
-            expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=90_000)
-            expect(dash.locator("[data-em=world-size]")).to_have_text("world size 2")
-            lines = dash.locator("[data-em=lines]")
-            expect(lines).to_contain_text("long job rank 0 ready", timeout=30_000)
-            expect(lines).to_contain_text("long job rank 1 ready")
-            dash.locator("[data-em=tab-1]").click()
-            expect(lines).to_contain_text("long job rank 1 ready")
-            expect(lines.locator(".em-stderr")).to_contain_text("a warning on rank 1")
-            expect(lines).not_to_contain_text("rank 0 ready")
-            assert len(tagged_workers()) == 2
-            dash.screenshot(path=str(ARTIFACTS / "dashboard.png"))
+        run_cell(page, 2)
+        dash = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".em-dash")
+        expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=90_000)
+        expect(dash.locator("[data-em=world-size]")).to_have_text("world size 2")
+        # The resize box starts at the job's size, not at the lower bound.
+        expect(dash.locator("[data-em=scale-input]")).to_have_value("2")
+        lines = dash.locator("[data-em=lines]")
+        expect(lines).to_contain_text("long job rank 0 ready", timeout=30_000)
+        expect(lines).to_contain_text("long job rank 1 ready")
+        dash.locator("[data-em=tab-1]").click()
+        expect(lines).to_contain_text("long job rank 1 ready")
+        expect(lines.locator(".em-stderr")).to_contain_text("a warning on rank 1")
+        expect(lines).not_to_contain_text("rank 0 ready")
+        assert len(tagged_workers()) == 2
+        dash.screenshot(path=str(ARTIFACTS / "dashboard.png"))
 
-            # Resize from the dashboard: no State in this cell, so it restarts at 3 workers.
-            dash.locator("[data-em=scale-input]").fill("3")
-            dash.locator("[data-em=scale-button]").click()
-            expect(dash.locator("[data-em=world-size]")).to_have_text("world size 3",
-                                                                     timeout=60_000)
-            expect(dash.locator("[data-em=tab-2]")).to_be_visible()
-            expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
-            expect(dash.locator("[data-em=restarts]")).to_have_text("restarts 0/0")
-            deadline = time.monotonic() + 30
-            while len(tagged_workers()) != 3 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert len(tagged_workers()) == 3
+        # Resize from the dashboard: no State in this cell, so it restarts at 3 workers.
+        dash.locator("[data-em=scale-input]").fill("3")
+        dash.locator("[data-em=scale-button]").click()
+        expect(dash.locator("[data-em=world-size]")).to_have_text("world size 3",
+                                                                 timeout=60_000)
+        expect(dash.locator("[data-em=tab-2]")).to_be_visible()
+        expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
+        expect(dash.locator("[data-em=restarts]")).to_have_text("restarts 0/0")
+        deadline = time.monotonic() + 30
+        while len(tagged_workers()) != 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(tagged_workers()) == 3
 
-            # Every rank's stacks while it runs; nothing stops (a subshell carries the click).
-            dash.locator("[data-em=stacks-button]").click()
-            stacks = dash.locator("[data-em=stacks]")
-            expect(stacks.locator("[data-em=stacks-2]")).to_contain_text(
-                "Cell line 4, in <module>", timeout=30_000)
-            expect(stacks.locator("[data-em=stacks-0]")).to_contain_text("time.sleep(600)")
-            expect(dash.locator("[data-em=stacks-button]")).to_have_text("Stacks")
-            expect(dash.locator("[data-em=state]")).to_have_text("running")
-            dash.screenshot(path=str(ARTIFACTS / "dashboard-stacks.png"))
+        # Every rank's stacks while it runs; nothing stops (a subshell carries the click).
+        dash.locator("[data-em=stacks-button]").click()
+        stacks = dash.locator("[data-em=stacks]")
+        expect(stacks.locator("[data-em=stacks-2]")).to_contain_text(
+            "Cell line 4, in <module>", timeout=30_000)
+        expect(stacks.locator("[data-em=stacks-0]")).to_contain_text("time.sleep(600)")
+        expect(dash.locator("[data-em=stacks-button]")).to_have_text("Stacks")
+        expect(dash.locator("[data-em=state]")).to_have_text("running")
+        dash.screenshot(path=str(ARTIFACTS / "dashboard-stacks.png"))
 
-            # Stop while the cell is still running: the click travels on a kernel subshell.
-            dash.locator("[data-em=stop]").click()
-            record = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".elastic-record")
-            expect(record).to_contain_text("stopped", timeout=60_000)
-            assert not wait_until_no_workers(timeout=5.0)
-            page.screenshot(path=str(ARTIFACTS / "notebook-after-stop.png"))
-        finally:
-            browser.close()
+        # Stop while the cell is still running: the click travels on a kernel subshell.
+        dash.locator("[data-em=stop]").click()
+        record = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".elastic-record")
+        expect(record).to_contain_text("stopped", timeout=60_000)
+        assert not wait_until_no_workers(timeout=5.0)
+        page.screenshot(path=str(ARTIFACTS / "notebook-after-stop.png"))
+
+
+def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_path):
+    """The extension's side panel, status bar item and notification, over its comm."""
+    with chromium_page() as page:
+        open_notebook(page, panel_lab, 4)
+        # %%elastic cells are highlighted as Python: `import` is coloured as a keyword.
+        editor = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".cm-content")
+        keyword = editor.locator("span", has_text=re.compile(r"^import$")).first
+        color = "(el) => getComputedStyle(el).color"
+        assert keyword.evaluate(color) != editor.locator(".cm-line").nth(1).evaluate(color)
+        run_cell(page, 0)
+        run_cell(page, 1)
+        # --bg returns at once; the kernel is free while the job runs.
+        expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+               ).to_have_count(1, timeout=60_000)
+        page.locator("li[data-id='elastic-magic-jobs']").click()
+        panel = page.locator("#elastic-magic-jobs")
+        row = panel.locator(".em-panel-row").first
+        expect(row).to_contain_text("running", timeout=90_000)
+        expect(row).to_contain_text("world size 2")
+        expect(row).to_contain_text("1 machine")
+        expect(row).to_contain_text("restarts 0/0")
+        status = page.locator("[data-em=status]")
+        expect(status).to_contain_text("elastic #1: running")
+        expect(status).to_be_visible()
+        deadline = time.monotonic() + 30
+        while len(tagged_workers()) != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(tagged_workers()) == 2
+
+        # Its cell, from the row's link: the notebook makes it the active cell.
+        page.locator(".jp-Notebook .jp-Cell").nth(2).click()
+        row.locator(".em-panel-cell").click()
+        expect(page.locator(".jp-Notebook .jp-Cell").nth(1)).to_have_class(
+            re.compile(r"jp-mod-active"))
+
+        # Stacks, then a resize outside the bounds (refused, saying them) and within.
+        row.locator(".em-panel-stacks").click()
+        expect(row.locator(".em-panel-stack-text")).to_contain_text("time.sleep(600)",
+                                                                     timeout=30_000)
+        row.locator(".em-panel-nproc").fill("5")
+        row.locator(".em-panel-resize").click()
+        expect(row.locator(".em-panel-error")).to_contain_text("between 2 and 3 workers")
+        row.locator(".em-panel-nproc").fill("3")
+        row.locator(".em-panel-resize").click()
+        page.locator(".jp-Notebook .jp-Cell").nth(2).click()  # leave the box: redraws
+        expect(row).to_contain_text("world size 3", timeout=60_000)
+        panel.screenshot(path=str(ARTIFACTS / "elastic-jobs-panel.png"))
+
+        row.locator(".em-panel-stop").click()
+        expect(row).to_contain_text("stopped", timeout=60_000)
+        expect(row.locator(".em-panel-stop")).to_have_count(0)
+        toast = page.locator(".Toastify__toast", has_text="elastic job #1 stopped after")
+        expect(toast).to_be_visible(timeout=30_000)
+        expect(page.locator("[data-em=status]")).to_have_text("")
+        assert not wait_until_no_workers(timeout=5.0)
+        page.screenshot(path=str(ARTIFACTS / "elastic-jobs-after-stop.png"))
+
+        # A job that cannot resize shows no resize control; its failure's record reads
+        # well in the light and the dark theme.
+        run_cell(page, 3)
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(3)
+        dash = cell.locator(".em-dash")
+        expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=90_000)
+        expect(dash.locator("[data-em=scale]")).to_be_hidden()
+        # The panel acts on a job whose cell is still running (its comm is not queued
+        # behind the cell): its stacks, from the row of job #2.
+        row = panel.locator(".em-panel-row", has_text="#2 job")
+        expect(row).to_contain_text("running", timeout=30_000)
+        expect(row.locator(".em-panel-resize")).to_have_count(0)  # it cannot resize
+        row.locator(".em-panel-stacks").click()
+        expect(row.locator(".em-panel-stack-text")).to_contain_text("time.sleep(0.1)",
+                                                                     timeout=30_000)
+        (tmp_path / "fail-now").touch()  # the kernel's working directory
+        heading = cell.locator(".elastic-record b", has_text="Root cause: rank 0")
+        expect(heading).to_be_visible(timeout=60_000)
+        expect(cell.locator(".elastic-record")).to_contain_text("(attempt 1 of 1)")
+        expect(cell.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+               ).to_contain_text("JobFailedError")
+        traceback = cell.locator(".elastic-record pre").first
+        assert heading.evaluate(CONTRAST) >= 3 and traceback.evaluate(CONTRAST) >= 4.5
+        page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^JupyterLab Dark$")).click()
+        expect(page.locator("body[data-jp-theme-light='false']")).to_have_count(1,
+                                                                               timeout=30_000)
+        dark = heading.evaluate(CONTRAST), traceback.evaluate(CONTRAST)
+        cell.screenshot(path=str(ARTIFACTS / "record-dark.png"))
+        assert dark[0] >= 3 and dark[1] >= 4.5, dark

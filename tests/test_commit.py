@@ -72,5 +72,5 @@ def test_a_rank_that_dies_mid_commit_leaves_the_previous_commit_whole(tmp_path, 
     for blob in (result.snapshot, (ckpt / "snapshot.pt").read_bytes()):
         snapshot = snapshot_format.load(io.BytesIO(blob))
         assert snapshot["values"]["step"] == 1
-        assert torch.all(snapshot["model"]["weight"] == 1)
+        assert torch.all(snapshot["objects"]["model"]["weight"] == 1)
     assert not list(ckpt.glob(".snapshot*"))  # no half-written temporary left

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import os
+import re
+import signal
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -11,7 +17,8 @@ from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 from elastic_magic.ui.dashboard import Dashboard, LiveView
 from elastic_magic.ui.record import record_bundle
-from elastic_magic.ui.state import MERGED_LINES, RANK_LINES
+from elastic_magic.ui.state import MERGED_LINES, RANK_LINES, TRACEBACK_SHOWN
+from elastic_magic.ui.text import TextRenderer
 
 FLAKY = textwrap.dedent("""
     import os, sys, time, torch.distributed as dist
@@ -55,7 +62,7 @@ def test_widget_state_follows_a_job_with_a_restart(log_dir):
         assert ["stderr", f"warning from {rank}"] in lines
         stdout = [text for stream, text in lines if stream == "stdout"]
         assert stdout[-1] == f"rank {rank} attempt 1 line 399"  # the latest attempt
-        assert w.logs[str(rank)]["stdout"].endswith(f"attempt_1/rank_{rank}/stdout.log")
+        assert w.logs[str(rank)]["stdout"].endswith(f"group_1/rank_{rank}/stdout.log")
     assert len(w.merged) == MERGED_LINES
     assert all(text.startswith(f"rank {r} attempt 1") or text == f"warning from {r}"
                for r, _, text in w.merged)
@@ -64,10 +71,27 @@ def test_widget_state_follows_a_job_with_a_restart(log_dir):
                      "succeeded"]
     assert "rank 1 failed: ValueError: first attempt breaks" in w.timeline[2]["text"]
     assert w.failure == {}  # the job recovered: no root cause to show
+    assert w.timeline[5]["text"].startswith("started ranks 0, 1 after restart 1 (pids ")
+    # The group before the restart keeps its output, and why it ended.
+    assert len(w.earlier) == 1
+    first = w.earlier[0]
+    assert first["restart"] == 0
+    assert first["why"].startswith("ended by a failure: rank 1: ValueError: first attempt")
+    assert ["stdout", "rank 0 attempt 0 line 399"] in first["lines"]["0"]
     record = record_bundle(view.state)
     assert "succeeded · world size 2 · 1 node · restarts 1/1" in record["text/plain"]
     assert "[rank 1] warning from 1" in record["text/plain"]
-    assert "<script" not in record["text/html"] and "Rank 0" in record["text/html"]
+    assert "[rank 0] rank 0 attempt 0 line 399" in record["text/plain"]
+    html = record["text/html"]
+    assert "<script" not in html and "Rank 0" in html
+    assert "Earlier group (restarts 0): ended by a failure" in html
+    # Follows the theme: JupyterLab's variables, no background of its own.
+    assert "var(--jp-" in html and "background" not in html
+    # Markdown (nbconvert) keeps it one HTML block: one element a line, no blank line.
+    assert html.count("\n") > 20 and "\n\n" not in html
+    assert max(len(line) for line in html.splitlines() if "<pre" not in line) < 300
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d", line.split()[0])
+               for line in record["text/plain"].split("timeline:\n")[1].splitlines()[:-1])
 
 
 def test_failure_is_shown_with_root_cause(log_dir):
@@ -77,8 +101,14 @@ def test_failure_is_shown_with_root_cause(log_dir):
     assert w.header["state"] == "failed"
     assert w.failure["rank"] == 0 and w.failure["headline"].startswith("ZeroDivisionError")
     assert "Cell line 4" in w.failure["traceback"]
+    # Numbered as the JobFailedError numbers it.
+    assert w.failure["attempt_label"] == "attempt 1 of 1"
+    # The traceback shows once, in the root cause: not again in the rank's own output.
+    rank0 = [text for _, text in w.lines["0"]]
+    assert TRACEBACK_SHOWN in rank0 and "Traceback (most recent call last):" not in rank0
     html = record_bundle(view.state)["text/html"]
-    assert "Root cause: rank 0" in html and "ZeroDivisionError" in html
+    assert "Root cause: rank 0</b> (attempt 1 of 1)" in html and "ZeroDivisionError" in html
+    assert html.count("Traceback (most recent call last)") == 1
 
 
 def test_stop_message_from_the_frontend_stops_the_job(log_dir):
@@ -117,6 +147,7 @@ RESIZABLE = textwrap.dedent("""
     import elastic_magic
     model = torch.nn.Linear(2, 1)
     state = elastic_magic.State(model=model, step=0)
+    print("world size", dist.get_world_size(), flush=True)
     while state.step < 12:
         time.sleep(0.1)
         state.step += 1
@@ -153,6 +184,9 @@ def test_resize_from_the_dashboard_shows_pending_and_last_commit(log_dir):
     assert w.header["world_size"] == 3 and w.header["last_commit"]["step"] == 12
     assert w.header["last_commit"]["world_size"] == 3
     assert w.controls["scale"] == {"min": 1, "max": 3}
+    assert w.header["nproc"] == 3  # the resize box starts at this machine's workers
+    assert len(w.earlier) == 1 and w.earlier[0]["why"] == "ended by a resize (2 -> 3 workers here)"
+    assert w.earlier[0]["lines"]["1"] == [["stdout", "world size 2"]]
     kinds = [e["kind"] for e in w.timeline]
     assert "resize" in kinds and "membership" in kinds and "restart" not in kinds
     assert "last commit: step 12 at world size 3" in record_bundle(view.state)["text/plain"]
@@ -191,3 +225,117 @@ def test_stacks_button_shows_every_rank_without_stopping_the_job(tmp_path, log_d
         assert "Cell line 4, in <module>\n    time.sleep(0.2)" in text
     assert result.ok and view.widget.header["state"] == "succeeded"
     assert "Rank 0" in record_bundle(view.state)["text/html"]
+
+
+def test_quiet_result_repr_and_interrupt_without_library_frames(ip, log_dir, tmp_path):
+    """A result's repr is one short line whatever the ranks return; an interrupted cell says
+    one line (no frames of ours), and each stopped rank one line, not a traceback."""
+    result = ip.run_cell_magic("elastic", f"--nproc 2 --text --log-dir {log_dir}",
+                               "import torch\ntorch.arange(5000)")
+    text = repr(result)
+    assert text.startswith("JobResult(succeeded, world size 2, restarts 0/0, ")
+    assert "value=tensor([ 0, 1, 2," in text and len(text) < 160
+
+    def interrupt_when_running():
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("in-cell-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)  # what a kernel interrupt is
+
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    ip.user_ns["FLAGS"] = str(tmp_path)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        ip.run_cell_magic("elastic", f"--nproc 2 --text --log-dir {log_dir} -o stopped",
+                          "import os, time\nrank = os.environ['RANK']\n"
+                          "open(os.path.join(FLAGS, f'in-cell-{rank}'), 'w').close()\n"
+                          "time.sleep(600)")
+    assert caught.value._render_traceback_() == [
+        f"KeyboardInterrupt: job {ip.user_ns['stopped'].run_id} was stopped; its workers "
+        "have exited"]
+    for rank in (0, 1):
+        stderr = ip.user_ns["stopped"].log_path(rank, "stderr").read_text()
+        assert stderr == "KeyboardInterrupt: stopped\n"
+
+
+PROGRESS = textwrap.dedent("""
+    import sys, time, torch.distributed as dist
+    rank = dist.get_rank()
+    print(f"rank {rank} begins", flush=True)
+    dist.barrier()  # both bars run at once
+    for i in range(101):  # what tqdm writes: each update starts with a carriage return
+        sys.stderr.write(f"\\rrank {rank} progress {i:3d}%")
+        sys.stderr.flush()
+        time.sleep(0.02)
+    sys.stderr.write("\\n")
+    print(f"rank {rank} ends", flush=True)
+""")
+
+
+def test_progress_bars_update_one_line_per_rank(log_dir):
+    spec = JobSpec.create(2, log_dir=log_dir)
+    job = Job(spec, build_payload(PROGRESS, spec)).start()
+    view = LiveView(job)
+    out, err = io.StringIO(), io.StringIO()
+    text = TextRenderer(stdout=out, stderr=err, status=False)
+    live: list[list] = []  # each rank's rewritten line, as the widget showed it mid-way
+
+    def render(events):
+        view(events)
+        text(events)
+        for rank in ("0", "1"):
+            bars = [t for s, t in view.widget.lines.get(rank, []) if "progress" in t]
+            assert len(bars) <= 1  # one line per rank, updated in place
+            if bars and "100%" not in bars[0]:
+                live.append(bars)
+
+    try:
+        job.wait(render)
+    finally:
+        view.finish()
+    assert len(live) >= 2 and len({b[0] for b in live}) >= 2  # it moved while it ran
+    for rank in (0, 1):
+        lines = [t for _, t in view.widget.lines[str(rank)]]
+        # stdout and stderr are separate pipes: order within each stream only
+        assert sorted(lines) == [f"rank {rank} begins", f"rank {rank} ends",
+                                 f"rank {rank} progress 100%"]
+        raw = (job.log_dir / "group_0" / f"rank_{rank}" / "stderr.log").read_bytes()
+        assert raw.count(b"\r") == 101  # the log keeps every byte
+    record = record_bundle(view.state)["text/plain"]
+    assert "[rank 1] rank 1 progress 100%" in record and "progress  50%" not in record
+    # The text output rewrote one line in place, for both ranks; whole lines went above it.
+    shown = err.getvalue()
+    assert re.search(r"\[rank 0\] rank 0 progress +\d+% · \[rank 1\] rank 1 progress", shown)
+    assert shown.count("\n") == 2 and shown.count("progress 100%\n") == 2
+
+
+def test_jobs_list_stops_the_clock_of_a_finished_job(ip, log_dir, capsys):
+    ip.run_cell_magic("elastic", f"--nproc 1 --text --log-dir {log_dir}", "print('hi')")
+    capsys.readouterr()
+    ip.run_line_magic("elastic", "jobs")
+    first = capsys.readouterr().out
+    time.sleep(1.5)  # a clock still running would show more
+    ip.run_line_magic("elastic", "jobs")
+    assert capsys.readouterr().out == first and "succeeded" in first
+    assert re.search(r"restarts 0/0  \d+\.\ds\n", first)
+
+
+def test_join_command_is_in_the_header_and_the_record():
+    """A multi-node job's join command: the header (the widget shows it at the top, with a
+    Copy button) and the record; not only in the collapsed timeline."""
+    from elastic_magic.events import AcceptingNodes
+    from elastic_magic.ui.state import DashboardState
+
+    state = DashboardState("em-test", "/tmp/logs", 0)
+    command = "ELASTIC_MAGIC_TOKEN=abc elastic-magic join 10.0.0.5:29400"
+    state.apply(AcceptingNodes("10.0.0.5:29400", command))
+    assert state.traits()["header"]["join_command"] == command
+    record = record_bundle(state)
+    assert f"Other machines joined with: <code>{command}</code>" in record["text/html"]
+    assert record["text/plain"].splitlines()[1] == f"other machines joined with: {command}"
+
+
+def test_log_tails_show_a_rewritten_line_as_it_finally_showed():
+    from elastic_magic.magics import _visible
+
+    assert _visible("\r 10%|#\r 50%|#####\r100%|##########|\n") == "100%|##########|\n"
+    assert _visible("plain line\n") == "plain line\n" and _visible("done\r\n") == "done\n"

@@ -178,7 +178,7 @@ def test_state_outside_a_job_keeps_working():
     other = em.State(model=torch.nn.Linear(2, 1), step=0)
     other.load(blob)
     assert other.step == 1
-    torch.testing.assert_close(other._objects["model"].weight, model.weight)
+    torch.testing.assert_close(other.model.weight, model.weight)
     with pytest.raises(AttributeError, match="State has no value 'epochs'"):
         _ = state.epochs
 
@@ -207,4 +207,5 @@ def test_snapshots_reach_the_agent_through_memory_files_or_the_pipe(log_dir, rec
     assert recorder.lines(0) == [f"handoff {refuse == 'never'}"]
     snapshot = snapshot_format.load(io.BytesIO(result.snapshot))
     assert snapshot["values"]["step"] == 3
-    assert snapshot["model"]["weight"].sum().item() == pytest.approx(result.values[0], abs=1e-4)
+    weight = snapshot["objects"]["model"]["weight"]
+    assert weight.sum().item() == pytest.approx(result.values[0], abs=1e-4)

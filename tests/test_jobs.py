@@ -184,7 +184,7 @@ def test_output_is_complete_ordered_and_logged(log_dir, recorder):
         assert logged == out
         assert result.log_path(rank, "stderr").read_text().count("err") == 30
         assert result.tails[rank][-1] == "no newline at the end"
-    assert result.log_path(0).parent == log_dir / result.run_id / "attempt_0" / "rank_0"
+    assert result.log_path(0).parent == log_dir / result.run_id / "group_0" / "rank_0"
 
 
 def test_root_cause_is_first_failure_with_cell_line(log_dir, recorder):

@@ -177,7 +177,7 @@ def test_high_volume_output_reaches_logs_whole_and_frontend_batched(kernel, tmp_
     assert f"{per_rank - 150} earlier lines in the log" in final["text/plain"]
     (run_dir,) = tmp_path.iterdir()
     for rank in range(ranks):
-        logged = (run_dir / "attempt_0" / f"rank_{rank}" / "stdout.log").read_text()
+        logged = (run_dir / "group_0" / f"rank_{rank}" / "stdout.log").read_text()
         assert logged.splitlines() == [f"rank {rank} line {i}" for i in range(per_rank)]
 
 

@@ -101,7 +101,7 @@ def test_run_folders_and_files_are_private_whatever_the_umask(log_dir, mask):
     with umask(mask):
         result = em.launch("print('secret')", nproc=2, log_dir=log_dir, render=lambda e: None)
     run = log_dir / result.run_id
-    for folder in (run, run / "attempt_0", run / "attempt_0" / "rank_0"):
+    for folder in (run, run / "group_0", run / "group_0" / "rank_0"):
         assert mode(folder) == 0o700, folder
     for rank in (0, 1):
         for stream in ("stdout", "stderr"):
@@ -114,8 +114,8 @@ def make_runs(folder, count: int, newest: float) -> list:
     runs = []
     for i in range(count):
         run = folder / f"em-{i:012x}"
-        (run / "attempt_0" / "rank_0").mkdir(parents=True)
-        (run / "attempt_0" / "rank_0" / "stdout.log").write_text("old output\n")
+        (run / "group_0" / "rank_0").mkdir(parents=True)
+        (run / "group_0" / "rank_0" / "stdout.log").write_text("old output\n")
         changed = newest - (count - 1 - i) * 60
         os.utime(run, (changed, changed))
         runs.append(run)

@@ -43,6 +43,7 @@ def test_backend_resolution_and_errors(tmp_path):
         ({"monitor_interval": 0}, "above 0"),
         ({"timeout": -5}, "above 0"),
         ({"pull": ["not a name"]}, "not a Python variable name"),
+        ({"nnodes": "1:2", "rdzv_endpoint": "0.0.0.0:29400"}, "not an address the other"),
     ],
 )
 def test_bad_values(tmp_path, kwargs, fragment):

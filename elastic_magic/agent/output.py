@@ -31,7 +31,9 @@ class StreamPump(threading.Thread):
         self.tail = tail
 
     def run(self) -> None:
-        pending = b""
+        pending = b""  # the unfinished line, kept short: a progress bar rewrites it with \r
+        rewriting = False  # it was rewritten with \r: publish it as it shows, while it lasts
+        shown = b""  # what of it was last published as a partial line
         with open(self.log_path, "wb", opener=private_file) as log:
             while True:
                 try:
@@ -42,17 +44,42 @@ class StreamPump(threading.Thread):
                     break
                 log.write(chunk)
                 log.flush()
-                *complete, pending = (pending + chunk).split(b"\n")
-                if complete:
-                    self._publish(complete)
+                *complete, rest = (pending + chunk).split(b"\n")
+                rewriting = (rewriting and not complete) or b"\r" in rest
+                pending = _latest(rest)
+                now = visible(pending) if rewriting else b""
+                if complete or now != shown:
+                    self._publish(complete, now or None)
+                    shown = now
             if pending:  # a last line without a newline is still a line
                 self._publish([pending])
         os.close(self.fd)
 
-    def _publish(self, raw_lines: list[bytes]) -> None:
-        lines = tuple(line.decode("utf-8", "replace") for line in raw_lines)
+    def _publish(self, raw_lines: list[bytes], partial: bytes | None = None) -> None:
+        lines = tuple(visible(line).decode("utf-8", "replace") for line in raw_lines)
         self.tail.extend(lines)
-        self.emit(Output(self.rank, self.stream, lines, self.attempt))
+        if partial is not None:
+            lines += (partial.decode("utf-8", "replace"),)
+        if not lines:
+            return
+        self.emit(Output(self.rank, self.stream, lines, self.attempt,
+                         partial=partial is not None))
+
+
+def visible(line: bytes) -> bytes:
+    """What a terminal shows of a line rewritten with carriage returns: its last non-empty
+    part (a bar ends each update with \r, or starts it with one; \r\n ends a line)."""
+    if b"\r" not in line:
+        return line
+    return next((part for part in reversed(line.split(b"\r")) if part), b"")
+
+
+def _latest(pending: bytes) -> bytes:
+    """An unfinished line less the updates it no longer shows (2000 updates of a bar are
+    326 KB), keeping a trailing \r: the next update starts over."""
+    if b"\r" not in pending:
+        return pending
+    return visible(pending) + (b"\r" if pending.endswith(b"\r") else b"")
 
 
 def new_tail() -> deque[str]:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..events import AcceptingNodes, EventSink, NodeConnected, Output
+from ..events import AcceptingNodes, EventSink, NetworkChosen, NodeConnected, Output
 from ..messages import (
     Action,
     Commit,
@@ -37,6 +37,7 @@ from ..result import JobState, RankFailure
 from ..spec import JobSpec
 from .group import WorkerGroup
 from .hub import HUB_KEY, FromLink, Hub, Link, read_into
+from .network import choose
 from .rendezvous import Rendezvous, RoundInfo, rendezvous_key
 from .snapshots import StateServer
 from .workers import Worker, take_handoff
@@ -72,6 +73,7 @@ class SingleMachine:
 
     hosts_rendezvous = True
     join_command: str | None = None
+    network: NetworkChosen | None = None  # several machines: the interface workers use
 
     def __init__(self, spec: JobSpec, run_id: str, emit: EventSink) -> None:
         self.spec = spec
@@ -150,6 +152,7 @@ class Head(SingleMachine):
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
 
     def open(self) -> Rendezvous:
+        self.network = choose(self.spec.rdzv_host, self.spec.env)
         rendezvous = super().open()
         offer = JobOffer(self.run_id, self.spec, self.payload)
         try:
@@ -159,6 +162,7 @@ class Head(SingleMachine):
             self.close_rendezvous(rendezvous)
             raise
         self.join_command = join_command(rendezvous.endpoint, self.token)
+        self.emit(self.network)
         self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
         return rendezvous
 
@@ -266,6 +270,8 @@ class JoinedMachine(SingleMachine):
 
     def open(self) -> Rendezvous:
         self._reader.start()
+        self.network = choose(self.joined.host, self.spec.env)
+        self.emit(self.network)  # printed here and forwarded to the notebook
         spec = self.spec
         return Rendezvous(self.run_id, key=self.rdzv_key, host=self.joined.host,
                           join=self.joined.rdzv_endpoint, min_nodes=spec.min_nodes,

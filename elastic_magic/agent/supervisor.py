@@ -288,7 +288,7 @@ class Agent:
             error_file = rank_dir(self.log_root, self.attempt, worker.global_rank) / "error.json"
             return torchrun_env(worker, info, self.spec, nproc=self.membership.nproc,
                                 run_id=self.run_id, restart_count=self.restarts,
-                                error_file=error_file)
+                                error_file=error_file, network=self.role.network)
 
         group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
                     log_root=self.log_root, inbox=self.inbox,

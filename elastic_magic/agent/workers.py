@@ -25,7 +25,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..events import EventSink
+from ..events import EventSink, NetworkChosen
 from ..logs import make_rank_dir
 from ..messages import (
     ErrorInfo,
@@ -167,9 +167,11 @@ def inherited_env(nproc: int) -> dict[str, str]:
 
 
 def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,
-                 restart_count: int, error_file: Path) -> dict[str, str]:
+                 restart_count: int, error_file: Path,
+                 network: NetworkChosen | None = None) -> dict[str, str]:
     """The kernel's environment plus every variable torchrun sets, with its meaning, for
-    ``worker`` of this machine's ``nproc`` in round ``info``; then the job's ``--env``."""
+    ``worker`` of this machine's ``nproc`` in round ``info``; the interface chosen for this
+    machine (``network``, a multi-node job); then the job's ``--env``."""
     world_size = info.world_size
     env = inherited_env(nproc)
     env.update({
@@ -192,6 +194,8 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                                           "1"),
     })
+    if network is not None:
+        env.update(network.variables)
     env.update(spec.env)
     return env
 

@@ -11,11 +11,29 @@ const h = (tag, attrs = {}, ...children) => {
 
 const FINAL = new Set(["succeeded", "failed", "stopped"]);
 
+const pad = (n) => String(n).padStart(2, "0");
+
+// The one length-of-time format (ui/describe.py's duration): 4.2s, 2m 05s, 1h 02m.
+function duration(seconds) {
+  const s = Math.max(0, seconds);
+  if (s < 60) return `${s.toFixed(1)}s`;
+  const whole = Math.floor(s);
+  if (whole < 3600) return `${Math.floor(whole / 60)}m ${pad(whole % 60)}s`;
+  return `${Math.floor(whole / 3600)}h ${pad(Math.floor((whole % 3600) / 60))}m`;
+}
+
+// The one time-of-day format (ui/describe.py's clock): 24-hour HH:MM:SS.
+function clockOf(time) {
+  const d = new Date(time * 1000);
+  return `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+}
+
+const countOf = (n, noun) => `${n} ${noun}${n === 1 ? "" : "s"}`;
+
 function elapsed(header) {
   if (!header.started_at) return "-";
   const end = header.finished_at ?? Date.now() / 1000;
-  const s = Math.max(0, end - header.started_at);
-  return s < 60 ? `${s.toFixed(1)}s` : `${Math.floor(s / 60)}m ${Math.floor(s % 60)}s`;
+  return duration(end - header.started_at);
 }
 
 function render({ model, el }) {
@@ -31,9 +49,15 @@ function render({ model, el }) {
   const stacksButton = h("button", { class: "em-stacks-button", "data-em": "stacks-button",
                                      title: "every rank's Python stacks, without stopping it" },
                          "Stacks");
-  const scaleInput = h("input", { type: "number", class: "em-scale-input", "data-em": "scale-input" });
+  const scaleInput = h("input", { type: "number", class: "em-scale-input", "data-em": "scale-input",
+                                  title: "workers on this machine" });
   const scaleButton = h("button", { class: "em-scale-button", "data-em": "scale-button" }, "Resize");
-  const scaleSlot = h("span", { class: "em-scale", "data-em": "scale" }, scaleInput, scaleButton);
+  const scaleLabel = h("span", { class: "em-scale-label", "data-em": "scale-label" });
+  const scaleSlot = h("span", { class: "em-scale", "data-em": "scale" }, scaleLabel, scaleInput, scaleButton);
+  let typed = false; // a size typed in the box stays until it is sent
+  scaleInput.addEventListener("input", () => { typed = true; });
+  const join = h("div", { class: "em-join", "data-em": "join", hidden: "" });
+  const earlier = h("div", { class: "em-earlier", "data-em": "earlier" });
   const commitLine = h("div", { class: "em-commit", "data-em": "commit" });
   const scaleError = h("div", { class: "em-scale-error", "data-em": "scale-error" });
   const header = h("div", { class: "em-header" }, badge, stats, clock,
@@ -46,8 +70,9 @@ function render({ model, el }) {
   const timeline = h("ol", { class: "em-timeline", "data-em": "timeline" });
   const details = h("details", { class: "em-timeline-box" },
                     h("summary", {}, "Timeline"), timeline);
-  el.append(header, commitLine, scaleError, failure, stacks, tabs, note, pane, details);
+  el.append(header, join, commitLine, scaleError, failure, stacks, tabs, note, pane, earlier, details);
   scaleButton.addEventListener("click", () => {
+    typed = false;
     model.send({ command: "scale", nproc: Number(scaleInput.value) });
   });
 
@@ -91,7 +116,9 @@ function render({ model, el }) {
     if (bounds) {
       scaleInput.min = bounds.min;
       scaleInput.max = bounds.max;
-      if (!scaleInput.value) scaleInput.value = hd.world_size || bounds.min;
+      // The box shows this machine's workers now (not the bounds' minimum), until typed in.
+      if (!typed && hd.nproc) scaleInput.value = hd.nproc;
+      scaleLabel.textContent = hd.nnodes > 1 ? "workers here" : "workers";
     }
     scaleInput.disabled = scaleButton.disabled = FINAL.has(hd.state);
     stacksButton.hidden = !controls.stacks;
@@ -99,14 +126,44 @@ function render({ model, el }) {
     stacksButton.textContent = gathering ? "Gathering…" : "Stacks";
     scaleError.textContent = controls.error || "";
     const parts = [];
-    if (hd.pending_resize) parts.push(`resize to ${hd.pending_resize} workers pending`);
+    if (hd.pending_resize) parts.push(`resize to ${countOf(hd.pending_resize, "worker")} pending`);
     const c = hd.last_commit;
-    if (c) {
-      const when = new Date(c.time * 1000).toLocaleTimeString();
-      parts.push(`last commit: step ${c.step} at world size ${c.world_size}, ${when}`);
-    }
+    if (c) parts.push(`last commit: step ${c.step} at world size ${c.world_size}, ${clockOf(c.time)}`);
     commitLine.textContent = parts.join(" · ");
     commitLine.hidden = parts.length === 0;
+    drawJoin(hd.join_command);
+  }
+
+  // A multi-node job's join command, at the top, with a copy button.
+  let joinShown = null;
+  function drawJoin(command) {
+    join.hidden = !command;
+    if (!command || command === joinShown) return;
+    joinShown = command;
+    const copy = h("button", { class: "em-copy", "data-em": "join-copy" }, "Copy");
+    copy.addEventListener("click", async () => {
+      try {
+        await navigator.clipboard.writeText(command);
+        copy.textContent = "Copied";
+      } catch {
+        copy.textContent = "Select and copy";
+      }
+    });
+    join.replaceChildren("Other machines join with: ",
+                         h("code", { "data-em": "join-command" }, command), " ", copy);
+  }
+
+  // Groups before a restart or a resize: their output stays reachable, collapsed.
+  function drawEarlier() {
+    earlier.replaceChildren(...(model.get("earlier") || []).map((e) => {
+      const ranks = Object.entries(e.lines).flatMap(([rank, lines]) => [
+        h("div", { class: "em-stacks-rank" }, `Rank ${rank}`),
+        h("pre", { class: "em-lines" }, ...lines.map(([stream, text]) =>
+          h("span", { class: `em-${stream}` }, text, "\n"))),
+      ]);
+      return h("details", { class: "em-earlier-group", "data-em": "earlier-group" },
+               h("summary", {}, `Earlier group (restarts ${e.restart}): ${e.why}`), ...ranks);
+    }));
   }
 
   function drawFailure() {
@@ -122,7 +179,7 @@ function render({ model, el }) {
     const consequences = (f.consequences || []).map((c) =>
       h("div", { class: "em-consequence" }, `Rank ${c.rank}: ${c.text}`));
     failure.replaceChildren(
-      h("div", { class: "em-failure-title" }, `Root cause: rank ${f.rank} (attempt ${f.attempt}): ${f.headline}`),
+      h("div", { class: "em-failure-title" }, `Root cause: rank ${f.rank} (${f.attempt_label || ""}): ${f.headline}`),
       h("pre", {}, f.traceback || ""),
       ...others,
       ...consequences,
@@ -178,11 +235,14 @@ function render({ model, el }) {
   function drawTimeline() {
     timeline.replaceChildren(...model.get("timeline").map((e) =>
       h("li", { "data-kind": e.kind },
-        h("span", { class: "em-time" }, new Date(e.time * 1000).toLocaleTimeString()),
+        h("span", { class: "em-time" }, clockOf(e.time)),
         ` ${e.text}`)));
   }
 
-  function drawAll() { drawHeader(); drawFailure(); drawStacks(); drawTabs(); drawLines(); drawTimeline(); }
+  function drawAll() {
+    drawHeader(); drawFailure(); drawStacks(); drawTabs(); drawLines(); drawEarlier(); drawTimeline();
+  }
+  model.on("change:earlier", drawEarlier);
   model.on("change:header", drawHeader);
   model.on("change:controls", drawHeader);
   model.on("change:failure", drawFailure);

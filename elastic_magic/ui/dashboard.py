@@ -36,6 +36,7 @@ class Dashboard(anywidget.AnyWidget):
     failure = traitlets.Dict().tag(sync=True)
     stacks = traitlets.Dict().tag(sync=True)  # {"title", "time", "ranks": {"0": text}}
     controls = traitlets.Dict().tag(sync=True)  # which controls are live
+    earlier = traitlets.List[dict[str, Any]]().tag(sync=True)  # groups before a restart/resize
 
 
 def _keep_commands_on_subshells(widget: Dashboard) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ..events import (
@@ -11,6 +12,7 @@ from ..events import (
     Event,
     JobFinished,
     MembershipChanged,
+    NetworkChosen,
     NodeConnected,
     RanksFinished,
     RendezvousCompleted,
@@ -36,8 +38,9 @@ def describe(event: Event) -> Note | None:
         case RendezvousCompleted(round=round_, world_size=world_size, nnodes=nnodes):
             return Note("rendezvous", f"rendezvous round {round_}: world size {world_size} "
                                       f"on {count_of(nnodes, 'node')}")
-        case WorkersStarted(attempt=attempt, ranks=ranks, pids=pids):
-            return Note("start", f"attempt {attempt}: started ranks {_ranks(ranks)} "
+        case WorkersStarted(restart_count=restarts, ranks=ranks, pids=pids):
+            after = f" after restart {restarts}" if restarts else ""
+            return Note("start", f"started ranks {_ranks(ranks)}{after} "
                                  f"(pids {', '.join(map(str, pids))})")
         case WorkerFailed(failure=failure) if failure.consequence:
             return Note("failure", f"rank {failure.rank} stopped: {failure.headline}")
@@ -72,12 +75,55 @@ def describe(event: Event) -> Note | None:
             state = "" if step is None else f", State at step {step}"
             return Note("reformed", f"session re-formed: {count_of(cells, 'setup cell')} "
                                     f"replayed{state}; world size {size}")
+        case NetworkChosen():
+            return Note("network", network_text(event))
         case JobFinished(result=result):
             reason = f" ({result.stop_reason})" if result.stop_reason else ""
             return Note(result.state.value,
                         f"{result.summary()}{reason}; logs: {result.log_dir}")
         case _:
             return None
+
+
+def network_text(chosen: NetworkChosen) -> str:
+    """Which interface a machine's workers use, and why it matters when its hostname
+    resolves to loopback."""
+    machine = f"machine {chosen.machine}"
+    if chosen.variables:
+        names = " and ".join(name for name, _ in chosen.variables)
+        text = f"{machine}: its workers reach the others through {chosen.interface} ({names})"
+    elif chosen.kept:
+        text = f"{machine}: its workers use the network you chose"
+    elif chosen.interface is None:
+        text = (f"{machine}: no interface of this machine carries that address; set "
+                "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) with --env, or on each machine")
+    else:  # every machine is on this host: nothing to choose, nothing to warn about
+        return f"{machine}: loopback, so only machines on this host can take part"
+    if chosen.kept:
+        text += "; kept your " + ", ".join(f"{name}={value}" for name, value in chosen.kept)
+    address = chosen.hostname_address
+    if address is None or chosen.hostname_is_loopback:
+        resolves = f"resolves to {address} (loopback)" if address else "does not resolve"
+        text += (f". Its hostname {chosen.hostname} {resolves}: gloo and NCCL would otherwise "
+                 "offer the other machines an address they cannot reach")
+    return text
+
+
+def clock(when: float) -> str:
+    """The one way a time of day is shown (the dashboard's script does the same)."""
+    return time.strftime("%H:%M:%S", time.localtime(when))
+
+
+def duration(seconds: float) -> str:
+    """The one way a length of time is shown: 4.2s, 2m 05s, 1h 02m (as the dashboard's
+    script and the JupyterLab extension do)."""
+    s = max(0.0, seconds)
+    if s < 60:
+        return f"{s:.1f}s"
+    whole = int(s)
+    if whole < 3600:
+        return f"{whole // 60}m {whole % 60:02d}s"
+    return f"{whole // 3600}h {whole % 3600 // 60:02d}m"
 
 
 def count_of(n: int, noun: str) -> str:

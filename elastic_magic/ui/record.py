@@ -1,5 +1,9 @@
 """The static record a finished cell keeps: HTML and plain text, no JavaScript and no
-widget state, so a saved notebook (or one run headless) still shows what happened."""
+widget state, so a saved notebook (or one run headless) still shows what happened.
+
+The HTML follows the notebook's theme: colours are JupyterLab's CSS variables (with
+fallbacks for other frontends), nothing sets a background, and it is one element per line,
+so that an export to markdown (nbconvert) reads as well as it renders."""
 
 from __future__ import annotations
 
@@ -7,17 +11,20 @@ import time
 from html import escape
 from typing import Any
 
+from .describe import clock, duration
 from .state import DashboardState
 
-_COLORS = {"succeeded": "#1a7f37", "failed": "#cf222e", "stopped": "#9a6700"}
-_BOX = "border:1px solid #d0d7de;border-radius:6px;padding:8px 10px;margin:6px 0;"
-_PRE = ("margin:4px 0 0;max-height:22em;overflow:auto;font-size:12px;line-height:1.35;"
-        "white-space:pre-wrap;")
+_STATE_COLORS = {"succeeded": "var(--jp-success-color1, #1a7f37)",
+                 "failed": "var(--jp-error-color1, #cf222e)",
+                 "stopped": "var(--jp-warn-color1, #9a6700)"}
+_ERROR = "color: var(--jp-error-color1, #cf222e)"
+_MUTED = "color: var(--jp-ui-font-color2, #57606a)"
+_PRE = "max-height: 22em; overflow: auto; white-space: pre-wrap"
 
 
 def _elapsed(header: dict[str, Any]) -> str:
     start, end = header.get("started_at"), header.get("finished_at") or time.time()
-    return f"{end - start:.1f}s" if start else "-"
+    return duration(end - start) if start else "-"
 
 
 def summary_line(state: DashboardState) -> str:
@@ -28,26 +35,34 @@ def summary_line(state: DashboardState) -> str:
     commit = h.get("last_commit")
     if commit:
         text += (f" · last commit: step {commit['step']} at world size "
-                 f"{commit['world_size']}, {_clock(commit['time'])}")
+                 f"{commit['world_size']}, {clock(commit['time'])}")
     return text
 
 
 def record_text(state: DashboardState) -> str:
     lines = [f"[elastic] job {state.run_id}: {summary_line(state)}"]
+    if state.header.get("join_command"):
+        lines.append(f"other machines joined with: {state.header['join_command']}")
     if state.failure:
         f = state.failure
-        lines.append(f"root cause: rank {f['rank']}: {f['headline']}")
+        label = f" ({f['attempt_label']})" if f.get("attempt_label") else ""
+        lines.append(f"root cause: rank {f['rank']}: {f['headline']}{label}")
         lines += [f"  {line}" for line in f["traceback"].rstrip().splitlines()]
         lines += [f"  ranks {', '.join(map(str, o['ranks']))} also failed: {o['text']}"
                   for o in f["others"]]
         lines += [f"  rank {c['rank']}: {c['text']}" for c in f.get("consequences", ())]
     lines += _stacks_text(state)
+    for earlier in state.earlier:
+        lines.append(f"=== earlier group (restarts {earlier['restart']}): {earlier['why']} ===")
+        for rank, rank_lines in earlier["lines"].items():
+            lines += [f"[rank {rank}] {text}" for _, text in rank_lines]
     for rank, hidden in sorted(state.hidden().items()):
+        shown = state.shown_lines(rank)
         more = f", {hidden} earlier lines in the log" if hidden else ""
-        lines.append(f"--- rank {rank} (last {len(state.lines[rank])} lines{more}) ---")
-        lines += [f"[rank {rank}] {text}" for _, text in state.lines[rank]]
+        lines.append(f"--- rank {rank} (last {len(shown)} lines{more}) ---")
+        lines += [f"[rank {rank}] {text}" for _, text in shown]
     lines.append("timeline:")
-    lines += [f"  {_clock(e['time'])} {e['text']}" for e in state.timeline]
+    lines += [f"  {clock(e['time'])} {e['text']}" for e in state.timeline]
     lines.append(f"logs: {state.log_dir}")
     return "\n".join(lines)
 
@@ -62,56 +77,68 @@ def _stacks_text(state: DashboardState) -> list[str]:
     return lines
 
 
-def _stacks_html(state: DashboardState) -> str:
-    if not state.stacks:
-        return ""
-    ranks = "".join(f'<div>Rank {escape(rank)}</div><pre style="{_PRE}">{escape(text)}</pre>'
-                    for rank, text in state.stacks["ranks"].items())
-    return (f'<details style="{_BOX}"><summary>{escape(state.stacks["title"]).capitalize()}'
-            f"</summary>{ranks}</details>")
+def _text(text: str) -> str:
+    """Escaped, and never a blank line: in markdown a blank line would end the HTML."""
+    return escape(text) if text.strip() else "&nbsp;"
 
 
-def _clock(when: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(when))
+def _pre(lines: list[tuple[str, str]]) -> str:
+    body = "".join(f'<span style="{_ERROR}">{_text(text)}</span>\n' if stream == "stderr"
+                   else f"{_text(text)}\n" for stream, text in lines)
+    return f'<pre style="{_PRE}">{body}</pre>'
+
+
+def _failure_html(f: dict[str, Any]) -> list[str]:
+    parts = ['<div style="border-left: 3px solid var(--jp-error-color1, #cf222e); '
+             'padding-left: 8px">',
+             f'<b style="{_ERROR}">Root cause: rank {f["rank"]}</b> '
+             f'({escape(f.get("attempt_label", ""))}): {escape(f["headline"])}',
+             _pre([("", line) for line in f["traceback"].rstrip().splitlines()])]
+    parts += [f"<div>Rank{'s' if len(o['ranks']) > 1 else ''} "
+              f"{', '.join(map(str, o['ranks']))} also failed: {escape(o['text'])}</div>"
+              for o in f["others"]]
+    parts += [f'<div style="{_MUTED}">Rank {c["rank"]}: {escape(c["text"])}</div>'
+              for c in f.get("consequences", ())]
+    return [*parts, "</div>"]
 
 
 def record_html(state: DashboardState) -> str:
     h = state.header
-    color = _COLORS.get(h["state"], "#57606a")
+    color = _STATE_COLORS.get(h["state"], "inherit")
     parts = [
-        '<div class="elastic-record" style="font-family:system-ui,sans-serif;font-size:13px">',
-        f'<div style="{_BOX}"><b>elastic job</b> <code>{escape(state.run_id)}</code> '
-        f'<span style="background:{color};color:white;border-radius:10px;padding:1px 8px">'
-        f'{escape(h["state"])}</span> {escape(summary_line(state).split(" · ", 1)[1])}</div>',
+        '<div class="elastic-record">',
+        f'<div><b>elastic job</b> <code>{escape(state.run_id)}</code> '
+        f'<b class="elastic-record-state" style="color: {color}">{escape(h["state"])}</b> · '
+        f'{escape(summary_line(state).split(" · ", 1)[1])}</div>',
     ]
+    if h.get("join_command"):
+        parts.append(f"<div>Other machines joined with: <code>{escape(h['join_command'])}"
+                     "</code></div>")
     if state.failure:
-        f = state.failure
-        others = "".join(
-            f"<div>Rank{'s' if len(o['ranks']) > 1 else ''} {', '.join(map(str, o['ranks']))} "
-            f"also failed: {escape(o['text'])}</div>" for o in f["others"])
-        others += "".join(f"<div>Rank {c['rank']}: {escape(c['text'])}</div>"
-                          for c in f.get("consequences", ()))
-        parts.append(
-            f'<div style="{_BOX}border-color:#cf222e;background:#fff5f5">'
-            f'<b>Root cause: rank {f["rank"]}</b> (attempt {f["attempt"]}): '
-            f'{escape(f["headline"])}<pre style="{_PRE}">{escape(f["traceback"])}</pre>'
-            f"{others}</div>")
-    parts.append(_stacks_html(state))
+        parts += _failure_html(state.failure)
+    if state.stacks:
+        parts.append(f"<details><summary>{escape(state.stacks['title']).capitalize()}"
+                     "</summary>")
+        for rank, text in state.stacks["ranks"].items():
+            parts += [f"<div>Rank {escape(rank)}</div>",
+                      _pre([("", line) for line in text.splitlines()])]
+        parts.append("</details>")
+    for earlier in state.earlier:  # every group's output stays reachable
+        parts.append(f"<details><summary>Earlier group (restarts {earlier['restart']}): "
+                     f"{escape(earlier['why'])}</summary>")
+        for rank, lines in earlier["lines"].items():
+            parts += [f"<div>Rank {rank}</div>", _pre(lines)]
+        parts.append("</details>")
     hidden, logs = state.hidden(), state.log_paths()
     for rank in sorted(state.lines):
-        body = "".join(
-            f'<span style="color:#cf222e">{escape(text)}</span>\n' if stream == "stderr"
-            else f"{escape(text)}\n" for stream, text in state.lines[rank])
         more = f"{hidden[rank]} earlier lines not shown; " if hidden[rank] else ""
-        parts.append(
-            f'<details open style="{_BOX}"><summary>Rank {rank} '
-            f'<span style="color:#57606a">({more}full log: {escape(logs[rank]["stdout"])})'
-            f'</span></summary><pre style="{_PRE}">{body}</pre></details>')
-    events = "".join(f"<li>{_clock(e['time'])} {escape(e['text'])}</li>"
-                     for e in state.timeline)
-    parts.append(f'<details style="{_BOX}"><summary>Timeline</summary><ul>{events}</ul>'
-                 "</details></div>")
-    return "".join(parts)
+        parts += [f'<details open><summary>Rank {rank} <span style="{_MUTED}">({more}full '
+                  f'log: {escape(logs[rank]["stdout"])})</span></summary>',
+                  _pre(state.shown_lines(rank)), "</details>"]
+    parts += ["<details><summary>Timeline</summary>", "<ul>"]
+    parts += [f"<li>{clock(e['time'])} {escape(e['text'])}</li>" for e in state.timeline]
+    parts += ["</ul>", "</details>", "</div>"]
+    return "\n".join(parts)
 
 
 def record_bundle(state: DashboardState) -> dict[str, str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..events import (
+    AcceptingNodes,
     CellStarted,
     Committed,
     Event,
@@ -17,6 +18,7 @@ from ..events import (
     Output,
     RendezvousCompleted,
     ResizeRequested,
+    Restarting,
     StateChanged,
     WorkersStarted,
 )
@@ -30,10 +32,12 @@ from ..result import (
     short_message,
     split_consequences,
 )
-from .describe import describe
+from .describe import count_of, describe
 
 RANK_LINES = 150  # per rank, in the browser; the full output is in the logs
 MERGED_LINES = 300
+EARLIER_ATTEMPTS = 5  # earlier groups (restarts, resizes) whose tails stay in the browser
+TRACEBACK_SHOWN = "(its traceback is in the root cause above)"
 
 
 @dataclass
@@ -53,13 +57,20 @@ class DashboardState:
     # by a timeout or a stall. {"title": ..., "ranks": {"0": text}}
     stacks: dict[str, Any] = field(default_factory=dict)
     result: JobResult | None = None
+    # Earlier groups of this job (before a restart or a resize), newest last: their tails,
+    # and why they ended. {"attempt", "restart", "why", "lines": {rank: [(stream, text)]}}
+    earlier: list[dict[str, Any]] = field(default_factory=list)
+    _ended_by: str = "ended"  # why the current group will end, once known
+    # Lines being rewritten with carriage returns (progress bars), as they show now: one
+    # per rank and stream, after that rank's lines; replaced as they change.
+    partial: dict[tuple[int, str], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.header = {
             "run_id": self.run_id, "state": JobState.RENDEZVOUS.value, "world_size": 0,
             "nnodes": 0, "round": 0, "restarts": 0, "max_restarts": self.max_restarts,
             "started_at": None, "finished_at": None, "log_dir": self.log_dir,
-            "pending_resize": None, "last_commit": None,
+            "pending_resize": None, "last_commit": None, "nproc": 0, "join_command": None,
         }
 
     @property
@@ -102,6 +113,15 @@ class DashboardState:
                 self.header["pending_resize"] = event.target
             case MembershipChanged():
                 self.header["pending_resize"] = None
+                self._ended_by = (f"ended by a resize ({event.old_nproc} -> "
+                                  f"{count_of(event.new_nproc, 'worker')} here)")
+            case Restarting():
+                cause = event.root_cause
+                self._ended_by = (f"ended by a failure: rank {cause.rank}: {cause.headline} "
+                                  f"(restart {event.restart_count}/{event.max_restarts} "
+                                  "followed)")
+            case AcceptingNodes():
+                self.header["join_command"] = event.command
             case JobFinished():
                 result = self.result = event.result
                 self.header["state"] = result.state.value  # a session's cell ends idle
@@ -109,15 +129,20 @@ class DashboardState:
                 self.header["pending_resize"] = None
                 if result.failure is not None:
                     self.failure = failure_view(result.failure, result.failures)
+                    self.failure["attempt_label"] = (f"attempt {result.restarts + 1} of "
+                                                     f"{result.max_restarts + 1}")
                 if result.stacks:
                     self.show_stacks(result.stacks, "stacks of the stuck ranks, kept when "
                                                     "the job failed", event.time)
 
     def _new_attempt(self, attempt: int, ranks: tuple[int, ...]) -> None:
+        self._keep_earlier()
         self.attempt = attempt
+        self.header["nproc"] = len(ranks)  # this machine's, of the world size
         self.lines = {rank: deque(maxlen=RANK_LINES) for rank in ranks}
         self.local_ranks = set(ranks)
         self.merged.clear()
+        self.partial.clear()
         self.counts = dict.fromkeys(ranks, 0)
 
     def _output(self, event: Output) -> None:
@@ -126,10 +151,41 @@ class DashboardState:
         if event.rank not in self.lines:  # a rank on another machine of a multi-node job
             self.lines[event.rank] = deque(maxlen=RANK_LINES)
             self.counts[event.rank] = 0
-        for line in event.lines:
+        key = (event.rank, event.stream)
+        self.partial.pop(key, None)  # this event's first line replaces it
+        lines = event.lines[:-1] if event.partial else event.lines
+        if event.partial:
+            self.partial[key] = event.lines[-1]
+        for line in lines:
             self.lines[event.rank].append((event.stream, line))
             self.merged.append((event.rank, event.stream, line))
-        self.counts[event.rank] += len(event.lines)
+        self.counts[event.rank] += len(lines)
+
+    def _keep_earlier(self) -> None:
+        """A new group starts: the one before keeps its tails, and why it ended."""
+        if any(self.lines.values()):
+            self.earlier.append({
+                "attempt": self.attempt, "restart": self.header["restarts"],
+                "why": self._ended_by,
+                "lines": {r: list(lines) for r, lines in sorted(self.lines.items())},
+                "hidden": self.hidden(),
+            })
+            del self.earlier[:-EARLIER_ATTEMPTS]
+        self._ended_by = "ended"
+
+    def shown_lines(self, rank: int) -> list[tuple[str, str]]:
+        """A rank's tail as shown: the root cause's traceback, which the failure box shows,
+        is not repeated under its rank."""
+        lines = list(self.lines.get(rank, ()))
+        if self.failure.get("rank") != rank or not self.failure.get("traceback"):
+            return lines
+        trace = self.failure["traceback"].rstrip("\n").splitlines()
+        texts = [text for _, text in lines]
+        for start in range(len(texts) - len(trace), -1, -1):
+            if texts[start:start + len(trace)] == trace:
+                return [*lines[:start], ("stderr", TRACEBACK_SHOWN),
+                        *lines[start + len(trace):]]
+        return lines
 
     def show_stacks(self, stacks: dict[int, str], title: str, when: float) -> None:
         self.stacks = {"title": title, "time": when,
@@ -150,13 +206,20 @@ class DashboardState:
         return {
             "header": dict(self.header),
             "ranks": sorted(self.lines),
-            "lines": {str(r): [list(x) for x in lines] for r, lines in self.lines.items()},
-            "merged": [list(x) for x in self.merged],
+            "lines": {str(r): [list(x) for x in self.shown_lines(r)]
+                      + [[stream, text] for (rank, stream), text in self.partial.items()
+                         if rank == r] for r in self.lines},
+            "merged": [list(x) for x in self.merged]
+                      + [[r, stream, text] for (r, stream), text in sorted(self.partial.items())],
             "hidden": {str(r): n for r, n in self.hidden().items()},
             "logs": {str(r): p for r, p in self.log_paths().items()},
             "timeline": list(self.timeline),
             "failure": dict(self.failure),
             "stacks": dict(self.stacks),
+            "earlier": [{**e, "lines": {str(r): [list(x) for x in lines]
+                                        for r, lines in e["lines"].items()},
+                         "hidden": {str(r): n for r, n in e["hidden"].items()}}
+                        for e in self.earlier],
         }
 
 

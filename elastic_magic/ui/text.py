@@ -11,26 +11,64 @@ from .describe import describe
 
 class TextRenderer:
     """Writes batches of events to stdout/stderr (resolved at write time: IPython swaps
-    ``sys.stdout`` per cell), one write per stream run, in event order."""
+    ``sys.stdout`` per cell), one write per stream run, in event order.
+
+    Lines that ranks rewrite with carriage returns (progress bars) share one last line per
+    stream, ``[rank 0] ... · [rank 1] ...``, rewritten in place (``\\r``) as they change;
+    whole lines are written above it."""
 
     def __init__(self, stdout: TextIO | None = None, stderr: TextIO | None = None,
                  status: bool = True) -> None:
         self._stdout = stdout
         self._stderr = stderr
         self.status = status
+        self._bars: dict[str, dict[int, str]] = {}  # stream -> rank -> its line as it shows
+        self._open: dict[str, int] = {}  # stream -> width of its bar line (no newline yet)
 
     def __call__(self, events: list[Event]) -> None:
         runs: list[tuple[str, list[str]]] = []  # (stream, lines), merged while stream repeats
+        changed: set[str] = set()
         for event in events:
+            if isinstance(event, Output):
+                bars = self._bars.setdefault(event.stream, {})
+                if event.partial:
+                    bars[event.rank] = event.lines[-1]
+                    changed.add(event.stream)
+                elif bars.pop(event.rank, None) is not None:
+                    changed.add(event.stream)
             for stream, lines in self._lines(event):
+                if not lines:
+                    continue
                 if runs and runs[-1][0] == stream:
                     runs[-1][1].extend(lines)
                 else:
                     runs.append((stream, list(lines)))
+        if runs:  # whole lines go above the bar lines, which are drawn again below them
+            changed.update(self._open)
+            self._clear_bars()
         for stream, lines in runs:
             out = self._stream(stream)
             out.write("\n".join(lines) + "\n")
             out.flush()
+        for stream in sorted(changed):
+            self._draw_bar(stream)
+
+    def _clear_bars(self) -> None:
+        for stream, width in self._open.items():
+            self._stream(stream).write("\r" + " " * width + "\r")
+        self._open.clear()
+
+    def _draw_bar(self, stream: str) -> None:
+        out = self._stream(stream)
+        text = " · ".join(f"[rank {rank}] {line}"
+                          for rank, line in sorted(self._bars.get(stream, {}).items()))
+        width = self._open.pop(stream, 0)
+        if width:
+            out.write("\r" + " " * width + "\r")
+        if text:
+            out.write(text)
+            self._open[stream] = len(text)
+        out.flush()
 
     def _stream(self, name: str) -> TextIO:
         if name == "stderr":
@@ -40,6 +78,7 @@ class TextRenderer:
     def _lines(self, event: Event) -> list[tuple[str, list[str]]]:
         if isinstance(event, Output):
             prefix = f"[rank {event.rank}] "
-            return [(event.stream, [prefix + line for line in event.lines])]
+            lines = event.lines[:-1] if event.partial else event.lines
+            return [(event.stream, [prefix + line for line in lines])]
         note = describe(event) if self.status else None
         return [("stdout", [f"[elastic] {note.text}"])] if note else []

@@ -156,13 +156,17 @@ def describe_exception(exc: BaseException, exit_code: int) -> ErrorInfo:
 
 def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool = True) -> None:
     info = describe_exception(exc, exit_code)
-    sys.stderr.write(info.traceback)
     if not leave:  # a session's cell: report, drop the frames, wait for the next cell
+        sys.stderr.write(info.traceback)  # an interrupted cell shows where it was
         progress.running.clear()
         traceback.clear_frames(exc.__traceback__)
         session.end_output()
         report.send(Failed(info))
         return
+    # A KeyboardInterrupt is the agent stopping the job (Stop, a kernel interrupt, a
+    # failure elsewhere): one line per rank, not a traceback of wherever it happened to be.
+    stopped = isinstance(exc, KeyboardInterrupt)
+    sys.stderr.write("KeyboardInterrupt: stopped\n" if stopped else info.traceback)
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -1,0 +1,133 @@
+"""Which network interface this machine's workers talk to the other machines through.
+
+gloo (and NCCL's bootstrap) pick their own address from the machine's hostname unless
+``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name an interface. On a stock Debian or Ubuntu
+machine the hostname resolves to 127.0.1.1, so each rank would offer the other machines a
+loopback address they cannot reach ("Gloo connectFullMesh failed ... Connection refused,
+remote=[127.0.1.1]"). Every agent of a multi-node job knows the address by which the others
+reach it (the head: its ``--rdzv-endpoint``; a joined machine: its end of the link to the
+head), so it names the interface that carries that address for its own workers. The
+interface is chosen per machine, never forwarded: machines name their interfaces differently.
+The user's own setting (``--env``, or the kernel's or agent's environment) wins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+
+from ..events import NetworkChosen
+
+# Set for the workers, each unless the user set it; both name the interface to use.
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def choose(address: str, user_env: Mapping[str, str]) -> NetworkChosen:
+    """The interface carrying ``address`` (this machine's address as the others reach it),
+    the variables to set for the workers, and what the hostname resolves to. Variables the
+    user set in ``user_env`` (the job's ``--env``) or in this process's environment are
+    kept; on loopback nothing is set (every machine is on this host)."""
+    local = local_address(address)
+    interface = interface_of(local)
+    hostname = socket.gethostname()
+    kept = tuple((name, user_env.get(name, os.environ.get(name, "")))
+                 for name in INTERFACE_VARIABLES if name in user_env or name in os.environ)
+    variables: tuple[tuple[str, str], ...] = ()
+    if interface is not None and not is_loopback(local):
+        variables = tuple((name, interface) for name in INTERFACE_VARIABLES
+                          if name not in dict(kept))
+    return NetworkChosen(machine=local, interface=interface, variables=variables, kept=kept,
+                         hostname=hostname, hostname_address=resolve(hostname))
+
+
+def local_address(host: str) -> str:
+    """This machine's own IP address for ``host``, one of its addresses (a name such as
+    the one given to --rdzv-endpoint): the source address a UDP "connect" picks (no packet
+    is sent)."""
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except socket.gaierror:
+        return host
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0])
+        except OSError:
+            return str(sockaddr[0])
+
+
+def resolve(hostname: str) -> str | None:
+    """The address ``hostname`` resolves to here (as gloo finds it), or None."""
+    try:
+        return str(socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)[0][4][0])
+    except (socket.gaierror, IndexError):
+        return None
+
+
+def is_loopback(address: str | None) -> bool:
+    try:
+        return address is not None and ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface that carries ``address``, or None (not an address of
+    this machine, or the interfaces cannot be listed)."""
+    try:
+        wanted = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return None
+    for name, found in interface_addresses():
+        if found == wanted:
+            return name
+    return None
+
+
+# -- getifaddrs(3), the one list of every interface's addresses (Linux layout) ---------------
+
+class _SockAddr(ctypes.Structure):
+    _fields_ = [("family", ctypes.c_ushort), ("data", ctypes.c_ubyte * 26)]
+
+
+class _IfAddrs(ctypes.Structure):
+    pass
+
+
+_IfAddrs._fields_ = [
+    ("next", ctypes.POINTER(_IfAddrs)), ("name", ctypes.c_char_p), ("flags", ctypes.c_uint),
+    ("addr", ctypes.POINTER(_SockAddr)), ("netmask", ctypes.POINTER(_SockAddr)),
+    ("ifu", ctypes.c_void_p), ("data", ctypes.c_void_p),
+]
+
+
+def interface_addresses() -> list[tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address]]:
+    """(interface, address) for every IPv4 and IPv6 address of this machine."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:  # no C library to ask: no interface is named, the event says so
+        return []
+    head = ctypes.POINTER(_IfAddrs)()
+    if libc.getifaddrs(ctypes.byref(head)) != 0:
+        return []
+    found: list[tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address]] = []
+    try:
+        entry = head
+        while entry:
+            item = entry.contents
+            if item.addr and item.name:
+                family, data = item.addr.contents.family, bytes(item.addr.contents.data)
+                name = item.name.decode(errors="replace")
+                if family == socket.AF_INET:  # port (2), address (4)
+                    found.append((name, ipaddress.IPv4Address(data[2:6])))
+                elif family == socket.AF_INET6:  # port (2), flow info (4), address (16)
+                    found.append((name, ipaddress.IPv6Address(data[6:22])))
+            entry = item.next
+    finally:
+        libc.freeifaddrs(head)
+    return found

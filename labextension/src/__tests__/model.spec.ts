@@ -1,0 +1,79 @@
+import {
+  actionsFor,
+  describeItem,
+  formatElapsed,
+  IItem,
+  isElasticCell,
+  notificationFor,
+  resizeRequest,
+  statusText
+} from '../model';
+
+function item(over: Partial<IItem> = {}): IItem {
+  return {
+    kind: 'job', id: 'em-1', number: 1, state: 'running', done: false, world_size: 2,
+    nnodes: 1, nproc: 2, restarts: 0, max_restarts: 1, started: 0, elapsed: 75,
+    last_commit: null, cell_id: 'c1', background: true, can_resize: true, min_nproc: 1,
+    max_nproc: 4, root_cause: null, summary: null, ...over
+  };
+}
+
+describe('formatElapsed', () => {
+  it('uses the one format of elastic_magic: 4.2s, 2m 05s, 1h 02m', () => {
+    expect(formatElapsed(4.25)).toBe('4.3s');
+    expect(formatElapsed(125)).toBe('2m 05s');
+    expect(formatElapsed(3725)).toBe('1h 02m');
+  });
+});
+
+describe('describeItem', () => {
+  it('lists state, size, machines, restarts, elapsed and the last commit', () => {
+    expect(describeItem(item({ last_commit: { step: 40, time: 1 } }))).toEqual([
+      'running', 'world size 2', '1 machine', 'restarts 0/1', '1m 15s', 'last commit: step 40'
+    ]);
+  });
+});
+
+describe('actionsFor', () => {
+  it('offers resize only where the bounds allow it, nothing once done', () => {
+    expect(actionsFor(item({ can_resize: false }))).toEqual({ stop: true, stacks: true, resize: false });
+    expect(actionsFor(item({ done: true, state: 'stopped' }))).toEqual({ stop: false, stacks: false, resize: false });
+  });
+});
+
+describe('statusText', () => {
+  it('shows the latest running job and how many more run', () => {
+    const items = [item({ number: 1 }), item({ number: 3, world_size: 4 }), item({ number: 2, done: true })];
+    expect(statusText(items)).toBe('elastic #3: running, world size 4, 1m 15s (+1)');
+    expect(statusText([item({ done: true })])).toBe('');
+  });
+});
+
+describe('notificationFor', () => {
+  it('leads a failure with its root cause', () => {
+    const n = notificationFor(item({ state: 'failed', done: true, root_cause: 'rank 1: ValueError: bad' }));
+    expect(n).toEqual({ kind: 'error', message: 'elastic job #1 failed: rank 1: ValueError: bad' });
+  });
+  it('is quiet for a foreground job, whose cell shows the end', () => {
+    expect(notificationFor(item({ background: false, state: 'succeeded', done: true }))).toBeNull();
+    expect(notificationFor(item({ state: 'succeeded', done: true, elapsed: 5 }))?.message)
+      .toBe('elastic job #1 succeeded in 5.0s');
+  });
+});
+
+describe('resizeRequest', () => {
+  it('refuses sizes outside the bounds, saying them', () => {
+    expect(resizeRequest(item(), '5')).toBe('this job runs between 1 and 4 workers');
+    expect(resizeRequest(item(), 'x')).toMatch(/whole number/);
+    expect(resizeRequest(item(), '3')).toEqual({ action: 'scale', id: 'em-1', nproc: 3 });
+  });
+});
+
+describe('isElasticCell', () => {
+  it('recognises the cell magic on the first line only', () => {
+    expect(isElasticCell('%%elastic --nproc 2\nimport torch')).toBe(true);
+    expect(isElasticCell('%%elastic\n')).toBe(true);
+    expect(isElasticCell('%%elasticity')).toBe(false);
+    expect(isElasticCell('x = 1\n%%elastic')).toBe(false);
+  });
+});

@@ -1,0 +1,90 @@
+import { Kernel, KernelMessage as KM } from '@jupyterlab/services';
+
+import { Action, IItem, KernelMessage } from './model';
+
+/** The comm target that elastic_magic registers in the kernel (elastic_magic/comm.py). */
+export const TARGET = 'elastic_magic';
+
+/**
+ * One kernel's jobs, through the comm elastic_magic opens when it loads, or that this side
+ * opens when the page loads after it (the kernel lists its comms of our target).
+ */
+export class KernelChannel {
+  items: IItem[] = [];
+  stacks = new Map<string, Record<string, string>>();
+  errors = new Map<string, string>();
+  private comms: Kernel.IComm[] = [];
+
+  constructor(
+    readonly kernel: Kernel.IKernelConnection,
+    private changed: () => void,
+    private finished: (item: IItem) => void
+  ) {
+    kernel.registerCommTarget(TARGET, (comm, msg) => {
+      this.attach(comm);
+      this.receive(msg.content.data as unknown as KernelMessage);
+    });
+    kernel.statusChanged.connect((_, status) => {
+      if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
+        this.items = [];
+        this.comms = [];
+        this.changed();
+      }
+    });
+    void this.reopen();
+  }
+
+  /** A page that loads after elastic_magic did: open a comm of our own. */
+  async reopen(): Promise<void> {
+    try {
+      const reply = await this.kernel.requestCommInfo({ target_name: TARGET });
+      const content = reply.content as { comms?: Record<string, unknown> };
+      if (Object.keys(content.comms ?? {}).length > 0 && this.comms.length === 0) {
+        const comm = this.kernel.createComm(TARGET);
+        this.attach(comm);
+        comm.open({});
+      }
+    } catch {
+      // a kernel without comm_info, or one that went away: nothing to show
+    }
+  }
+
+  send(action: Action): void {
+    const comm = this.comms[this.comms.length - 1];
+    comm?.send(action as unknown as KM.ICommMsgMsg['content']['data']);
+  }
+
+  dispose(): void {
+    this.kernel.removeCommTarget(TARGET, () => undefined);
+    this.comms = [];
+  }
+
+  private attach(comm: Kernel.IComm): void {
+    comm.onMsg = msg => this.receive(msg.content.data as unknown as KernelMessage);
+    comm.onClose = () => {
+      this.comms = this.comms.filter(c => c !== comm);
+    };
+    this.comms.push(comm);
+  }
+
+  private receive(message: KernelMessage): void {
+    switch (message?.type) {
+      case 'items':
+        this.items = message.items;
+        break;
+      case 'finished':
+        this.items = this.items.map(i => (i.id === message.item.id ? message.item : i));
+        this.finished(message.item);
+        break;
+      case 'stacks':
+        this.stacks.set(message.id, message.ranks);
+        break;
+      case 'error':
+        this.errors.set(message.id ?? '', message.text);
+        break;
+      default:
+        return;
+    }
+    this.changed();
+  }
+}

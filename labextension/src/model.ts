@@ -1,0 +1,128 @@
+/**
+ * What the Elastic jobs panel shows, as pure functions of the kernel's messages (no
+ * JupyterLab imports, so they are unit-tested under plain Node).
+ */
+
+/** One row: a job today; sessions slot in with their own `kind`. */
+export interface IItem {
+  kind: string;
+  id: string;
+  number: number;
+  state: string;
+  done: boolean;
+  world_size: number;
+  nnodes: number;
+  nproc: number;
+  restarts: number;
+  max_restarts: number;
+  started: number;
+  elapsed: number;
+  last_commit: { step: unknown; time: number } | null;
+  cell_id: string | null;
+  background: boolean;
+  can_resize: boolean;
+  min_nproc: number;
+  max_nproc: number;
+  root_cause: string | null;
+  summary: string | null;
+}
+
+/** Messages from the kernel (elastic_magic/comm.py). */
+export type KernelMessage =
+  | { type: 'items'; items: IItem[] }
+  | { type: 'finished'; item: IItem }
+  | { type: 'stacks'; id: string; ranks: Record<string, string> }
+  | { type: 'error'; id: string | null; text: string };
+
+/** Actions the panel sends; the kernel checks each (bounds, job still running). */
+export type Action =
+  | { action: 'stop'; id: string }
+  | { action: 'scale'; id: string; nproc: number; now?: boolean }
+  | { action: 'stacks'; id: string }
+  | { action: 'refresh' };
+
+/** The one length-of-time format of elastic_magic (ui/describe.py's duration): 4.2s,
+ * 2m 05s, 1h 02m. */
+export function formatElapsed(seconds: number): string {
+  const s = Math.max(0, seconds);
+  if (s < 60) {
+    return `${s.toFixed(1)}s`;
+  }
+  const pad = (n: number) => String(n).padStart(2, '0');
+  const whole = Math.floor(s);
+  if (whole < 3600) {
+    return `${Math.floor(whole / 60)}m ${pad(whole % 60)}s`;
+  }
+  return `${Math.floor(whole / 3600)}h ${pad(Math.floor((whole % 3600) / 60))}m`;
+}
+
+export function plural(n: number, noun: string): string {
+  return `${n} ${noun}${n === 1 ? '' : 's'}`;
+}
+
+/** The row's facts, in the order people scan them. */
+export function describeItem(item: IItem): string[] {
+  const facts = [
+    item.state,
+    `world size ${item.world_size}`,
+    plural(Math.max(item.nnodes, 1), 'machine'),
+    `restarts ${item.restarts}/${item.max_restarts}`,
+    formatElapsed(item.elapsed)
+  ];
+  if (item.last_commit) {
+    facts.push(`last commit: step ${String(item.last_commit.step)}`);
+  }
+  return facts;
+}
+
+/** A running job can be stopped and asked for its stacks; resized only within bounds. */
+export function actionsFor(item: IItem): { stop: boolean; stacks: boolean; resize: boolean } {
+  const live = !item.done;
+  return { stop: live, stacks: live, resize: live && item.can_resize };
+}
+
+/** The status bar's text: the latest running item of the notebook, else nothing. */
+export function statusText(items: IItem[]): string {
+  const running = items.filter(i => !i.done);
+  if (running.length === 0) {
+    return '';
+  }
+  const latest = running.reduce((a, b) => (b.number > a.number ? b : a));
+  const more = running.length > 1 ? ` (+${running.length - 1})` : '';
+  return `elastic #${latest.number}: ${latest.state}, world size ${latest.world_size}, ${formatElapsed(latest.elapsed)}${more}`;
+}
+
+/** What to tell people when a background job ends, led by the root cause of a failure. */
+export function notificationFor(
+  item: IItem
+): { kind: 'success' | 'error' | 'info'; message: string } | null {
+  if (!item.background) {
+    return null; // its own cell shows the end
+  }
+  const name = `elastic job #${item.number}`;
+  if (item.state === 'failed') {
+    const cause = item.root_cause ? `: ${item.root_cause}` : '';
+    return { kind: 'error', message: `${name} failed${cause}` };
+  }
+  if (item.state === 'succeeded') {
+    return { kind: 'success', message: `${name} succeeded in ${formatElapsed(item.elapsed)}` };
+  }
+  return { kind: 'info', message: `${name} ${item.state} after ${formatElapsed(item.elapsed)}` };
+}
+
+/** A resize request from what was typed, or the reason it is refused. */
+export function resizeRequest(item: IItem, typed: string): Action | string {
+  const n = Number(typed);
+  if (!Number.isInteger(n)) {
+    return `how many workers? (a whole number, ${item.min_nproc} to ${item.max_nproc})`;
+  }
+  if (n < item.min_nproc || n > item.max_nproc) {
+    return `this job runs between ${item.min_nproc} and ${item.max_nproc} workers`;
+  }
+  return { action: 'scale', id: item.id, nproc: n };
+}
+
+/** A cell that runs as an elastic job: its first line is the %%elastic cell magic. */
+export function isElasticCell(source: string): boolean {
+  return /^\s*%%elastic(\s|$)/.test(source);
+}

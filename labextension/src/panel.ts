@@ -1,0 +1,142 @@
+import { Widget } from '@lumino/widgets';
+
+import { KernelChannel } from './channel';
+import { actionsFor, describeItem, IItem, resizeRequest } from './model';
+
+/** Where a row's "cell" link leads: the notebook scrolls to the cell that started the job. */
+export type CellLink = (cellId: string) => void;
+
+/** The "Elastic jobs" side panel: the current notebook's jobs, newest first. */
+export class ElasticPanel extends Widget {
+  private channel: KernelChannel | null = null;
+  private goToCell: CellLink = () => undefined;
+  private typed = new Map<string, string>(); // resize boxes, kept across re-renders
+
+  constructor() {
+    super();
+    this.id = 'elastic-magic-jobs';
+    this.title.label = 'Elastic jobs';
+    this.title.caption = 'elastic_magic jobs of this notebook\'s kernel';
+    this.addClass('em-panel');
+    this.render();
+  }
+
+  show_(channel: KernelChannel | null, goToCell: CellLink): void {
+    this.channel = channel;
+    this.goToCell = goToCell;
+    this.render();
+  }
+
+  render(): void {
+    const root = this.node;
+    if (root.contains(document.activeElement) && document.activeElement?.tagName === 'INPUT') {
+      return; // someone is typing a size: the next update redraws
+    }
+    root.textContent = '';
+    const heading = document.createElement('h2');
+    heading.textContent = 'Elastic jobs';
+    root.appendChild(heading);
+    const items = [...(this.channel?.items ?? [])].sort((a, b) => b.number - a.number);
+    if (items.length === 0) {
+      const empty = document.createElement('p');
+      empty.className = 'em-panel-empty';
+      empty.textContent = this.channel
+        ? 'No elastic jobs in this kernel yet.'
+        : 'Open a notebook that ran %load_ext elastic_magic.';
+      root.appendChild(empty);
+      return;
+    }
+    for (const item of items) {
+      root.appendChild(this.row(item));
+    }
+  }
+
+  private row(item: IItem): HTMLElement {
+    const row = document.createElement('div');
+    row.className = `em-panel-row em-state-${item.state}`;
+    row.dataset.emJob = item.id;
+    const title = document.createElement('div');
+    title.className = 'em-panel-title';
+    title.textContent = `#${item.number} ${item.kind}`;
+    if (item.cell_id) {
+      const link = document.createElement('a');
+      link.className = 'em-panel-cell';
+      link.textContent = 'go to cell';
+      link.href = '#';
+      link.onclick = event => {
+        event.preventDefault();
+        this.goToCell(item.cell_id!);
+      };
+      title.appendChild(link);
+    }
+    row.appendChild(title);
+    const facts = document.createElement('div');
+    facts.className = 'em-panel-facts';
+    facts.textContent = describeItem(item).join(' · ');
+    row.appendChild(facts);
+    if (item.root_cause) {
+      const cause = document.createElement('div');
+      cause.className = 'em-panel-cause';
+      cause.textContent = `root cause: ${item.root_cause}`;
+      row.appendChild(cause);
+    }
+    const can = actionsFor(item);
+    const actions = document.createElement('div');
+    actions.className = 'em-panel-actions';
+    if (can.stop) {
+      actions.appendChild(this.button('Stop', 'em-panel-stop', () =>
+        this.channel?.send({ action: 'stop', id: item.id })));
+    }
+    if (can.stacks) {
+      actions.appendChild(this.button('Stacks', 'em-panel-stacks', () =>
+        this.channel?.send({ action: 'stacks', id: item.id })));
+    }
+    if (can.resize) {
+      const input = document.createElement('input');
+      input.type = 'number';
+      input.className = 'em-panel-nproc';
+      input.min = String(item.min_nproc);
+      input.max = String(item.max_nproc);
+      input.value = this.typed.get(item.id) ?? String(item.nproc || item.world_size);
+      input.oninput = () => this.typed.set(item.id, input.value);
+      actions.appendChild(input);
+      actions.appendChild(this.button('Resize', 'em-panel-resize', () => {
+        const request = resizeRequest(item, input.value);
+        if (typeof request === 'string') {
+          this.channel?.errors.set(item.id, request);
+          this.render();
+        } else {
+          this.channel?.errors.delete(item.id);
+          this.channel?.send(request);
+          this.render();
+        }
+      }));
+    }
+    row.appendChild(actions);
+    const error = this.channel?.errors.get(item.id);
+    if (error) {
+      const note = document.createElement('div');
+      note.className = 'em-panel-error';
+      note.textContent = error;
+      row.appendChild(note);
+    }
+    const stacks = this.channel?.stacks.get(item.id);
+    if (stacks) {
+      const pre = document.createElement('pre');
+      pre.className = 'em-panel-stack-text';
+      pre.textContent = Object.entries(stacks)
+        .map(([rank, text]) => `==> rank ${rank} <==\n${text}`)
+        .join('\n');
+      row.appendChild(pre);
+    }
+    return row;
+  }
+
+  private button(label: string, cls: string, onClick: () => void): HTMLButtonElement {
+    const button = document.createElement('button');
+    button.className = `jp-Button ${cls}`;
+    button.textContent = label;
+    button.onclick = onClick;
+    return button;
+  }
+}

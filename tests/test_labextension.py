@@ -1,0 +1,86 @@
+"""The JupyterLab extension's TypeScript unit tests (jest, in labextension/), and the
+kernel side of its comm (elastic_magic/comm.py) with a real job."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_magic.agent.job import Job
+from elastic_magic.comm import JobsChannel
+from elastic_magic.payload import build_payload
+from elastic_magic.spec import JobSpec
+
+LABEXTENSION = Path(__file__).resolve().parents[1] / "labextension"
+
+
+def test_typescript_unit_tests():
+    """`jlpm test` where the extension's npm packages are installed (pip install -e . does
+    that); CI must have them."""
+    # jlpm comes with jupyter-builder, beside this interpreter (a venv need not be active)
+    jlpm = shutil.which("jlpm", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                      os.environ.get("PATH", "")]))
+    if jlpm is None or not (LABEXTENSION / "node_modules" / ".bin" / "jest").exists():
+        reason = "labextension/node_modules is missing: pip install -e . (with node) installs it"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    run = subprocess.run([jlpm, "test", "--ci"], cwd=LABEXTENSION, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+class FakeComm:
+    """The frontend's end of the comm: the one outside part of JobsChannel."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.on_message = None
+
+    def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def on_msg(self, callback) -> None:
+        self.on_message = callback
+
+    def on_close(self, _callback) -> None:
+        pass
+
+
+def test_comm_lists_a_job_and_stops_it(log_dir):
+    spec = JobSpec.create(2, log_dir=log_dir, max_nproc=3)
+    job = Job(spec, build_payload("import time\ntime.sleep(600)", spec)).start()
+    channel = JobsChannel()
+    comm = FakeComm()
+    channel._attach(comm)
+    try:
+        channel.track(1, job, "cell-1", background=True)
+        assert job.wait_for_running(timeout=120)
+        channel.update()
+        items = [m for m in comm.sent if m["type"] == "items"][-1]["items"]
+        assert len(items) == 1
+        row = items[0]
+        assert row["id"] == job.run_id and row["state"] == "running"
+        assert row["world_size"] == 2 and row["nproc"] == 2 and row["cell_id"] == "cell-1"
+        assert row["can_resize"] and (row["min_nproc"], row["max_nproc"]) == (2, 3)
+        # what the panel's buttons send, through the comm
+        comm.on_message({"content": {"data": {"action": "scale", "id": job.run_id,
+                                              "nproc": 7}}})
+        assert "between 2 and 3" in comm.sent[-1]["text"]
+        comm.on_message({"content": {"data": {"action": "stop", "id": job.run_id}}})
+        assert job.wait_done(timeout=60)
+    finally:
+        job.end("test over")
+    ticker = channel._ticker
+    assert ticker is not None
+    ticker.join(timeout=10)
+    assert not ticker.is_alive()  # no thread outlives the jobs it reports
+    finished = [m for m in comm.sent if m["type"] == "finished"]
+    assert len(finished) == 1 and finished[0]["item"]["state"] == "stopped"
+    last = [m for m in comm.sent if m["type"] == "items"][-1]["items"][0]
+    assert last["done"] and last["elapsed"] == finished[0]["item"]["elapsed"]
