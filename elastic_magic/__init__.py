@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .events import JobState
     from .payload import PayloadError
     from .result import JobFailedError, JobResult, RankFailure
+    from .session import Session, SessionEndedError
     from .spec import JobSpec, SpecError
     from .state import State
 
@@ -36,6 +37,8 @@ _EXPORTS = {
     "PayloadError": ".payload",
     "RankFailure": ".result",
     "SpecError": ".spec",
+    "Session": ".session",
+    "SessionEndedError": ".session",
     "DataLoader": ".data",
     "ElasticSampler": ".data",
     "State": ".state",
@@ -53,6 +56,8 @@ __all__ = [
     "JobState",
     "PayloadError",
     "RankFailure",
+    "Session",
+    "SessionEndedError",
     "SpecError",
     "State",
     "launch",

@@ -168,10 +168,12 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
         if isinstance(event, _FORWARDED):
             link.send(Forward(event))
 
+    joined = JoinedJob(link, args.endpoint, host, rendezvous_key(token))
+    if payload.session:  # the head runs a session: cells come one by one, until it ends
+        return _join_session(spec, payload, offer.run_id, joined, forward, host, nproc)
+
     # The job's agent owns the link from here: it reads it and closes it at the end.
-    job = Job(spec, payload, offer.run_id,
-              joined=JoinedJob(link, args.endpoint, host, rendezvous_key(token)),
-              forward=forward)
+    job = Job(spec, payload, offer.run_id, joined=joined, forward=forward)
     link.send(Hello(host, nproc, os.getpid()))
     print(f"[elastic] joined job {job.run_id} at {args.endpoint} with {nproc} workers; "
           f"logs: {job.log_dir}", flush=True)
@@ -187,6 +189,22 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     if result.failure is not None:  # the head lost, say, or this machine's root cause
         print(f"elastic-magic join: {result.failure.headline}", file=sys.stderr)
     return _EXIT_CODES.get(result.state, 1)
+
+
+def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
+                  forward: Any, host: str, nproc: int) -> int:
+    from .agent.session_joined import join_session
+    from .messages import Hello
+
+    joined.link.send(Hello(host, nproc, os.getpid()))
+    print(f"[elastic] joined session {run_id} with {nproc} workers; logs: "
+          f"{spec.log_dir / run_id}", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM: leave cleanly
+    try:
+        state = join_session(spec, payload, run_id, joined, forward)
+    except KeyboardInterrupt:
+        return _INTERRUPTED
+    return _EXIT_CODES.get(state, 1)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

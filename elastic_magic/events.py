@@ -142,6 +142,43 @@ class Excluded:
 
 
 @dataclass(frozen=True)
+class CellStarted:
+    """A session's cell starts on a group that was formed earlier: the view of the cell
+    learns the group (not news: no sentence)."""
+
+    attempt: int
+    ranks: tuple[int, ...]
+    world_size: int
+    nnodes: int
+    round: int
+    restart_count: int
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class SessionBroken:
+    """A session's group cannot run the next cell (a rank died, or did not come back from
+    an interrupt): it is re-formed before the next cell, or the session ends (restarts
+    spent)."""
+
+    reason: str
+    restart_count: int  # the re-formation it will be (restarts so far, this one included)
+    max_restarts: int
+    reforms: bool
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class SessionReformed:
+    """A session's group was formed again: setup cells replayed, State restored."""
+
+    setup_cells: int
+    step: Any  # of the State restored; None when the session keeps no State
+    world_size: int
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class NetworkChosen:
     """A multi-node job: the interface this machine's workers reach the other machines
     through (see agent/network.py), and whether its hostname resolves to loopback."""
@@ -170,6 +207,7 @@ class JobFinished:
 Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
-    | JobFinished | RanksFinished | NetworkChosen | Excluded
+    | JobFinished | RanksFinished | NetworkChosen | Excluded | CellStarted | SessionBroken
+    | SessionReformed
 )
 EventSink = Callable[[Event], None]

@@ -19,6 +19,8 @@ from .events import JobState
 from .logs import rank_log
 from .payload import Payload, PayloadError, build_payload, uses_ipython_syntax
 from .result import JobFailedError, JobResult
+from .session_magic import USAGE as SESSION_USAGE
+from .session_magic import SessionCommands
 from .spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
 from .ui.describe import count_of, duration
 from .ui.text import TextRenderer
@@ -33,7 +35,9 @@ _SUBCOMMANDS = """\
 %elastic scale N [JOB] [--now]    resize to N workers (at the next commit, or --now)
 %elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
 %elastic stacks [JOB]             every rank's Python stacks (all threads), without stopping
-JOB is a number from `%elastic jobs` or a run id; the default is the latest job."""
+JOB is a number from `%elastic jobs` or a run id; the default is the latest job.
+Sessions (workers that live across cells; see %%elastic?):
+""" + SESSION_USAGE
 
 # The magic's own flags: how a job is shown, not what it runs (those come from JobSpec).
 _VIEW_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
@@ -45,6 +49,9 @@ _VIEW_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                           "see %%elastic jobs/status/stop/logs")),
     (("--text",), dict(action="store_true",
                        help="plain-text output even where widgets render (no dashboard)")),
+    (("--setup",), dict(action="store_true",
+                        help="in a session: record this cell; it is replayed, in order, "
+                             "whenever the session re-forms")),
 ]
 
 
@@ -71,6 +78,7 @@ class ElasticMagics(Magics):
         super().__init__(shell)
         self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
         self._numbers = itertools.count(1)
+        self.sessions = SessionCommands(self)
         self.channel = JobsChannel()  # the JupyterLab extension's "Elastic jobs" panel
         self.channel.open(shell)
 
@@ -101,6 +109,19 @@ class ElasticMagics(Magics):
         machine that joins or leaves, or a resize here, makes every machine re-rendezvous
         (torch's waiting-node mechanism); their ranks' output shows here.
 
+        Sessions: `%elastic session start --nproc 2 [job flags]` starts workers that stay
+        alive; while it is active, each %%elastic cell (no job flags) runs on every rank in
+        that rank's persistent namespace, so what one cell defines the next one sees. A rank
+        that raises reports it and the session goes on; Ctrl-C interrupts every rank's code.
+        Cells marked --setup are replayed, in order, when the session re-forms: after a rank
+        dies (or does not come back from an interrupt within 5 s), up to --max-restarts
+        times (default 3 for sessions), and on `%elastic scale N` (before the next cell, or
+        at a State commit of the running cell). Kernel variables travel only when asked:
+        `%elastic push NAME`, `%elastic pull NAME [--rank R]`, `%elastic gather NAME`.
+        With --nnodes, joined machines run every cell too, and a machine that joins or
+        leaves re-forms the session at the next cell. `%elastic session stop` (or the
+        kernel ending) ends it. In Python: elastic_magic.Session(nproc=2).
+
         Example::
 
             %%elastic --nproc 2 --max-restarts 1 -o job
@@ -113,6 +134,11 @@ class ElasticMagics(Magics):
             opts = parse_argstring(self.elastic, line)
         except ValueError as exc:  # shlex: unbalanced quotes in the flags
             raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
+        if self.sessions.session is not None:  # active, or ended and not yet stopped
+            return self._session_cell(opts, cell)
+        if opts.setup:
+            raise UsageError("%%elastic --setup: no session is active; `%elastic session "
+                             "start` starts one.")
         spec = self._spec(opts)
         job = Job(spec, self._payload(cell, spec))
         view: Renderer | None = None
@@ -154,12 +180,22 @@ class ElasticMagics(Magics):
 
         %elastic jobs | status [JOB] | stop [JOB] | scale N [JOB] [--now]
         %elastic logs RANK [JOB] [-n N] [--stderr] | stacks [JOB]
+        %elastic session start [flags] | stop | status; push|pull|gather NAME
         """
         words = shlex.split(line)
-        if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs", "stacks"):
+        if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs", "stacks",
+                                         "session", "push", "pull", "gather"):
             raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")
         command, rest = words[0], words[1:]
-        if command == "jobs":
+        if command == "session":
+            self.sessions.command(rest)
+        elif command in ("push", "pull", "gather"):
+            self.sessions.move(command, rest)
+        elif command == "scale" and self.sessions.active:
+            self.sessions.scale(rest)
+        elif command == "stacks" and self.sessions.active and not rest:
+            self.sessions.print_stacks()
+        elif command == "jobs":
             self._print_jobs()
         elif command == "status":
             self._print_status(self._job(rest))
@@ -195,8 +231,17 @@ class ElasticMagics(Magics):
         except PayloadError as exc:
             raise UsageError(f"%%elastic: {exc}") from None
 
-    def _view(self, job: Job, text: bool) -> Renderer:
-        """The live dashboard where a frontend renders widgets, else plain text."""
+    def _session_cell(self, opts: Any, cell: str) -> JobResult | None:
+        self.sessions.check_cell(opts, cell)
+        view = self._view(self.sessions.controls(), opts.text)
+        try:
+            return self.sessions.run_cell(opts, cell, view)
+        finally:
+            self._finish_view(view)
+
+    def _view(self, job: Any, text: bool) -> Renderer:
+        """The live dashboard where a frontend renders widgets, else plain text. ``job``: a
+        Job, or a session cell's controls."""
         if not text and getattr(self.shell, "kernel", None) is not None:
             from .ui.dashboard import LiveView
 
@@ -250,6 +295,8 @@ class ElasticMagics(Magics):
         """End every job of this kernel that still runs (the extension is unloaded)."""
         for job in list(self.jobs.values()):
             job.end("the extension was unloaded")
+        if self.sessions.session is not None:
+            self.sessions.session.stop()
         self.channel.close()
 
     # -- %elastic helpers ----------------------------------------------------------------

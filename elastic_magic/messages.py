@@ -3,14 +3,15 @@
 Three conversations share this vocabulary, each over signed frames (``protocol.py``):
 
 - agent -> worker (control pipe): :class:`Run`, :class:`Reply`, :class:`Exit`,
-  :class:`DumpStacks`;
+  :class:`DumpStacks`, :class:`Interrupt`;
 - worker -> agent (report pipe): :class:`Running`, :class:`Result`, :class:`Failed`,
   :class:`Resized`, the State requests :class:`StateGet` and :class:`Commit`, and
   :class:`Progress` and :class:`Stacks` for hang diagnosis;
 - head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
   :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
   :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`,
-  :class:`StacksRequest`, :class:`NodeStacks`, :class:`Heartbeat`.
+  :class:`StacksRequest`, :class:`NodeStacks`, :class:`Heartbeat`; a session's
+  :class:`SessionCell`, :class:`InterruptCell` and :class:`CellReport`.
 
 Receivers dispatch with ``match``. Workers import this module, so it imports nothing heavy.
 """
@@ -78,6 +79,12 @@ class DumpStacks:
     keeps running)."""
 
     request_id: int
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """A session's cell is interrupted: KeyboardInterrupt in the rank's running code (none
+    when it is idle); the worker lives on."""
 
 
 # -- worker -> agent ------------------------------------------------------------------
@@ -303,6 +310,37 @@ class NodeStacks:
     stacks: dict[int, str]
 
 
+@dataclass(frozen=True)
+class SessionCell:
+    """The head of a session: run ``payload`` on your group, cell ``seq`` of this round
+    (a session's cell, or a setup cell replayed). Seq 0 is the group starting."""
+
+    round_id: str
+    seq: int
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class InterruptCell:
+    """The head of a session: KeyboardInterrupt in your ranks' running cell."""
+
+    round_id: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class CellReport:
+    """A joined machine's answer to :class:`SessionCell` (seq 0: its group is up; seq -1: a
+    rank died between cells). ``broken``: its group is gone."""
+
+    round_id: str
+    seq: int
+    node_rank: int
+    results: dict[int, Result]
+    failures: list[RankFailure]
+    broken: bool = False
+
+
 LinkMessage = (JobOffer | Hello | Forward | NodeRequest | NodeReply | GroupResult
                | NodeFinished | Leaving | Regroup | EndJob | StacksRequest | NodeStacks
-               | Heartbeat)
+               | Heartbeat | SessionCell | InterruptCell | CellReport)

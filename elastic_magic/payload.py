@@ -50,6 +50,9 @@ class Payload:
     init_process_group: bool = True
     backend: str = "gloo"
     timeout: float = 300.0
+    # A session's cell: it runs in the rank's persistent namespace, and a failure is
+    # reported without ending the worker (worker/session.py).
+    session: bool = False
 
 
 def build_payload(

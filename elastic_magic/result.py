@@ -27,6 +27,7 @@ class JobState(str, Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
+    IDLE = "idle"  # a session's workers wait for the next cell
 
     @property
     def is_final(self) -> bool:

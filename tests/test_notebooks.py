@@ -78,3 +78,20 @@ def test_multi_node_tutorial_joins_resizes_and_leaves(tmp_path):
     # From its own log. Which round: a machine that arrives during a round's last call waits
     # for the next one, so there may be one more.
     assert re.search(r"rendezvous round \d+: world size 3 on 2 nodes", text), text
+
+
+def test_sessions_tutorial_keeps_state_recovers_and_resizes(tmp_path):
+    nb = nbformat.read(NOTEBOOKS / "04_sessions.ipynb", as_version=4)
+    before = sorted(p.name for p in NOTEBOOKS.iterdir())
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    assert "[rank 1] rank 1 ready at step 0" in text
+    assert re.search(r"\[rank 0\] step 20: loss \d", text), text
+    assert "loss after 10 more steps" in text
+    assert "rank 1 failed: killed by SIGKILL" in text
+    assert "session re-formed: 1 setup cell replayed, State at step 30; world size 2" in text
+    assert "[rank 1] rank 1: step 30" in text
+    assert "[rank 2] rank 2 of 3: step 30" in text
+    assert "restarts: 1/3" in text and "session ended" in text
+    assert sorted(p.name for p in NOTEBOOKS.iterdir()) == before  # nothing left behind

@@ -9,6 +9,8 @@ import threading
 import pytest
 
 from elastic_magic.agent.policy import (
+    CellStatus,
+    CellStep,
     GroupStatus,
     Membership,
     Next,
@@ -16,8 +18,10 @@ from elastic_magic.agent.policy import (
     Resize,
     Step,
     after_group,
+    during_cell,
     final_state,
     own_failure,
+    reform_allowed,
     settle,
     while_running,
 )
@@ -214,3 +218,30 @@ def test_the_slot_blamed_is_the_rank_that_failed_of_itself():
     assert own_failure([lagging, lost_peer, exited]) is exited
     assert own_failure([lost_peer, lagging]) is lost_peer  # none of its own: the root cause
     assert own_failure([]) is None
+
+
+def test_a_sessions_cell_ends_when_every_rank_answered_and_interrupts_the_rest():
+    def step(action=None, interrupt=False, interrupted_for=None, **status):
+        return during_cell(action, CellStatus(**status), interrupt=interrupt,
+                           interrupted_for=interrupted_for, grace=5.0)
+
+    assert step() is CellStep.WAIT
+    assert step(reported=True) is CellStep.DONE
+    assert step(reported=True, errors=True) is CellStep.DONE  # the ranks live on
+    # one rank raised while others run (maybe waiting for it in a collective)
+    assert step(errors=True) is CellStep.INTERRUPT
+    assert step(interrupt=True) is CellStep.INTERRUPT  # Ctrl-C in the kernel
+    assert step(errors=True, interrupted_for=1.0) is CellStep.WAIT
+    assert step(errors=True, interrupted_for=5.0) is CellStep.BROKEN  # stuck: re-form
+    assert step(interrupted_for=9.0, reported=True) is CellStep.DONE  # they came back
+    assert step(died=True, reported=True) is CellStep.BROKEN  # a dead rank outranks answers
+    assert step(resized=True) is CellStep.RESIZED
+    assert step(Action.STOP, died=True) is CellStep.STOP
+    # a resize waits for the cell's end (or its next commit): it does not break the cell
+    assert step(Action.REGROUP) is CellStep.WAIT
+
+
+def test_session_reformations_are_bounded_by_max_restarts():
+    assert reform_allowed(0, 3) and reform_allowed(2, 3)
+    assert not reform_allowed(3, 3)
+    assert not reform_allowed(0, 0)

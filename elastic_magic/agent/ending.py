@@ -25,7 +25,7 @@ def finish(agent: Agent, final: JobState) -> JobResult:
         except Exception as exc:
             errors.append(exc)
 
-    attempt(lambda: _close_group(agent))
+    attempt(lambda: close_group(agent))
     attempt(lambda: _release_run_lock(agent))
     attempt(lambda: agent.role.close_rendezvous(agent.rendezvous))
     result: JobResult | None = None
@@ -70,7 +70,7 @@ def _release_run_lock(agent: Agent) -> None:
         agent.run_lock = None
 
 
-def _close_group(agent: Agent) -> None:
+def close_group(agent: Agent) -> None:
     if agent.group is not None:
         agent.group.close()
         agent.board.publish(pids={})

@@ -204,3 +204,54 @@ class RegroupClock:
 
     def reset(self) -> None:
         self._due_at = None
+
+
+# -- sessions: one cell on a live group --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CellStatus:
+    """Where a session's cell stands on this machine (``agent/session.py``)."""
+
+    died: bool = False  # a worker process ended: the group cannot run the next cell
+    reported: bool = False  # every rank reported its value or its error, output included
+    errors: bool = False  # some rank reported an error (it lives on)
+    resized: bool = False  # every rank left at a commit that applied a resize
+
+
+class CellStep(Enum):
+    """What the session does next while a cell runs."""
+
+    WAIT = "wait"
+    INTERRUPT = "interrupt"  # KeyboardInterrupt in the ranks still running the cell
+    DONE = "done"  # every rank answered: the cell is over, the group lives on
+    BROKEN = "broken"  # tear the group down; the session re-forms before the next cell
+    RESIZED = "resized"  # every rank left at a commit: re-form at the new size, go on
+    STOP = "stop"  # the session ends
+
+
+def during_cell(action: Action | None, status: CellStatus, *, interrupt: bool,
+                interrupted_for: float | None, grace: float) -> CellStep:
+    """A stop first (a resize waits for the cell's end or its next commit); then a rank
+    that died; then the ranks' answers. A rank that raised, or
+    a Ctrl-C, interrupts the others (they may wait for it in a collective); ranks that have
+    not answered ``grace`` seconds after the interrupt are stuck: the group is re-formed.
+    ``interrupted_for``: seconds since the interrupt was sent (None: not sent)."""
+    if action is Action.STOP:
+        return CellStep.STOP
+    if status.died:
+        return CellStep.BROKEN
+    if status.resized:
+        return CellStep.RESIZED
+    if status.reported:
+        return CellStep.DONE
+    if interrupted_for is not None:
+        return CellStep.BROKEN if interrupted_for >= grace else CellStep.WAIT
+    if status.errors or interrupt:
+        return CellStep.INTERRUPT
+    return CellStep.WAIT
+
+
+def reform_allowed(restarts_used: int, max_restarts: int) -> bool:
+    """A session whose group broke re-forms if a restart is left (as a job restarts)."""
+    return after_group(Step.FAILED, restarts_used, max_restarts) is Next.RESTART

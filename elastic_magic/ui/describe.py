@@ -19,6 +19,8 @@ from ..events import (
     RendezvousCompleted,
     ResizeRequested,
     Restarting,
+    SessionBroken,
+    SessionReformed,
     WorkerFailed,
     WorkersStarted,
 )
@@ -68,6 +70,16 @@ def describe(event: Event) -> Note | None:
             then = "the others go on from the last commit (not a restart)" if goes_on \
                 else "too few are left to go on"
             return Note("excluded", f"{what} excluded: {why}; {then}")
+        case SessionBroken(reason=reason, reforms=True, restart_count=count, max_restarts=most):
+            return Note("restart", f"{reason}: the session re-forms before the next cell "
+                                   f"(restart {count}/{most})")
+        case SessionBroken(reason=reason, max_restarts=most):
+            return Note("failed", f"{reason}: the session has ended ({most} restarts spent; "
+                                  "--max-restarts allows more)")
+        case SessionReformed(setup_cells=cells, step=step, world_size=size):
+            state = "" if step is None else f", State at step {step}"
+            return Note("reformed", f"session re-formed: {count_of(cells, 'setup cell')} "
+                                    f"replayed{state}; world size {size}")
         case NetworkChosen():
             return Note("network", network_text(event))
         case JobFinished(result=result):

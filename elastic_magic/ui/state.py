@@ -10,6 +10,7 @@ from typing import Any
 
 from ..events import (
     AcceptingNodes,
+    CellStarted,
     Committed,
     Event,
     JobFinished,
@@ -97,15 +98,13 @@ class DashboardState:
                 self.header.update(world_size=event.world_size, nnodes=event.nnodes,
                                    round=event.round)
             case WorkersStarted():
-                self._keep_earlier()
-                self.attempt = event.attempt
-                self.header["nproc"] = len(event.ranks)  # this machine's, of the world size
-                self.lines = {rank: deque(maxlen=RANK_LINES) for rank in event.ranks}
-                self.local_ranks = set(event.ranks)
-                self.merged.clear()
-                self.partial.clear()
-                self.counts = dict.fromkeys(event.ranks, 0)
+                self._new_attempt(event.attempt, event.ranks)
                 self.header["restarts"] = event.restart_count
+            case CellStarted():  # a session's cell, on the group formed before it
+                if event.attempt != self.attempt or not self.local_ranks:
+                    self._new_attempt(event.attempt, event.ranks)
+                self.header.update(world_size=event.world_size, nnodes=event.nnodes,
+                                   round=event.round, restarts=event.restart_count)
             case Committed():
                 self.header["last_commit"] = {"step": event.step, "time": event.time,
                                               "world_size": event.world_size,
@@ -125,6 +124,7 @@ class DashboardState:
                 self.header["join_command"] = event.command
             case JobFinished():
                 result = self.result = event.result
+                self.header["state"] = result.state.value  # a session's cell ends idle
                 self.header["restarts"] = result.restarts
                 self.header["pending_resize"] = None
                 if result.failure is not None:
@@ -134,6 +134,16 @@ class DashboardState:
                 if result.stacks:
                     self.show_stacks(result.stacks, "stacks of the stuck ranks, kept when "
                                                     "the job failed", event.time)
+
+    def _new_attempt(self, attempt: int, ranks: tuple[int, ...]) -> None:
+        self._keep_earlier()
+        self.attempt = attempt
+        self.header["nproc"] = len(ranks)  # this machine's, of the world size
+        self.lines = {rank: deque(maxlen=RANK_LINES) for rank in ranks}
+        self.local_ranks = set(ranks)
+        self.merged.clear()
+        self.partial.clear()
+        self.counts = dict.fromkeys(ranks, 0)
 
     def _output(self, event: Output) -> None:
         if event.attempt != self.attempt:

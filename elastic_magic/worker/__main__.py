@@ -16,10 +16,10 @@ import signal
 import sys
 import threading
 
-from elastic_magic.messages import DumpStacks, Exit, Reply, Run
+from elastic_magic.messages import DumpStacks, Exit, Interrupt, Reply, Run
 from elastic_magic.protocol import KEY_BYTES, Channel, ProtocolError
 from elastic_magic.worker import client as agent_client
-from elastic_magic.worker import shepherd
+from elastic_magic.worker import session, shepherd
 from elastic_magic.worker.progress import answer_stacks, report_progress
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
 from elastic_magic.worker.stdout import buffer_stdout
@@ -94,6 +94,8 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
                     inbox.put(message)
                 case DumpStacks(request_id):
                     answer_stacks(client, request_id)
+                case Interrupt():
+                    session.interrupt_main()
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
     buffer_stdout()

@@ -14,6 +14,8 @@ from elastic_magic.worker.client import AgentClient
 
 SAMPLE_INTERVAL = 0.5  # seconds between looks at the main thread
 REPORT_INTERVAL = 1.0  # at most one Progress report this often
+# Set while a payload runs: an idle worker (a session's, between cells) samples nothing.
+running = threading.Event()
 
 
 def report_progress(client: AgentClient) -> threading.Thread:
@@ -25,6 +27,7 @@ def report_progress(client: AgentClient) -> threading.Thread:
         last: tuple[tuple[int, int], ...] = ()
         moved, reported = False, 0.0
         while True:
+            running.wait()
             time.sleep(SAMPLE_INTERVAL)
             where = position(sys._current_frames().get(main_id or 0))
             moved = moved or where != last

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import importlib
 import linecache
 import os
@@ -19,17 +20,21 @@ from elastic_magic.messages import ErrorInfo, Failed, Resized, Result, Running
 from elastic_magic.payload import Payload
 from elastic_magic.result import Unpicklable
 from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR
+from elastic_magic.worker import progress, session
 from elastic_magic.worker.client import AgentClient, ResizeExit
 
 
 def run_payload(payload: Payload, report: AgentClient) -> None:
-    """Run the payload and send its Result, or Failed and exit."""
+    """Run the payload and send its Result, or Failed and exit (a session's cell: Failed,
+    and the worker waits for the next cell)."""
     namespace: dict[str, Any] = {}
     value = None
+    progress.running.set()
     try:
         namespace = _prepare(payload)
         report.send(Running(time.time()))
-        value = _execute(payload, namespace)
+        with session.running_cell() if payload.session else contextlib.nullcontext():
+            value = _execute(payload, namespace)
     except ResizeExit as exc:  # a resize was applied at a commit: leave cleanly
         report.send(Resized(exc.step, time.time()))
         sys.stdout.flush()
@@ -37,10 +42,16 @@ def run_payload(payload: Payload, report: AgentClient) -> None:
         os._exit(0)
     except SystemExit as exc:  # sys.exit(0) ends the cell successfully, as under torchrun
         if exc.code not in (None, 0):
-            _fail(report, exc, exit_code=exc.code if isinstance(exc.code, int) else 1)
+            code = exc.code if isinstance(exc.code, int) else 1
+            return _fail(report, exc, exit_code=code, leave=not payload.session)
     except BaseException as exc:  # user code may raise anything, KeyboardInterrupt included
-        _fail(report, exc, exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1)
-    report.send(_result_message(payload, value, namespace))
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        return _fail(report, exc, exit_code=code, leave=not payload.session)
+    progress.running.clear()
+    message = _result_message(payload, value, namespace)
+    if payload.session:
+        session.end_output()
+    report.send(message)
 
 
 def _prepare(payload: Payload) -> dict[str, Any]:
@@ -48,10 +59,13 @@ def _prepare(payload: Payload) -> dict[str, Any]:
     os.chdir(payload.cwd)
     sys.path[:] = payload.sys_path
     sys.argv = list(payload.argv)
-    module = types.ModuleType("__main__")
-    module.__dict__["__builtins__"] = builtins
-    sys.modules["__main__"] = module
-    namespace = module.__dict__
+    if payload.session:  # the namespace the session's earlier cells left
+        namespace = session.namespace()
+    else:
+        module = types.ModuleType("__main__")
+        module.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = module
+        namespace = module.__dict__
     _set_device()
     if payload.init_process_group:  # made when the cell first uses it, unless it makes its own
         from elastic_magic.worker import default_group
@@ -140,8 +154,15 @@ def describe_exception(exc: BaseException, exit_code: int) -> ErrorInfo:
     )
 
 
-def _fail(report: AgentClient, exc: BaseException, exit_code: int) -> None:
+def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool = True) -> None:
     info = describe_exception(exc, exit_code)
+    if not leave:  # a session's cell: report, drop the frames, wait for the next cell
+        sys.stderr.write(info.traceback)  # an interrupted cell shows where it was
+        progress.running.clear()
+        traceback.clear_frames(exc.__traceback__)
+        session.end_output()
+        report.send(Failed(info))
+        return
     # A KeyboardInterrupt is the agent stopping the job (Stop, a kernel interrupt, a
     # failure elsewhere): one line per rank, not a traceback of wherever it happened to be.
     stopped = isinstance(exc, KeyboardInterrupt)

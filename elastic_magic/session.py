@@ -1,0 +1,302 @@
+"""``Session``: workers that live across cells, keep their namespaces, and survive failures.
+
+    with elastic_magic.Session(nproc=2) as s:
+        s.run("import torch; t = torch.ones(2)", setup=True)
+        s.run("t += 1")
+        s.gather("t")            # {0: tensor([2., 2.]), 1: tensor([2., 2.])}
+
+A cell runs on every rank in that rank's persistent namespace; its value, output and failure
+come back as a job's do (a JobResult). A rank that raises reports it and the session goes
+on. A rank that dies (in a cell or between cells), or that does not come back from an
+interrupt, breaks the group: before the next cell the session is re-formed (new rendezvous
+round, workers from the warm pool, the setup cells replayed in order, an elastic State
+restored from its last commit), up to ``max_restarts`` times. Kernel variables do not travel
+implicitly: ``push`` sends them. With ``nnodes`` other machines join (``wait_for_join_command``)
+and run every cell too; a machine that joins or leaves re-forms the session at the next cell.
+``%elastic session start`` is the same from the notebook.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import cloudpickle
+
+from .agent.cells import CellRequest, InterruptCommand, SessionEndedError, session_payload
+from .agent.hub import new_token
+from .agent.job import RENDER_INTERVAL, AgentError, Renderer, _without_locals, new_run_id
+from .agent.session import SessionAgent
+from .agent.status import StatusBoard
+from .events import Event, JobFinished
+from .messages import ScaleCommand, StacksCommand, StopCommand
+from .payload import PayloadError, build_payload
+from .result import JobFailedError, JobResult, JobState, Unpicklable
+from .spec import JobSpec, options_help
+from .ui.text import TextRenderer
+from .worker import session as worker_session
+
+# A session survives this many broken groups unless max_restarts says otherwise (a job's
+# default is 0: a session is meant to outlive mistakes).
+SESSION_MAX_RESTARTS = 3
+
+_live: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+class Session:
+    """Workers that stay alive across cells. Options are a job's (``%%elastic`` flags)."""
+
+    def __init__(self, nproc: int | str | None = None, *, render: Renderer | None = None,
+                 **options: Any) -> None:
+        options.setdefault("max_restarts", SESSION_MAX_RESTARTS)
+        self.spec = JobSpec.create(nproc, **options)
+        self.run_id = new_run_id()
+        self.render = render
+        # What other machines must show to join (ELASTIC_MAGIC_TOKEN fixes it for scripts).
+        self.token = (os.environ.get("ELASTIC_MAGIC_TOKEN") or new_token()) \
+            if self.spec.multi_node else None
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._board = StatusBoard()
+        self._agent: SessionAgent | None = SessionAgent(self.spec, self.run_id, self._inbox,
+                                                        self._board, token=self.token)
+        self._lock = threading.Lock()  # one cell at a time from the kernel's threads
+        self._done = threading.Event()
+        self.result: JobResult | None = None  # the session's own, once it has ended
+        self.error: BaseException | None = None
+        self.cells = 0
+        self._thread = threading.Thread(target=self._run, name=f"elastic-session-{self.run_id}",
+                                        daemon=True)
+        self._thread.start()
+        _live.add(self)
+
+    def _run(self) -> None:
+        # As a job's agent thread: workers spawned from here inherit blocked signals.
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        assert self._agent is not None
+        try:
+            self.result = self._agent.run()
+        except BaseException as exc:
+            self.error = _without_locals(exc)
+        finally:
+            self._agent = None  # the ended session keeps its result only
+            self._done.set()
+            self._board.publish(done=True)
+            self._answer_late()
+
+    def _answer_late(self) -> None:
+        """Whatever reached the inbox after the agent's last look gets an answer."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, CellRequest) and not item.outcome.done():
+                item.outcome.set_exception(self.ended_error())
+            elif isinstance(item, StacksCommand) and not item.answer.done():
+                item.answer.set_result({})
+
+    # -- cells ----------------------------------------------------------------------------
+
+    def run(self, source: str, *, setup: bool = False, render: Renderer | None = None,
+            check: bool = True) -> JobResult:
+        """Run ``source`` on every rank, in its namespace; the cell's JobResult. ``setup``:
+        replay it, in order, whenever the session re-forms. With ``check`` a failed cell
+        raises JobFailedError (the session goes on). Ctrl-C interrupts every rank's code and
+        raises KeyboardInterrupt once they are back (or the session was re-formed)."""
+        payload = build_payload(source, self.spec, namespace={})
+        return self._submit(session_payload(payload), setup, render, check)
+
+    def push(self, *, setup: bool = False, **values: Any) -> None:
+        """Set these variables on every rank (cloudpickled by value). ``setup``: push them
+        again when the session re-forms."""
+        problems = []
+        for name, value in values.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception as exc:
+                problems.append(f"  {name} ({type(value).__name__}): {type(exc).__name__}: "
+                                f"{exc}")
+        if problems:
+            raise PayloadError("These values cannot be sent to the workers:\n"
+                               + "\n".join(problems) + "\nNothing was pushed.")
+        payload = build_payload(worker_session.assign, self.spec, args=(values,))
+        self._submit(session_payload(payload), setup, self._quiet, check=True)
+
+    def pull(self, name: str, rank: int = 0) -> Any:
+        """The variable ``name`` of one rank."""
+        return self._fetch(name, rank)[rank]
+
+    def gather(self, name: str) -> dict[int, Any]:
+        """The variable ``name`` of every rank, by rank."""
+        return self._fetch(name, None)
+
+    def _fetch(self, name: str, rank: int | None) -> dict[int, Any]:
+        if not name.isidentifier():
+            raise ValueError(f"{name!r} is not a variable name.")
+        payload = build_payload(worker_session.value_of, self.spec, args=(name, rank))
+        try:
+            result = self._submit(session_payload(payload), False, self._quiet, check=True)
+        except JobFailedError as exc:
+            failure = exc.result.failure
+            if failure is not None and failure.exc_type == "NameError":
+                raise NameError(failure.message) from None
+            raise
+        if rank is not None and rank not in result.values:
+            raise ValueError(f"rank {rank}: the session runs ranks 0-{result.world_size - 1}.")
+        values = result.values if rank is None else {rank: result.values[rank]}
+        bad = {r: v for r, v in values.items() if isinstance(v, Unpicklable)}
+        if bad:
+            first = next(iter(bad.values()))
+            raise PayloadError(f"{name!r} cannot travel back from rank "
+                               f"{', '.join(map(str, bad))}: {first.reason}. Pull something "
+                               "picklable (a tensor, .state_dict(), a number).")
+        return values
+
+    @staticmethod
+    def _quiet(events: list[Event]) -> None:
+        """push/pull/gather show nothing but their errors (in the exception)."""
+
+    def _submit(self, payload: Any, setup: bool, render: Renderer | None,
+                check: bool) -> JobResult:
+        with self._lock:
+            if self._done.is_set():
+                raise self.ended_error()
+            request = CellRequest(payload, setup)
+            self.cells += 1
+            self._inbox.put(request)
+            result = self._follow(request, render or self.render or TextRenderer())
+        if check and result.state is JobState.FAILED:
+            raise JobFailedError(result)
+        return result
+
+    def _follow(self, request: CellRequest, render: Renderer) -> JobResult:
+        """Render the cell's events until it ends. Ctrl-C interrupts the ranks; the wait
+        goes on until they are back, then KeyboardInterrupt is raised."""
+        finished = threading.Event()
+        request.outcome.add_done_callback(lambda _: finished.set())
+        interrupted = False
+        while True:
+            try:
+                if self._render_batch(request, render, finished):
+                    break
+            except KeyboardInterrupt:
+                if not interrupted:
+                    interrupted = True
+                    self._inbox.put(InterruptCommand())
+        try:
+            result = request.outcome.result()
+        except SessionEndedError:
+            raise
+        except BaseException as exc:
+            raise AgentError(f"the session's agent failed: {exc!r}") from exc
+        finish = getattr(render, "finish", None)
+        if finish is not None:  # a dashboard ends on the result, as a job's
+            render([JobFinished(result)])
+        if interrupted:
+            raise KeyboardInterrupt
+        return result
+
+    def _render_batch(self, request: CellRequest, render: Renderer,
+                      finished: threading.Event) -> bool:
+        started = time.monotonic()
+        ended = finished.is_set()  # read first: every event of an ended cell is queued
+        if not ended and self._done.is_set() and not request.outcome.done():
+            request.outcome.set_exception(self.ended_error())
+        batch: list[Event] = []
+        try:
+            if not ended:
+                batch.append(request.events.get(timeout=RENDER_INTERVAL))
+            while True:
+                batch.append(request.events.get_nowait())
+        except queue.Empty:
+            pass
+        render(batch)
+        if not ended and batch:  # throttled, but an ended cell returns at once
+            finished.wait(max(0.0, RENDER_INTERVAL - (time.monotonic() - started)))
+        return ended
+
+    def ended_error(self) -> SessionEndedError:
+        """What a cell sent to an ended session raises."""
+        why = f" ({self.result.summary()})" if self.result is not None else ""
+        if self.error is not None:
+            why = f" (its agent failed: {self.error!r})"
+        return SessionEndedError(f"the session {self.run_id} has ended{why}; start a new "
+                                 "one.")
+
+    # -- the session ----------------------------------------------------------------------
+
+    def scale(self, nproc: int) -> None:
+        """Resize to ``nproc`` workers: before the next cell, or at the next State commit
+        of the cell that runs (the same re-formation; it does not count as a restart)."""
+        self.spec.check_scale(nproc)
+        self._inbox.put(ScaleCommand(nproc))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the session: workers leave (a running cell is interrupted)."""
+        if not self._done.is_set():
+            self._inbox.put(StopCommand("the session was stopped"))
+        self._thread.join(timeout)
+
+    def wait_for_join_command(self, timeout: float | None = None) -> str | None:
+        """What other machines run to join (``nnodes`` above 1), once the session accepts
+        them; None on one machine, or if the session ended first."""
+        if not self.spec.multi_node:
+            return None
+        return self._board.wait_for(lambda s: s.join_command is not None, timeout).join_command
+
+    @property
+    def active(self) -> bool:
+        return not self._done.is_set()
+
+    def status(self) -> dict[str, Any]:
+        s = self._board.current
+        return {"run_id": self.run_id, "state": s.state.value, "world_size": s.world_size,
+                "restarts": f"{s.restarts}/{self.spec.max_restarts}", "cells": self.cells,
+                "pids": dict(s.pids), "log_dir": str(self.spec.log_dir / self.run_id)}
+
+    def interrupt(self) -> None:
+        """KeyboardInterrupt in every rank's running cell (what Ctrl-C does)."""
+        self._inbox.put(InterruptCommand())
+
+    def stacks(self, timeout: float = 10.0) -> dict[int, str]:
+        """Every rank's Python stacks, without stopping anything."""
+        return self.request_stacks().result(timeout)
+
+    def request_stacks(self) -> Future[dict[int, str]]:
+        answer: Future[dict[int, str]] = Future()
+        if self._done.is_set():
+            answer.set_result({})
+        else:
+            self._inbox.put(StacksCommand(answer))
+        return answer
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<elastic Session {self.run_id}: {self._board.current.state.value}>"
+
+
+def stop_all(reason: Callable[[Session], bool] = lambda _: True) -> None:
+    """End every live session (the kernel exits, or the extension is unloaded)."""
+    for session in list(_live):
+        if reason(session):
+            session.stop(timeout=30)  # the workers die with the kernel anyway (lifeline)
+
+
+atexit.register(stop_all)
+
+if Session.__doc__:  # absent under python -OO
+    Session.__doc__ += "\n\n" + options_help() + "\n"

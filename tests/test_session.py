@@ -1,0 +1,345 @@
+"""Sessions: real workers that keep their namespaces across cells and survive failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import tagged_workers
+
+import elastic_magic as em
+from elastic_magic.events import Output, SessionBroken, SessionReformed, WorkerFailed
+from elastic_magic.payload import PayloadError
+
+
+class Watcher:
+    """A renderer that keeps every event and can wait for a line of output."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self.seen = threading.Condition()
+
+    def __call__(self, events: list) -> None:
+        with self.seen:
+            self.events.extend(events)
+            self.seen.notify_all()
+
+    def of(self, kind: type) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def wait_for_lines(self, text: str, count: int, timeout: float = 60) -> bool:
+        def found() -> bool:
+            return sum(text in line for e in self.of(Output) for line in e.lines) >= count
+        with self.seen:
+            return self.seen.wait_for(found, timeout)
+
+
+def run_in_thread(session: em.Session, source: str, watcher: Watcher) -> dict:
+    """Run a cell from another thread (the test's thread interrupts it)."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["result"] = session.run(source, render=watcher, check=False)
+        except BaseException as exc:  # handed to the test
+            box["error"] = exc
+
+    box["thread"] = threading.Thread(target=target, daemon=True)
+    box["thread"].start()
+    return box
+
+
+def _wakeups(pid: int, tids: set[int]) -> int:
+    """Times these threads of ``pid`` blocked again after running (voluntary switches)."""
+    total = 0
+    for tid in tids:
+        if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+            continue  # a thread object copied by a fork, without its thread
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            total += sum(int(line.split()[1]) for line in f
+                         if line.startswith("voluntary_ctxt_switches"))
+    return total
+
+
+def assert_idle_costs_nothing(session: em.Session) -> None:
+    """Between cells our threads sleep until woken, in the kernel and in the workers (not
+    gloo's own TCP loop, nor torch's rendezvous keep-alive timer)."""
+    session.run("import os, threading\n"
+                "_ours = (os.getpid(), {t.native_id for t in threading.enumerate()})")
+    workers = list(session.gather("_ours").values())
+    kernel = {t.native_id for t in threading.enumerate() if t.name.startswith("elastic")}
+    time.sleep(0.5)  # the last cell's reports and output settle
+    before = [_wakeups(pid, tids) for pid, tids in workers] + \
+        [_wakeups(os.getpid(), kernel)]
+    time.sleep(2.0)
+    after = [_wakeups(pid, tids) for pid, tids in workers] + [_wakeups(os.getpid(), kernel)]
+    assert [b - a for a, b in zip(before, after, strict=True)] == [0] * len(after)
+
+
+def test_a_session_keeps_values_reports_failures_moves_variables_and_survives_ctrl_c(log_dir):
+    with em.Session(nproc=2, log_dir=log_dir) as s:
+        # Three cells, one namespace per rank: a tensor made in the first is there later.
+        s.run("import torch, torch.distributed as dist\n"
+              "t = torch.ones(2) * (dist.get_rank() + 1)\n", setup=True)
+        assert s.run("dist.all_reduce(t)\nt.tolist()").values == {0: [3.0, 3.0],
+                                                                   1: [3.0, 3.0]}
+        pids = s.status()["pids"]
+        assert s.run("t.sum().item()").values == {0: 6.0, 1: 6.0}
+        assert_idle_costs_nothing(s)
+
+        # A rank that raises: the cell reports it, the session goes on with the same ranks.
+        with pytest.raises(em.JobFailedError) as err:
+            s.run("if dist.get_rank() == 1:\n    raise ValueError('rank 1 says no')\n'ok'")
+        assert err.value.result.failure.rank == 1
+        assert "ValueError: rank 1 says no" in err.value.result.failure.headline
+        assert s.run("t[0].item()").values == {0: 3.0, 1: 3.0}
+
+        # Variables both ways, with clear errors for what cannot travel or is not there.
+        s.push(scale=10, fn=lambda v: v * 2)
+        assert s.run("fn(scale)").values == {0: 20, 1: 20}
+        assert s.gather("scale") == {0: 10, 1: 10}
+        assert s.run("rank_value = dist.get_rank() * 5").ok
+        assert s.pull("rank_value", rank=1) == 5
+        with pytest.raises(PayloadError, match="lock"):
+            s.push(lock=threading.Lock())
+        with pytest.raises(NameError, match="no variable named 'nothing_here'"):
+            s.pull("nothing_here")
+        s.run("import threading\nheld = threading.Lock()")
+        with pytest.raises(PayloadError, match="cannot travel back"):
+            s.pull("held")
+
+        # Ctrl-C (SIGINT to the kernel's main thread, which waits for the cell):
+        # KeyboardInterrupt in every rank's running code; the ranks come back.
+        watcher = Watcher()
+        main = threading.main_thread().ident
+
+        def ctrl_c_once_running() -> None:
+            if watcher.wait_for_lines("sleeping", 2):
+                signal.pthread_kill(main, signal.SIGINT)
+
+        threading.Thread(target=ctrl_c_once_running, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            s.run("import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n",
+                  render=watcher)
+        assert {e.failure.exc_type for e in watcher.of(WorkerFailed)} == {"KeyboardInterrupt"}
+        assert len(watcher.of(WorkerFailed)) == 2  # every rank's running code
+        assert s.run("t[0].item()").values == {0: 3.0, 1: 3.0}  # the namespace survived
+        assert s.status()["pids"] == pids and s.status()["restarts"] == "0/3"
+
+        # A rank that does not come back within the grace period: re-formed, told so.
+        watcher = Watcher()
+        box = run_in_thread(s, "import time\nprint('busy', flush=True)\n"
+                               "while True:\n"
+                               "    try:\n"
+                               "        time.sleep(120)\n"
+                               "    except KeyboardInterrupt:\n"
+                               "        if dist.get_rank() == 0:\n"
+                               "            break\n", watcher)
+        assert watcher.wait_for_lines("busy", 2)
+        s.interrupt()
+        box["thread"].join(60)
+        broken = watcher.of(SessionBroken)
+        assert broken and "rank 1 did not come back" in broken[0].reason and broken[0].reforms
+        watcher = Watcher()
+        assert s.run("t.tolist()", render=watcher).values == {0: [1.0, 1.0], 1: [2.0, 2.0]}
+        assert watcher.of(SessionReformed)[0].setup_cells == 1
+        assert s.status()["restarts"] == "1/3"
+    assert s.result.state is em.JobState.STOPPED
+    assert not tagged_workers()
+    with pytest.raises(em.SessionEndedError):
+        s.run("1")
+
+
+def _worker_pids(session: em.Session) -> dict[int, int]:
+    return session.gather("my_pid")
+
+
+def test_a_killed_rank_is_replaced_setup_cells_replayed_and_state_restored(log_dir):
+    with em.Session(nproc=2, max_restarts=1, log_dir=log_dir) as s:
+        s.run("import os, torch, elastic_magic as em\n"
+              "model = torch.nn.Linear(2, 2)\n"
+              "state = em.State(model=model, step=0)\n", setup=True)
+        s.run("offset = 100\nmy_pid = os.getpid()\n", setup=True)
+        s.run("for _ in range(3):\n"
+              "    state.step += 1\n"
+              "    state.commit()\n"
+              "leftover = 'not replayed'\n")  # not a setup cell
+        before = _worker_pids(s)
+        os.kill(before[1], signal.SIGKILL)  # between cells
+        deadline = time.monotonic() + 60
+        while s.status()["restarts"] != "1/1" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watcher = Watcher()
+        result = s.run("(state.step + offset, 'leftover' in globals())", render=watcher)
+        assert result.values == {0: (103, False), 1: (103, False)}
+        assert result.restarts == 1
+        reformed = watcher.of(SessionReformed)
+        assert [(r.setup_cells, r.step, r.world_size) for r in reformed] == [(2, 3, 2)]
+        after = _worker_pids(s)
+        assert not set(after.values()) & set(before.values())
+        assert not psutil.pid_exists(before[1]) or \
+            psutil.Process(before[1]).status() == psutil.STATUS_ZOMBIE
+
+        # --max-restarts bounds re-formations: the next death ends the session.
+        watcher = Watcher()
+        with pytest.raises(em.JobFailedError) as err:
+            s.run("if dist_rank := int(os.environ['RANK']):\n    os._exit(3)\n"
+                  "import time\ntime.sleep(60)\n", render=watcher)
+        assert err.value.result.failure.rank == 1 and err.value.result.failure.exit_code == 3
+        assert [b.reforms for b in watcher.of(SessionBroken)] == [False]
+        s.stop()
+        assert s.result.state is em.JobState.FAILED
+    with pytest.raises(em.SessionEndedError):
+        s.run("1")
+    assert not tagged_workers()
+
+
+def test_resize_between_cells_and_at_a_commit_keeps_state(log_dir):
+    with em.Session(nproc=2, max_nproc=3, log_dir=log_dir) as s:
+        s.run("import torch.distributed as dist, elastic_magic as em\n"
+              "state = em.State(step=0)\n", setup=True)
+        s.run("state.step = 5\nstate.commit()")
+        s.scale(3)
+        result = s.run("(state.step, dist.get_world_size())")
+        assert result.values == {r: (5, 3) for r in range(3)}
+        assert result.restarts == 0 and result.resizes == 1
+
+        # At a commit inside a running cell: every rank leaves there, the session re-forms
+        # at the new size and the cell goes on from that commit.
+        watcher = Watcher()
+        box = run_in_thread(s, "import time\n"
+                               "while state.step < 40:\n"
+                               "    state.step += 1\n"
+                               "    print('step', state.step, flush=True)\n"
+                               "    state.commit()\n"
+                               "    time.sleep(0.05)\n"
+                               "(state.step, dist.get_world_size())", watcher)
+        assert watcher.wait_for_lines("step", 3)
+        s.scale(2)
+        box["thread"].join(120)
+        result = box["result"]
+        assert result.values == {0: (40, 2), 1: (40, 2)}
+        assert result.restarts == 0 and result.resizes == 2
+        assert watcher.of(SessionReformed)[0].world_size == 2
+
+
+def test_ctrl_c_while_the_session_waits_for_machines_ends_it(log_dir):
+    watcher = Watcher()
+    s = em.Session(nproc=1, nnodes=2, log_dir=log_dir, timeout=120)
+    assert s.wait_for_join_command(timeout=60)
+    box = run_in_thread(s, "1", watcher)  # waits for the second machine, which never comes
+    time.sleep(0.5)
+    s.interrupt()
+    box["thread"].join(60)
+    assert isinstance(box.get("error"), em.SessionEndedError) or \
+        box["result"].state is em.JobState.STOPPED, box
+    s.stop(timeout=60)
+    assert not s.active and s.result.state is em.JobState.STOPPED
+
+
+def test_bad_session_options_are_errors_before_anything_starts(log_dir):
+    with pytest.raises(em.SpecError, match="--max-nproc"):
+        em.Session(nproc=2, max_nproc=1, log_dir=log_dir)
+    with pytest.raises(TypeError, match="unknown job option"):
+        em.Session(nproc=1, nprocs=2)
+    assert not tagged_workers()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, log_dir,
+                                                                           capsys):
+    from IPython.core.error import UsageError
+
+    ip.run_line_magic("elastic", f"session start --nproc 2 --log-dir {log_dir}")
+    assert "session of 2 workers" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="already active"):
+        ip.run_line_magic("elastic", "session start --nproc 1")
+    ip.run_cell_magic("elastic", "--setup", "import torch.distributed as dist\n"
+                                            "w = [dist.get_rank()]\nprint('made w')\n")
+    assert "[rank 1] made w" in capsys.readouterr().out
+    ip.run_cell("factor = 3")
+    ip.run_line_magic("elastic", "push factor")
+    result = ip.run_cell_magic("elastic", "-o cell", "w.append(factor)\nw")
+    assert result.values == {0: [0, 3], 1: [1, 3]} and ip.user_ns["cell"] is result
+    ip.run_line_magic("elastic", "pull w --rank 1")
+    ip.run_line_magic("elastic", "gather factor")
+    assert ip.user_ns["w"] == [1, 3] and ip.user_ns["factor"] == {0: 3, 1: 3}
+    with pytest.raises(em.JobFailedError):
+        ip.run_cell_magic("elastic", "", "w[5]")
+    with pytest.raises(UsageError, match="take no job options"):
+        ip.run_cell_magic("elastic", "--nproc 4", "1")
+    with pytest.raises(UsageError, match="IPython syntax"):
+        ip.run_cell_magic("elastic", "", "!ls")
+
+    # Many cells: the kernel's threads and files stay as they were.
+    for _ in range(5):
+        ip.run_cell_magic("elastic", "", "x = 1")
+    threads, fds = threading.active_count(), _open_fds()
+    for i in range(50):
+        ip.run_cell_magic("elastic", "", f"x = {i}")
+    assert threading.active_count() <= threads and _open_fds() <= fds
+    assert ip.run_cell_magic("elastic", "", "x").values == {0: 49, 1: 49}
+    capsys.readouterr()
+    ip.run_line_magic("elastic", "session status")
+    assert "cells:" in capsys.readouterr().out
+    ip.run_line_magic("elastic", "stacks")  # idle ranks: their main threads wait for a cell
+    out = capsys.readouterr().out
+    assert "==> rank 0 <==" in out and "==> rank 1 <==" in out
+
+    ip.run_line_magic("elastic", "session stop")
+    with pytest.raises(UsageError, match="no session is active"):
+        ip.run_line_magic("elastic", "session stop")
+    ip.run_line_magic("elastic", f"session start --nproc 1 --log-dir {log_dir}")
+
+    # The extension unloaded: the session ends with it.
+    session = ip.find_line_magic("elastic").__self__.sessions.session
+    ip.run_line_magic("unload_ext", "elastic_magic")
+    assert not session.active and not tagged_workers()
+    ip.run_line_magic("load_ext", "elastic_magic")
+    with pytest.raises(UsageError, match="no session is active"):
+        ip.run_cell_magic("elastic", "--setup", "1")
+
+
+def test_in_a_real_kernel_ctrl_c_leaves_the_session_alive_and_it_ends_with_the_kernel():
+    from conftest import wait_until_no_workers
+    from jupyter_client.manager import start_new_kernel
+    from test_kernel import execute
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        execute(kc, "%load_ext elastic_magic\n%elastic session start --nproc 2")
+        reply, text = execute(kc, "%%elastic --text\nimport os, time\n"
+                                  "print('waiting', flush=True)\ntime.sleep(120)\n",
+                              trigger="[rank 1] waiting", action=km.interrupt_kernel)
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", text
+        assert "KeyboardInterrupt" in text
+        reply, text = execute(kc, "%%elastic --text\nprint('still here', os.getpid())")
+        assert reply["status"] == "ok" and "[rank 1] still here" in text, text
+        assert len(tagged_workers()) == 2
+        km.shutdown_kernel(now=False)
+        left = wait_until_no_workers(timeout=5.0)
+        assert not left, f"workers outlived the kernel: {[p.pid for p in left]}"
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+def test_end_of_cell_marks_leave_the_cells_own_lines_whole():
+    from elastic_magic.agent.cells import OutputEnded, take_end_marks
+    from elastic_magic.worker.session import CELL_END_MARK
+
+    ended: list = []
+    event = Output(1, "stdout", ("a", "", "partial" + CELL_END_MARK), attempt=0)
+    assert take_end_marks(event, ended.append).lines == ("a", "", "partial")
+    assert take_end_marks(Output(1, "stderr", (CELL_END_MARK,), 0), ended.append) is None
+    assert ended == [OutputEnded(0, 1, "stdout"), OutputEnded(0, 1, "stderr")]
+    plain = Output(0, "stdout", ("x",), 0)
+    assert take_end_marks(plain, ended.append) is plain and len(ended) == 2
