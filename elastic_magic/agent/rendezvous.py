@@ -291,8 +291,8 @@ class Rendezvous:
 
     def cancel(self) -> None:
         """Close the run id from a second handler: a next_round() blocked on another thread
-        sees the closed state at its next poll (about a second) and raises. (Handlers are
-        not thread-safe: the blocked one must not be touched.)"""
+        sees the closed state at its next poll (within a quarter second: quick_rounds) and
+        raises. (Handlers are not thread-safe: the blocked one must not be touched.)"""
         store, _ = self._live()
         other = self._new_handler(store)
         try:

@@ -1,0 +1,44 @@
+"""torch's rendezvous polls, as ``agent/quick_rounds.py`` paces them: fast while the state
+changes, backing off to a quarter second while it does not, torch's own pace outside an
+operation. (The multi-node tests run these polls for real; this checks the pacing.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+from elastic_magic.agent import quick_rounds
+
+
+def _state(participants=("a",), round_=1):
+    return SimpleNamespace(round=round_, complete=False, closed=False, deadline=None,
+                           participants=dict.fromkeys(participants, 0), wait_list=set())
+
+
+def test_polls_back_off_while_nothing_changes_and_start_over_when_something_does(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(quick_rounds.time, "sleep", slept.append)
+    assert dynamic_rendezvous._delay is quick_rounds._delay  # installed on import
+    executor = SimpleNamespace(_state=_state())
+    seen: list[list[float]] = []
+
+    def handler(ctx_executor):
+        for _ in range(7):
+            dynamic_rendezvous._delay(seconds=1)  # torch's SYNC poll
+        seen.append(list(slept))
+        slept.clear()
+        ctx_executor._state = _state(("a", "b"))  # a machine joined
+        dynamic_rendezvous._delay(seconds=1)
+        dynamic_rendezvous._delay(seconds=1)
+
+    monkeypatch.setattr(quick_rounds, "_torch_run", lambda self, *a, **k: handler(self))
+    quick_rounds._run(executor)
+    assert seen[0] == [0.01, 0.02, 0.04, 0.08, 0.16, 0.25, 0.25]
+    assert slept == [0.01, 0.02]
+    # outside an operation, and the first round's jitter: torch's pace, and no sleep
+    torch_slept: list[float] = []
+    monkeypatch.setattr(quick_rounds, "_torch_delay", torch_slept.append)
+    dynamic_rendezvous._delay(seconds=1)
+    dynamic_rendezvous._delay(seconds=(0, 0.3))
+    assert torch_slept == [1]
