@@ -120,6 +120,29 @@ def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_other
     assert not _zygotes()
 
 
+def test_every_worker_of_a_job_shares_one_zygote(tmp_path):
+    """What differs between one job's workers (rank, slot, GPUs, the machine's interface)
+    is set after the fork: it must not make each worker a zygote of its own."""
+    from elastic_magic.agent.pool import fingerprint
+    from elastic_magic.agent.rendezvous import RoundInfo
+    from elastic_magic.agent.workers import Worker, torchrun_env
+    from elastic_magic.events import NetworkChosen
+
+    spec = em.JobSpec.create(3, gpus=4, backend="gloo", log_dir=tmp_path)
+    network = NetworkChosen("10.0.0.2", "eth0", (("GLOO_SOCKET_IFNAME", "eth0"),), (),
+                            "host", "10.0.0.2")
+    keys = set()
+    for round_, slots in ((RoundInfo(1, "a", 0, 1, 0, 3, "10.0.0.1", 29500), [0, 1, 2]),
+                          (RoundInfo(2, "b", 1, 2, 3, 6, "10.0.0.1", 29501), [0, 2, 3])):
+        for i in range(3):
+            env = torchrun_env(Worker(local_rank=i, global_rank=round_.base_rank + i,
+                                      attempt=round_.round), round_, spec, nproc=3,
+                               run_id="em-x", restart_count=round_.round,
+                               error_file=tmp_path / f"{i}.json", network=network, slots=slots)
+            keys.add(fingerprint(env, str(tmp_path), sys.path))
+    assert len(keys) == 1
+
+
 OWNER = textwrap.dedent("""
     import sys, time
     import elastic_magic as em

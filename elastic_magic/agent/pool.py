@@ -36,6 +36,9 @@ _PER_ROUND = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
     "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
     "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    # per worker or per machine, read only once the worker runs (torch reads the devices
+    # at CUDA's first use, gloo and NCCL the interface when the group is made)
+    "ELASTIC_MAGIC_SLOT", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
 })
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _START_TIMEOUT = 120.0  # importing torch on a busy machine
