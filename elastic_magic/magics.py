@@ -77,7 +77,7 @@ class ElasticMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
-        self._numbers = itertools.count(1)
+        self.numbers = itertools.count(1)  # jobs and sessions, as the panel lists them
         self.sessions = SessionCommands(self)
         self.channel = JobsChannel()  # the JupyterLab extension's "Elastic jobs" panel
         self.channel.open(shell)
@@ -283,7 +283,7 @@ class ElasticMagics(Magics):
     def _remember(self, job: Job) -> int:
         """Number the job for %elastic; keep a bounded history of finished jobs (each
         keeps its result, which may hold a snapshot)."""
-        number = next(self._numbers)
+        number = next(self.numbers)
         self.jobs[number] = job
         finished = [n for n, j in self.jobs.items() if j.done]
         for old in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:

@@ -10,6 +10,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
+from .comm import current_cell_id
 from .payload import PayloadError, uses_ipython_syntax
 from .result import JobFailedError, JobResult, JobState
 from .session import Session, SessionEndedError
@@ -92,6 +93,8 @@ class SessionCommands:
             self.session = Session(**options)
         except SpecError as exc:
             raise UsageError(f"%elastic session start: {exc}") from None
+        self.magics.channel.track_session(next(self.magics.numbers), self.session,
+                                          current_cell_id(self.magics.shell))
         s = self.session.spec
         print(f"{self.session.run_id}: session of {s.nproc} workers; %%elastic cells now "
               f"run in it (--setup to replay a cell when it re-forms; up to "
