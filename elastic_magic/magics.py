@@ -11,7 +11,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from .agent.job import Job, Renderer
 from .comm import JobsChannel, current_cell_id
@@ -131,7 +131,9 @@ class ElasticMagics(Magics):
             t.item()
         """
         try:
-            opts = parse_argstring(self.elastic, line)
+            # split as a shell would: IPython's parse_argstring keeps the quotes in a
+            # value (--args "--lr 0.1" would reach the script as one word)
+            opts = self.elastic.parser.parse_args(shlex.split(line))
         except ValueError as exc:  # shlex: unbalanced quotes in the flags
             raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
         if self.sessions.session is not None:  # active, or ended and not yet stopped
