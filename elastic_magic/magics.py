@@ -131,9 +131,8 @@ class ElasticMagics(Magics):
             t.item()
         """
         try:
-            # split as a shell would: IPython's parse_argstring keeps the quotes in a
-            # value (--args "--lr 0.1" would reach the script as one word)
-            opts = self.elastic.parser.parse_args(shlex.split(line))
+            # as a shell splits (IPython's parse_argstring keeps quotes: --args "--lr 1")
+            opts = self.elastic.parser.parse_args(shlex.split(line))  # type: ignore[attr-defined]
         except ValueError as exc:  # shlex: unbalanced quotes in the flags
             raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
         if self.sessions.session is not None:  # active, or ended and not yet stopped
@@ -174,7 +173,8 @@ class ElasticMagics(Magics):
             if opts.out and not opts.bg and job.result is not None:
                 self.shell.user_ns[opts.out] = job.result
         self._finish_view(view)
-        return self._deliver(result, shown=self._live(view))
+        shown = self._live(view) or (isinstance(view, TextRenderer) and view.printed(result))
+        return self._deliver(result, shown=bool(shown))
 
     @line_magic("elastic")  # type: ignore[arg-type]  # IPython mistypes line_magic(name)
     def elastic_command(self, line: str) -> None:
