@@ -4,7 +4,8 @@ actions (stop, resize, stacks).
 
 Only a frontend connected to this kernel's own channels (authenticated by the kernel's
 connection key) can open or write to a comm, so the actions need no other check. Items are a
-generic list (``kind``: "job" today; sessions slot in with their own kind).
+generic list: ``kind`` "job" (a ``%%elastic`` cell) or "session" (``%elastic session start``,
+with the cells it ran); both answer stop, scale and request_stacks.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ TICK = 1.0  # seconds between updates while a job runs (elapsed time moves)
 
 @dataclass
 class Tracked:
-    """A job the panel lists, and what only the kernel knew when it started."""
+    """A job or session the panel lists, and what only the kernel knew when it started."""
 
     number: int
-    job: Any  # agent.job.Job (duck-typed: the panel needs status, spec, stop, scale)
+    job: Any  # agent.job.Job or session.Session (duck-typed: status, spec, stop, scale)
     cell_id: str | None
     background: bool
     announced: bool = False  # its end was sent as a "finished" message
+    kind: str = "job"
 
 
 def current_cell_id(shell: Any) -> str | None:
@@ -48,8 +50,15 @@ def current_cell_id(shell: Any) -> str | None:
     return cell_id if isinstance(cell_id, str) else None
 
 
+def describe(item: Tracked) -> dict[str, Any]:
+    """One row of the panel, JSON-friendly: a job's, or a session's (its cells too)."""
+    row = describe_job(item)
+    if item.kind == "session":
+        row["cells"] = item.job.cells
+    return row
+
+
 def describe_job(item: Tracked) -> dict[str, Any]:
-    """One row of the panel, JSON-friendly."""
     job = item.job
     status = job.status_snapshot
     spec = job.spec
@@ -59,7 +68,7 @@ def describe_job(item: Tracked) -> dict[str, Any]:
                                    else None)
     commit = dict(status.last_commit) if status.last_commit else None
     return {
-        "kind": "job",
+        "kind": item.kind,
         "id": job.run_id,
         "number": item.number,
         "state": status.state.value,
@@ -140,26 +149,36 @@ class JobsChannel:
 
     # -- jobs -----------------------------------------------------------------------------
 
-    def track(self, number: int, job: Any, cell_id: str | None, background: bool) -> None:
+    def track(self, number: int, job: Any, cell_id: str | None, background: bool,
+              kind: str = "job") -> None:
         with self._lock:
-            self._items[job.run_id] = Tracked(number, job, cell_id, background)
+            self._items[job.run_id] = Tracked(number, job, cell_id, background, kind=kind)
             if self._ticker is None or not self._ticker.is_alive():
                 # "elastic-view-": like a --bg job's view, it ends soon after its jobs do
                 self._ticker = threading.Thread(target=self._tick, daemon=True,
                                                 name="elastic-view-panel")
                 self._ticker.start()
 
+    def track_session(self, number: int, session: Any, cell_id: str | None) -> None:
+        """List a session (and drop the ended ones before it: one session at a time)."""
+        with self._lock:
+            for run_id in [r for r, i in self._items.items()
+                           if i.kind == "session" and i.job.done]:
+                del self._items[run_id]
+        self.track(number, session, cell_id, background=False, kind="session")
+
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the jobs the kernel no longer keeps (its bounded history)."""
         kept = set(keep)
         with self._lock:
-            for run_id in [r for r in self._items if r not in kept]:
+            for run_id in [r for r, i in self._items.items()
+                           if i.kind == "job" and r not in kept]:
                 del self._items[run_id]
 
     def message(self) -> dict[str, Any]:
         with self._lock:
             items = list(self._items.values())
-        return {"type": "items", "items": [describe_job(i) for i in items]}
+        return {"type": "items", "items": [describe(i) for i in items]}
 
     def _tick(self) -> None:
         while True:
@@ -182,7 +201,7 @@ class JobsChannel:
             self._sent = text
             self.broadcast(message)
         for item in ended:
-            self.broadcast({"type": "finished", "item": describe_job(item)})
+            self.broadcast({"type": "finished", "item": describe(item)})
 
     def broadcast(self, message: dict[str, Any]) -> None:
         with self._lock:
@@ -218,12 +237,16 @@ class JobsChannel:
         with self._lock:
             item = self._items.get(str(run_id))
         if item is None:
-            self.broadcast({"type": "error", "id": run_id, "text": f"no job {run_id}"})
+            self.broadcast({"type": "error", "id": run_id, "text": f"no job or session {run_id}"})
             return
         job = item.job
         try:
-            if action == "stop":
+            if action == "stop" and item.kind == "session":
+                job.stop(timeout=0)  # its workers leave; the comm's thread does not wait
+            elif action == "stop":
                 job.stop("stopped from the Elastic jobs panel")
+            elif action == "scale" and item.kind == "session":
+                job.scale(int(data["nproc"]))  # before the next cell, or at a commit
             elif action == "scale":
                 job.scale(int(data["nproc"]), immediate=bool(data.get("now")))
             elif action == "stacks":

@@ -11,7 +11,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from .agent.job import Job, Renderer
 from .comm import JobsChannel, current_cell_id
@@ -77,7 +77,7 @@ class ElasticMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
-        self._numbers = itertools.count(1)
+        self.numbers = itertools.count(1)  # jobs and sessions, as the panel lists them
         self.sessions = SessionCommands(self)
         self.channel = JobsChannel()  # the JupyterLab extension's "Elastic jobs" panel
         self.channel.open(shell)
@@ -131,7 +131,8 @@ class ElasticMagics(Magics):
             t.item()
         """
         try:
-            opts = parse_argstring(self.elastic, line)
+            # as a shell splits (IPython's parse_argstring keeps quotes: --args "--lr 1")
+            opts = self.elastic.parser.parse_args(shlex.split(line))  # type: ignore[attr-defined]
         except ValueError as exc:  # shlex: unbalanced quotes in the flags
             raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
         if self.sessions.session is not None:  # active, or ended and not yet stopped
@@ -172,7 +173,8 @@ class ElasticMagics(Magics):
             if opts.out and not opts.bg and job.result is not None:
                 self.shell.user_ns[opts.out] = job.result
         self._finish_view(view)
-        return self._deliver(result, shown=self._live(view))
+        shown = self._live(view) or (isinstance(view, TextRenderer) and view.printed(result))
+        return self._deliver(result, shown=bool(shown))
 
     @line_magic("elastic")  # type: ignore[arg-type]  # IPython mistypes line_magic(name)
     def elastic_command(self, line: str) -> None:
@@ -283,7 +285,7 @@ class ElasticMagics(Magics):
     def _remember(self, job: Job) -> int:
         """Number the job for %elastic; keep a bounded history of finished jobs (each
         keeps its result, which may hold a snapshot)."""
-        number = next(self._numbers)
+        number = next(self.numbers)
         self.jobs[number] = job
         finished = [n for n, j in self.jobs.items() if j.done]
         for old in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:

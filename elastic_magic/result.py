@@ -327,11 +327,11 @@ class JobFailedError(RuntimeError):
     def __init__(self, result: JobResult, *, shown: bool = False) -> None:
         super().__init__(describe_failure(result))
         self.result = result
-        self.shown = shown  # the cell's record already shows the root cause and traceback
+        self.shown = shown  # the cell's output already shows the root cause's traceback
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of the kernel-side stack, which says nothing useful.
         if self.shown:
             return [f"JobFailedError: {self.args[0].splitlines()[0]}",
-                    "(its traceback is in the record above; the error's .result has it all)"]
+                    "(its traceback is in the output above; the error's .result has it all)"]
         return [f"JobFailedError: {self.args[0]}"]

@@ -34,7 +34,7 @@ from .agent.cells import CellRequest, InterruptCommand, SessionEndedError, sessi
 from .agent.hub import new_token
 from .agent.job import RENDER_INTERVAL, AgentError, Renderer, _without_locals, new_run_id
 from .agent.session import SessionAgent
-from .agent.status import StatusBoard
+from .agent.status import JobStatus, StatusBoard
 from .events import Event, JobFinished
 from .messages import ScaleCommand, StacksCommand, StopCommand
 from .payload import PayloadError, build_payload
@@ -256,6 +256,15 @@ class Session:
     @property
     def active(self) -> bool:
         return not self._done.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def status_snapshot(self) -> JobStatus:
+        """As a Job's: what the Elastic jobs panel shows."""
+        return self._board.current
 
     def status(self) -> dict[str, Any]:
         s = self._board.current

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import shlex
 from concurrent.futures import Future
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import parse_argstring
 
+from .comm import current_cell_id
 from .payload import PayloadError, uses_ipython_syntax
 from .result import JobFailedError, JobResult, JobState
 from .session import Session, SessionEndedError
@@ -81,7 +80,7 @@ class SessionCommands:
             raise UsageError("%elastic session start: a session is already active (or "
                              "ended without a stop); `%elastic session stop` ends it.")
         try:
-            opts = parse_argstring(self.magics.elastic, shlex.join(words))
+            opts = self.magics.elastic.parser.parse_args(words)  # split as a shell would
         except ValueError as exc:
             raise UsageError(f"%elastic session start: {exc}") from None
         options = {k: v for k, v in vars(opts).items() if k in OPTION_NAMES}
@@ -92,6 +91,8 @@ class SessionCommands:
             self.session = Session(**options)
         except SpecError as exc:
             raise UsageError(f"%elastic session start: {exc}") from None
+        self.magics.channel.track_session(next(self.magics.numbers), self.session,
+                                          current_cell_id(self.magics.shell))
         s = self.session.spec
         print(f"{self.session.run_id}: session of {s.nproc} workers; %%elastic cells now "
               f"run in it (--setup to replay a cell when it re-forms; up to "

@@ -46,6 +46,7 @@ PANEL_CELLS = [
     "x = 1",
     "%%elastic --nproc 1\nimport os, time\nprint('about to fail', flush=True)\n"
     "while not os.path.exists('fail-now'):\n    time.sleep(0.1)\nraise ValueError('boom')",
+    "%elastic session start --nproc 2 --max-nproc 3",
 ]
 
 # WCAG contrast of an element's text against the first opaque background behind it.
@@ -254,7 +255,7 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
 def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_path):
     """The extension's side panel, status bar item and notification, over its comm."""
     with chromium_page() as page:
-        open_notebook(page, panel_lab, 4)
+        open_notebook(page, panel_lab, 5)
         # %%elastic cells are highlighted as Python: `import` is coloured as a keyword.
         editor = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".cm-content")
         keyword = editor.locator("span", has_text=re.compile(r"^import$")).first
@@ -339,3 +340,19 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         dark = heading.evaluate(CONTRAST), traceback.evaluate(CONTRAST)
         cell.screenshot(path=str(ARTIFACTS / "record-dark.png"))
         assert dark[0] >= 3 and dark[1] >= 4.5, dark
+
+        # The kernel's session is listed too, and its actions reach it.
+        run_cell(page, 4)
+        row = panel.locator(".em-panel-row", has_text="#3 session")
+        expect(row).to_contain_text("idle", timeout=90_000)
+        expect(row).to_contain_text("world size 2")
+        expect(row).to_contain_text("0 cells run")
+        expect(page.locator("[data-em=status]")).to_contain_text("elastic session #3: idle")
+        row.locator(".em-panel-stacks").click()
+        expect(row.locator(".em-panel-stack-text")).to_contain_text("==> rank 1 <==",
+                                                                     timeout=30_000)
+        panel.screenshot(path=str(ARTIFACTS / "elastic-jobs-panel-session.png"))
+        row.locator(".em-panel-stop").click()
+        expect(row.locator(".em-panel-stop")).to_have_count(0, timeout=60_000)
+        expect(page.locator("[data-em=status]")).to_have_text("")
+        assert not wait_until_no_workers(timeout=30.0)

@@ -14,6 +14,7 @@ import pytest
 
 from elastic_magic.agent.job import Job
 from elastic_magic.payload import build_payload
+from elastic_magic.result import JobFailedError
 from elastic_magic.spec import JobSpec
 from elastic_magic.ui.dashboard import Dashboard, LiveView
 from elastic_magic.ui.record import record_bundle
@@ -339,3 +340,30 @@ def test_log_tails_show_a_rewritten_line_as_it_finally_showed():
 
     assert _visible("\r 10%|#\r 50%|#####\r100%|##########|\n") == "100%|##########|\n"
     assert _visible("plain line\n") == "plain line\n" and _visible("done\r\n") == "done\n"
+
+
+def test_text_failure_shows_its_traceback_once_and_a_bg_handle_says_it_is_live(
+        ip, log_dir, capsys):
+    """--text: the root cause's traceback is printed once (from its rank's stderr; the
+    error points at it), and a --bg cell's printed handle says it is live, until it ends."""
+    with pytest.raises(JobFailedError) as caught:
+        ip.run_cell_magic("elastic", f"--nproc 2 --text --log-dir {log_dir}",
+                          "import torch.distributed as dist\n\n"
+                          "def load(rank):\n    if rank == 1:\n"
+                          "        raise ValueError('bad shard')\n\n"
+                          "load(dist.get_rank())\ndist.barrier()")
+    captured = capsys.readouterr()
+    rendered = "\n".join(caught.value._render_traceback_())
+    shown = captured.out + captured.err + rendered
+    assert "[rank 1]     raise ValueError('bad shard')" in captured.err
+    assert shown.count("raise ValueError('bad shard')") == 1, shown
+    assert "(its traceback is in the output above" in rendered
+    assert "ValueError: bad shard (cell line 5)" in rendered  # the one-line summary stays
+    assert "raise ValueError" in caught.value.result.failure.traceback  # .result has it
+
+    job = ip.run_cell_magic("elastic", f"--nproc 1 --text --bg --log-dir {log_dir}",
+                            "import time\ntime.sleep(1)")
+    assert re.fullmatch(rf"<elastic Job {job.run_id}: \w+ at \d\d:\d\d:\d\d; a live handle: "
+                        r"show it again, or %elastic status, for its state now>", repr(job))
+    assert job.wait_done(timeout=120)
+    assert repr(job) == f"<elastic Job {job.run_id}: succeeded>"

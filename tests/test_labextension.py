@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from elastic_magic.agent.job import Job
 from elastic_magic.comm import JobsChannel
 from elastic_magic.payload import build_payload
+from elastic_magic.session import Session
 from elastic_magic.spec import JobSpec
 
 LABEXTENSION = Path(__file__).resolve().parents[1] / "labextension"
@@ -84,3 +86,42 @@ def test_comm_lists_a_job_and_stops_it(log_dir):
     assert len(finished) == 1 and finished[0]["item"]["state"] == "stopped"
     last = [m for m in comm.sent if m["type"] == "items"][-1]["items"][0]
     assert last["done"] and last["elapsed"] == finished[0]["item"]["elapsed"]
+
+
+def test_comm_lists_a_session_and_routes_its_actions(log_dir):
+    """A real session in the panel: its row (kind, size, cells run, the cell that started
+    it), and Stop, resize and stacks reach the session's own methods."""
+    session = Session(nproc=2, max_nproc=3, log_dir=log_dir)
+    channel = JobsChannel()
+    comm = FakeComm()
+    channel._attach(comm)
+    try:
+        channel.track_session(4, session, "cell-4")
+        session.run("import time\nx = 1", render=lambda _events: None)
+        channel.update()
+        row = [m for m in comm.sent if m["type"] == "items"][-1]["items"][0]
+        assert (row["kind"], row["id"], row["number"]) == ("session", session.run_id, 4)
+        assert row["state"] == "idle" and row["world_size"] == 2 and row["cells"] == 1
+        assert row["cell_id"] == "cell-4" and (row["min_nproc"], row["max_nproc"]) == (2, 3)
+        comm.on_message({"content": {"data": {"action": "scale", "id": session.run_id,
+                                              "nproc": 9}}})
+        assert comm.sent[-1]["type"] == "error" and "between 2 and 3" in comm.sent[-1]["text"]
+        answered = threading.Event()
+        comm.send = lambda m: (comm.sent.append(m),
+                               m["type"] == "stacks" and answered.set())  # type: ignore
+        comm.on_message({"content": {"data": {"action": "stacks", "id": session.run_id}}})
+        assert answered.wait(60)
+        stacks = [m for m in comm.sent if m["type"] == "stacks"][-1]
+        assert stacks["id"] == session.run_id and sorted(stacks["ranks"]) == ["0", "1"]
+        comm.on_message({"content": {"data": {"action": "stop", "id": session.run_id}}})
+        session.stop(timeout=60)
+        assert not session.active
+    finally:
+        session.stop(timeout=60)
+    ticker = channel._ticker
+    assert ticker is not None
+    ticker.join(timeout=10)
+    assert not ticker.is_alive()
+    finished = [m for m in comm.sent if m["type"] == "finished"]
+    assert len(finished) == 1 and finished[0]["item"]["kind"] == "session"
+    assert finished[0]["item"]["done"]

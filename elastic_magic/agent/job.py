@@ -164,7 +164,11 @@ class Job:
         return self._done.wait(timeout)
 
     def __repr__(self) -> str:
-        return f"<elastic Job {self.run_id}: {self.state.value}>"
+        if self.done:
+            return f"<elastic Job {self.run_id}: {self.state.value}>"
+        # A printed handle (a --text --bg cell's Out) does not change: say when it was true.
+        return (f"<elastic Job {self.run_id}: {self.state.value} at {time.strftime('%H:%M:%S')}"
+                "; a live handle: show it again, or %elastic status, for its state now>")
 
     def scale(self, nproc: int, immediate: bool = False) -> None:
         """Resize to ``nproc`` workers on this machine. With an elastic State in the cell the

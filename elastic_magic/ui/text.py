@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import TextIO
 
 from ..events import Event, Output
+from ..result import JobResult
 from .describe import describe
+
+TAIL = 200  # stderr lines kept per rank: where a failure's traceback is looked for
 
 
 class TextRenderer:
@@ -24,12 +28,26 @@ class TextRenderer:
         self.status = status
         self._bars: dict[str, dict[int, str]] = {}  # stream -> rank -> its line as it shows
         self._open: dict[str, int] = {}  # stream -> width of its bar line (no newline yet)
+        self._stderr_tails: dict[int, deque[str]] = {}  # rank -> its last whole stderr lines
+
+    def printed(self, result: JobResult) -> bool:
+        """Whether the root cause's traceback was printed, whole, from its rank's stderr
+        (then the error need not repeat it)."""
+        failure = result.failure
+        if failure is None or not failure.traceback:
+            return False
+        trace = failure.traceback.rstrip("\n").splitlines()
+        tail = list(self._stderr_tails.get(failure.rank, ()))
+        return any(tail[i:i + len(trace)] == trace for i in range(len(tail) - len(trace) + 1))
 
     def __call__(self, events: list[Event]) -> None:
         runs: list[tuple[str, list[str]]] = []  # (stream, lines), merged while stream repeats
         changed: set[str] = set()
         for event in events:
             if isinstance(event, Output):
+                if event.stream == "stderr":
+                    self._stderr_tails.setdefault(event.rank, deque(maxlen=TAIL)).extend(
+                        event.lines[:-1] if event.partial else event.lines)
                 bars = self._bars.setdefault(event.stream, {})
                 if event.partial:
                     bars[event.rank] = event.lines[-1]

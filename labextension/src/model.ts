@@ -3,9 +3,9 @@
  * JupyterLab imports, so they are unit-tested under plain Node).
  */
 
-/** One row: a job today; sessions slot in with their own `kind`. */
+/** One row: a `%%elastic` job, or a session (workers that live across cells). */
 export interface IItem {
-  kind: string;
+  kind: 'job' | 'session';
   id: string;
   number: number;
   state: string;
@@ -25,6 +25,7 @@ export interface IItem {
   max_nproc: number;
   root_cause: string | null;
   summary: string | null;
+  cells?: number; // a session's: the cells it ran
 }
 
 /** Messages from the kernel (elastic_magic/comm.py). */
@@ -60,6 +61,11 @@ export function plural(n: number, noun: string): string {
   return `${n} ${noun}${n === 1 ? '' : 's'}`;
 }
 
+/** A row's title: "#3 job", "#4 session". */
+export function titleOf(item: IItem): string {
+  return `#${item.number} ${item.kind}`;
+}
+
 /** The row's facts, in the order people scan them. */
 export function describeItem(item: IItem): string[] {
   const facts = [
@@ -69,6 +75,9 @@ export function describeItem(item: IItem): string[] {
     `restarts ${item.restarts}/${item.max_restarts}`,
     formatElapsed(item.elapsed)
   ];
+  if (item.kind === 'session') {
+    facts.push(`${plural(item.cells ?? 0, 'cell')} run`);
+  }
   if (item.last_commit) {
     facts.push(`last commit: step ${String(item.last_commit.step)}`);
   }
@@ -89,7 +98,8 @@ export function statusText(items: IItem[]): string {
   }
   const latest = running.reduce((a, b) => (b.number > a.number ? b : a));
   const more = running.length > 1 ? ` (+${running.length - 1})` : '';
-  return `elastic #${latest.number}: ${latest.state}, world size ${latest.world_size}, ${formatElapsed(latest.elapsed)}${more}`;
+  const what = latest.kind === 'session' ? 'elastic session' : 'elastic';
+  return `${what} #${latest.number}: ${latest.state}, world size ${latest.world_size}, ${formatElapsed(latest.elapsed)}${more}`;
 }
 
 /** What to tell people when a background job ends, led by the root cause of a failure. */
@@ -117,7 +127,7 @@ export function resizeRequest(item: IItem, typed: string): Action | string {
     return `how many workers? (a whole number, ${item.min_nproc} to ${item.max_nproc})`;
   }
   if (n < item.min_nproc || n > item.max_nproc) {
-    return `this job runs between ${item.min_nproc} and ${item.max_nproc} workers`;
+    return `this ${item.kind} runs between ${item.min_nproc} and ${item.max_nproc} workers`;
   }
   return { action: 'scale', id: item.id, nproc: n };
 }

@@ -1,7 +1,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { KernelChannel } from './channel';
-import { actionsFor, describeItem, IItem, resizeRequest } from './model';
+import { actionsFor, describeItem, IItem, resizeRequest, titleOf } from './model';
 
 /** Where a row's "cell" link leads: the notebook scrolls to the cell that started the job. */
 export type CellLink = (cellId: string) => void;
@@ -41,7 +41,7 @@ export class ElasticPanel extends Widget {
       const empty = document.createElement('p');
       empty.className = 'em-panel-empty';
       empty.textContent = this.channel
-        ? 'No elastic jobs in this kernel yet.'
+        ? 'No elastic jobs or sessions in this kernel yet.'
         : 'Open a notebook that ran %load_ext elastic_magic.';
       root.appendChild(empty);
       return;
@@ -55,9 +55,10 @@ export class ElasticPanel extends Widget {
     const row = document.createElement('div');
     row.className = `em-panel-row em-state-${item.state}`;
     row.dataset.emJob = item.id;
+    row.dataset.emKind = item.kind;
     const title = document.createElement('div');
     title.className = 'em-panel-title';
-    title.textContent = `#${item.number} ${item.kind}`;
+    title.textContent = titleOf(item);
     if (item.cell_id) {
       const link = document.createElement('a');
       link.className = 'em-panel-cell';

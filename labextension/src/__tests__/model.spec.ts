@@ -6,7 +6,8 @@ import {
   isElasticCell,
   notificationFor,
   resizeRequest,
-  statusText
+  statusText,
+  titleOf
 } from '../model';
 
 function item(over: Partial<IItem> = {}): IItem {
@@ -75,5 +76,29 @@ describe('isElasticCell', () => {
     expect(isElasticCell('%%elastic\n')).toBe(true);
     expect(isElasticCell('%%elasticity')).toBe(false);
     expect(isElasticCell('x = 1\n%%elastic')).toBe(false);
+  });
+});
+
+describe('sessions', () => {
+  const session = (over: Partial<IItem> = {}) =>
+    item({ kind: 'session', number: 4, state: 'idle', background: false, cells: 3, ...over });
+  it('are titled as sessions and list the cells they ran', () => {
+    expect(titleOf(session())).toBe('#4 session');
+    expect(titleOf(item())).toBe('#1 job');
+    expect(describeItem(session({ restarts: 1, max_restarts: 3, last_commit: { step: 30, time: 1 } })))
+      .toEqual(['idle', 'world size 2', '1 machine', 'restarts 1/3', '1m 15s', '3 cells run',
+        'last commit: step 30']);
+    expect(describeItem(session({ cells: 1 }))).toContain('1 cell run');
+  });
+  it('offer Stop, stacks and resize between cells, nothing once ended', () => {
+    expect(actionsFor(session())).toEqual({ stop: true, stacks: true, resize: true });
+    expect(actionsFor(session({ done: true, state: 'stopped' })))
+      .toEqual({ stop: false, stacks: false, resize: false });
+    expect(resizeRequest(session(), '9')).toBe('this session runs between 1 and 4 workers');
+  });
+  it('show in the status bar as a session, without a notification when they end', () => {
+    expect(statusText([session(), item({ done: true })]))
+      .toBe('elastic session #4: idle, world size 2, 1m 15s');
+    expect(notificationFor(session({ done: true, state: 'stopped' }))).toBeNull();
   });
 });
