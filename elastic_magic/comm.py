@@ -92,6 +92,11 @@ def describe_job(item: Tracked) -> dict[str, Any]:
     }
 
 
+def _busy(item: Tracked) -> bool:
+    """A job that has not ended, or a session's cell that runs (its elapsed time moves)."""
+    return not item.job.done and item.job.status_snapshot.state.value != "idle"
+
+
 class JobsChannel:
     """The comms of this kernel's panel(s) and the thread that updates them while a job
     runs. The thread ends when no tracked job runs: a finished job holds no thread."""
@@ -102,6 +107,7 @@ class JobsChannel:
         self._items: dict[str, Tracked] = {}
         self._lock = threading.Lock()
         self._ticker: threading.Thread | None = None
+        self._awake_until = 0.0
         self._sent = ""
 
     # -- set-up ---------------------------------------------------------------------------
@@ -153,6 +159,13 @@ class JobsChannel:
               kind: str = "job") -> None:
         with self._lock:
             self._items[job.run_id] = Tracked(number, job, cell_id, background, kind=kind)
+        self.wake()
+
+    def wake(self) -> None:
+        """Update the panel while something runs (a job, or a session's cell that starts
+        now); an idle session, like a finished job, holds no thread and sends nothing."""
+        with self._lock:
+            self._awake_until = time.monotonic() + 3 * TICK  # until the cell shows as running
             if self._ticker is None or not self._ticker.is_alive():
                 # "elastic-view-": like a --bg job's view, it ends soon after its jobs do
                 self._ticker = threading.Thread(target=self._tick, daemon=True,
@@ -184,7 +197,9 @@ class JobsChannel:
         while True:
             self.update()
             with self._lock:
-                running = any(not i.job.done or not i.announced for i in self._items.values())
+                running = time.monotonic() < self._awake_until or any(
+                    _busy(i) or (i.job.done and not i.announced)
+                    for i in self._items.values())
             if not running:
                 return
             time.sleep(TICK)
@@ -256,6 +271,7 @@ class JobsChannel:
                 raise ValueError(f"unknown action {action!r}")
         except (SpecError, ValueError, KeyError, TypeError) as exc:
             self.broadcast({"type": "error", "id": run_id, "text": str(exc)})
+        self.wake()  # show what the action changed (an idle session has no thread running)
 
     def _send_stacks(self, run_id: str, answer: Future[dict[int, str]]) -> None:
         stacks = answer.result() if answer.exception() is None else {}

@@ -64,6 +64,7 @@ class SessionCommands:
             if session is None:
                 raise UsageError("%elastic session stop: no session is active.")
             session.stop()
+            self.magics.channel.wake()  # the panel shows it ended
             print(f"{session.run_id}: session ended; its workers have exited; %%elastic "
                   "cells are one-shot jobs again")
         elif action == "status":
@@ -106,6 +107,7 @@ class SessionCommands:
         session = self.session
         assert session is not None
         result = None
+        self.magics.channel.wake()  # the panel shows the cell running
         try:
             result = session.run(cell, setup=opts.setup, render=view, check=False)
         except SessionEndedError as exc:

@@ -103,6 +103,10 @@ def test_comm_lists_a_session_and_routes_its_actions(log_dir):
         assert (row["kind"], row["id"], row["number"]) == ("session", session.run_id, 4)
         assert row["state"] == "idle" and row["world_size"] == 2 and row["cells"] == 1
         assert row["cell_id"] == "cell-4" and (row["min_nproc"], row["max_nproc"]) == (2, 3)
+        idle_ticker = channel._ticker  # an idle session holds no thread: nothing to update
+        assert idle_ticker is not None
+        idle_ticker.join(timeout=10)
+        assert not idle_ticker.is_alive()
         comm.on_message({"content": {"data": {"action": "scale", "id": session.run_id,
                                               "nproc": 9}}})
         assert comm.sent[-1]["type"] == "error" and "between 2 and 3" in comm.sent[-1]["text"]
