@@ -32,7 +32,7 @@ import cloudpickle
 
 from .agent.cells import CellRequest, InterruptCommand, SessionEndedError, session_payload
 from .agent.hub import new_token
-from .agent.job import RENDER_INTERVAL, AgentError, Renderer, _without_locals, new_run_id
+from .agent.job import RENDER_INTERVAL, AgentError, AgentThread, Renderer, new_run_id
 from .agent.session import SessionAgent
 from .agent.status import JobStatus, StatusBoard
 from .events import Event, JobFinished
@@ -50,7 +50,7 @@ SESSION_MAX_RESTARTS = 3
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
-class Session:
+class Session(AgentThread):
     """Workers that stay alive across cells. Options are a job's (``%%elastic`` flags)."""
 
     def __init__(self, nproc: int | str | None = None, *, render: Renderer | None = None,
@@ -75,22 +75,6 @@ class Session:
                                         daemon=True)
         self._thread.start()
         _live.add(self)
-
-    def _run(self) -> None:
-        # As a job's agent thread: workers spawned from here inherit blocked signals.
-        import signal
-
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        assert self._agent is not None
-        try:
-            self.result = self._agent.run()
-        except BaseException as exc:
-            self.error = _without_locals(exc)
-        finally:
-            self._agent = None  # the ended session keeps its result only
-            self._done.set()
-            self._board.publish(done=True)
-            self._answer_late()
 
     def _answer_late(self) -> None:
         """Whatever reached the inbox after the agent's last look gets an answer."""

@@ -52,7 +52,38 @@ def _without_locals(error: BaseException) -> BaseException:
     return error
 
 
-class Job:
+class AgentThread:
+    """What a Job and a Session share: their agent runs on a kernel thread of its own,
+    and what it leaves is its result (or its own error), never the agent itself."""
+
+    _agent: Any
+    _board: StatusBoard
+    _done: threading.Event
+    result: JobResult | None
+    error: BaseException | None
+
+    def _run(self) -> None:
+        # Workers inherit this thread's signal mask until they have left the kernel's
+        # process group (setsid): blocked, a Ctrl-C or SIGTERM meant for the kernel cannot
+        # kill a worker in that window. Python runs handlers on the main thread anyway.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        assert self._agent is not None
+        try:
+            self.result = self._agent.run()
+        except BaseException as exc:
+            self.error = _without_locals(exc)
+        finally:
+            self._agent = None  # what ended keeps its result, not its payload or stores
+            self._done.set()
+            self._board.publish(done=True)
+            self._answer_late()
+
+    def _answer_late(self) -> None:
+        """Commands that came after the agent's last look get an answer."""
+        raise NotImplementedError
+
+
+class Job(AgentThread):
     """Handle on one elastic job. Commands are queued: safe from any thread."""
 
     def __init__(self, spec: JobSpec, payload: Payload, run_id: str | None = None, *,
@@ -88,23 +119,7 @@ class Job:
         self._thread.start()
         return self
 
-    def _run(self) -> None:
-        # Workers inherit this thread's signal mask until they have left the kernel's
-        # process group (setsid): blocked, a Ctrl-C or SIGTERM meant for the kernel cannot
-        # kill a worker in that window. Python runs handlers on the main thread anyway.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        assert self._agent is not None
-        try:
-            self.result = self._agent.run()
-        except BaseException as exc:
-            self.error = _without_locals(exc)
-        finally:
-            self._agent = None  # a finished job keeps its result, not its payload or stores
-            self._done.set()
-            self._board.publish(done=True)
-            self._answer_late_commands()
-
-    def _answer_late_commands(self) -> None:
+    def _answer_late(self) -> None:
         """Commands that came after the agent's last look: nobody will carry them out, but
         whoever waits for stacks gets an answer (none: no rank runs any more)."""
         while True:

@@ -27,7 +27,6 @@ from ..events import (
     SessionReformed,
     WorkerFailed,
 )
-from ..logs import is_default, open_run, prune
 from ..messages import Action, CellReport, Exit, Interrupt, Leaving, Run, StopCommand
 from ..payload import Payload, build_payload
 from ..result import JobResult, JobState, RankFailure, assemble_result, root_cause_order
@@ -108,13 +107,7 @@ class SessionAgent(Agent):
     def run(self) -> JobResult:
         final = JobState.STOPPED
         try:
-            self.run_lock = open_run(self.log_root)
-            if is_default(self.spec.log_dir):
-                prune(self.spec.log_dir)
-            if self.server is not None:
-                self.server.resume_from_checkpoint()
-            self.rendezvous = self.role.open()
-            self.board.publish(join_command=self.role.join_command)
+            self.open()
             self._reform()  # now: the first cell finds its workers ready
             while (request := self._next_cell()) is not None:
                 self._serve_cell(request)

@@ -108,13 +108,7 @@ class Agent:
         final = JobState.FAILED
         try:
             self.set_state(JobState.RENDEZVOUS)
-            self.run_lock = open_run(self.log_root)  # first, so no prune takes this run
-            if is_default(self.spec.log_dir):
-                prune(self.spec.log_dir)
-            if self.server is not None:
-                self.server.resume_from_checkpoint()
-            self.rendezvous = self.role.open()
-            self.board.publish(join_command=self.role.join_command)
+            self.open()
             while True:
                 if self._drain() is Action.STOP:
                     final = JobState.STOPPED
@@ -152,6 +146,17 @@ class Agent:
         finally:
             result = finish(self, final)
         return result
+
+    def open(self) -> None:
+        """What a job holds before its first round: its run's lock (first, so no prune
+        takes this run), the checkpoint it resumes from, the rendezvous."""
+        self.run_lock = open_run(self.log_root)
+        if is_default(self.spec.log_dir):
+            prune(self.spec.log_dir)
+        if self.server is not None:
+            self.server.resume_from_checkpoint()
+        self.rendezvous = self.role.open()
+        self.board.publish(join_command=self.role.join_command)
 
     def _monitor(self) -> Step:
         """Watch the group until something must be done; carry it out; say what it was."""
