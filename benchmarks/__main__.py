@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import elastic, join, launch, memory, session, throughput
+from . import elastic, join, launch, leave, memory, session, throughput
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -55,6 +55,7 @@ SCENARIOS = (
     Scenario("output", throughput.output, "s", "torchrun", "<= 1.1x torchrun, none lost"),
     Scenario("memory", memory.memory, "MB / CPU s", None, "idle pool: no CPU"),
     Scenario("join", join.join, "s", "torchrun_unshared_store", "<= 1 s beyond worker start"),
+    Scenario("leave", leave.leave, "s", None, "regroup (to started) <= 1 s"),
     Scenario("session_cell", session.session_cell, "ms", "ipyparallel_px",
              "<= 1.0x ipyparallel %px"),
     Scenario("session_allreduce", session.session_allreduce, "ms", "ipyparallel_px",

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from elastic_magic.agent.job import Job
-from elastic_magic.events import Output
+from elastic_magic.events import Output, WorkersStarted
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
@@ -58,17 +58,22 @@ def _ready(line: str, size: int) -> float | None:
     return None
 
 
-def elastic_join() -> float:
+def elastic_join() -> tuple[float, float]:
+    """(the join command -> every rank running at world size 2, the new group's workers
+    started -> running)."""
     spec = JobSpec.create(1, nnodes="1:2")
     job = Job(spec, build_payload(CELL, spec)).start()
     stamps: list[float] = []
     started: list[float] = []
+    regrouped: list[float] = []
     joiner: list[subprocess.Popen[bytes]] = []
 
     def render(events: list) -> None:
         for event in events:
             if isinstance(event, Output):
                 stamps.extend(s for line in event.lines if (s := _ready(line, 2)) is not None)
+            elif isinstance(event, WorkersStarted) and started and event.time > started[0]:
+                regrouped.append(event.time)
 
     def drive() -> None:
         command = job.wait_for_join_command(timeout=60)
@@ -91,7 +96,9 @@ def elastic_join() -> float:
     job.wait(render)
     for proc in joiner:
         proc.wait(timeout=60)
-    return max(stamps) - started[0] if len(stamps) >= 2 else float("nan")
+    if len(stamps) < 2 or not regrouped:
+        return float("nan"), float("nan")
+    return max(stamps) - started[0], max(stamps) - regrouped[0]
 
 
 def _free_port() -> int:
@@ -154,5 +161,6 @@ def torchrun_join(share_store: bool) -> float:
 
 
 def join(nproc: int, quick: bool) -> dict[str, float]:
-    return {"elastic_magic": elastic_join(),
+    total, beyond_start = elastic_join()
+    return {"elastic_magic": total, "elastic_magic_started_to_running": beyond_start,
             "torchrun_unshared_store": torchrun_join(share_store=False)}

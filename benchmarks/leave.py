@@ -12,30 +12,27 @@ ours). Before heartbeats and the rendezvous clean-up, a kill cost about 16 s of 
 torch's rendezvous heartbeat to expire, and a frozen machine went unnoticed until the
 collective timeout.
 
-Usage: python benchmarks/lose.py [--repeat 3] [--json PATH]
+A scenario of the harness: ``python -m benchmarks --only leave``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
-from elastic import RESIZE_CELL  # benchmarks/ is on sys.path when run as a script
 
 from elastic_magic.agent.job import Job
 from elastic_magic.events import Excluded, Output, WorkersStarted
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+
+from .elastic import RESIZE_CELL
 
 HANG = 60.0
 
@@ -100,24 +97,14 @@ def lose(how: str) -> dict[str, float]:
             "beyond_start": seen["running"] - seen["started"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=None)
-    opts = parser.parse_args()
-    runs = {how: [lose(how) for _ in range(opts.repeat)] for how in ("killed", "frozen")}
-    report: dict = {"cpus": os.cpu_count(), "repeat": opts.repeat, "runs": runs}
-    print(f"a machine is lost: seconds from the loss (median of {opts.repeat})")
-    for how, results in runs.items():
-        done = [r for r in results if r]
-        medians = {key: statistics.median(r[key] for r in done) for key in
-                   ("detected", "regrouped", "running", "beyond_start")} if done else {}
-        report[f"median_{how}"] = medians
-        text = "  ".join(f"{k} {v:5.2f}" for k, v in medians.items()) or "n/a"
-        print(f"  {how:7s} {text}   failed {len(results) - len(done)}/{opts.repeat}")
-    if opts.json:
-        opts.json.write_text(json.dumps(report, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+def leave(nproc: int, quick: bool) -> dict[str, float]:
+    """Seconds from a machine's loss: to the smaller group's workers started (the regroup,
+    what the goal bounds beyond the workers' own start), and to running again; killed, and
+    frozen (only the missing heartbeats tell)."""
+    killed, frozen = lose("killed"), lose("frozen")
+    nan = float("nan")
+    return {"elastic_magic_killed_to_started": killed.get("regrouped", nan),
+            "elastic_magic_started_to_running": killed.get("beyond_start", nan),
+            "elastic_magic_killed_detected": killed.get("detected", nan),
+            "elastic_magic_frozen_detected": frozen.get("detected", nan),
+            "elastic_magic_frozen_to_running": frozen.get("running", nan)}
