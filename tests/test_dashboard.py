@@ -164,14 +164,15 @@ def test_resize_from_the_dashboard_shows_pending_and_last_commit(log_dir):
     seen = {"pending": None, "errors": []}
 
     def render(events):  # records what it sees; the assertions come after the job
-        view(events)
+        for event in events:  # one at a time: a pending resize may last less than a batch
+            view([event])
+            if view.state.header["pending_resize"]:
+                seen["pending"] = view.state.header["pending_resize"]
         header = view.widget.header
         if not seen["errors"] and (header.get("last_commit") or {}).get("step", 0) >= 3:
             for nproc in (9, 3):  # out of bounds, then in
                 view.widget._handle_custom_msg({"command": "scale", "nproc": nproc}, [])
                 seen["errors"].append(view.widget.controls["error"])
-        if view.state.header["pending_resize"]:  # may last less than one widget sync
-            seen["pending"] = view.state.header["pending_resize"]
 
     try:
         result = job.wait(render)
