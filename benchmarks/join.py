@@ -58,6 +58,17 @@ def _ready(line: str, size: int) -> float | None:
     return None
 
 
+def start_joiner(command: str) -> subprocess.Popen[bytes]:
+    """Run the head's join command (``ELASTIC_MAGIC_TOKEN=... elastic-magic join HOST:PORT``)
+    as another machine would, with one worker: the token goes in the environment."""
+    assignment, _program, *args = shlex.split(command)
+    variable, _, token = assignment.partition("=")
+    return subprocess.Popen(
+        [sys.executable, "-m", "elastic_magic.cli", *args, "--nproc", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        env={**os.environ, variable: token})
+
+
 def elastic_join() -> tuple[float, float]:
     """(the join command -> every rank running at world size 2, the new group's workers
     started -> running)."""
@@ -80,13 +91,7 @@ def elastic_join() -> tuple[float, float]:
         assert command is not None
         job.wait_for_commit(5, timeout=120)
         started.append(time.time())
-        # ELASTIC_MAGIC_TOKEN=... elastic-magic join HOST:PORT: the token goes in the env.
-        assignment, _program, *args = shlex.split(command)
-        variable, _, token = assignment.partition("=")
-        joiner.append(subprocess.Popen(
-            [sys.executable, "-m", "elastic_magic.cli", *args, "--nproc", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-            env={**os.environ, variable: token}))
+        joiner.append(start_joiner(command))
         deadline = time.monotonic() + HANG
         while len(stamps) < 2 and time.monotonic() < deadline and not job.done:
             time.sleep(0.02)

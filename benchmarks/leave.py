@@ -17,11 +17,8 @@ A scenario of the harness: ``python -m benchmarks --only leave``.
 
 from __future__ import annotations
 
-import os
-import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -33,6 +30,7 @@ from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
 from .elastic import RESIZE_CELL
+from .join import start_joiner
 
 HANG = 60.0
 
@@ -61,12 +59,7 @@ def lose(how: str) -> dict[str, float]:
     def drive() -> None:
         command = job.wait_for_join_command(timeout=60)
         assert command is not None
-        assignment, _program, *args = shlex.split(command)
-        variable, _, token = assignment.partition("=")
-        joiner.append(subprocess.Popen(
-            [sys.executable, "-m", "elastic_magic.cli", *args, "--nproc", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-            env={**os.environ, variable: token}))
+        joiner.append(start_joiner(command))
         deadline = time.monotonic() + HANG
         while (job.last_commit or {}).get("world_size") != 2 and time.monotonic() < deadline:
             time.sleep(0.02)
