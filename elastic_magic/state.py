@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import io
 import os
-import random
 import socket
 import time
 import types
 from collections.abc import Callable
 from typing import Any
 
-from . import snapshot_format
+from . import rng, snapshot_format
 from .data import DataLoader, ElasticSampler, _dist, rank_and_world
 from .messages import Commit, CommitReply, Handoff, StateGet, StateReply
 from .worker.client import AgentClient, ResizeExit, current
@@ -87,32 +86,24 @@ def _stateful(name: str, value: Any) -> Any:
     return None
 
 
-def _rng_state() -> dict[str, Any]:
+def _broadcast_flag(dist: Any, flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (a tensor collective: nothing is unpickled)."""
     import torch
 
-    rng: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()  # this rank's device (dropout)
-    try:
-        import numpy
-
-        rng["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    return rng
+    tensor = torch.tensor([int(flag)], dtype=torch.uint8, device=rng.collective_device(dist))
+    dist.broadcast(tensor, src=0)
+    return bool(tensor.item())
 
 
-def _set_rng_state(rng: dict[str, Any]) -> None:
+def _gather_int(dist: Any, value: int) -> list[int]:
+    """Every rank's ``value``, in rank order."""
     import torch
 
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    if "numpy" in rng:
-        import numpy
-
-        numpy.random.set_state(rng["numpy"])
+    device = rng.collective_device(dist)
+    parts = [torch.empty(1, dtype=torch.int64, device=device)
+             for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, torch.tensor([value], dtype=torch.int64, device=device))
+    return [int(part.item()) for part in parts]
 
 
 class State:
@@ -173,7 +164,7 @@ class State:
 
     def snapshot(self) -> bytes:
         buffer = io.BytesIO()
-        self._save(buffer, [_rng_state()], 1)
+        self._save(buffer, [rng.current()], 1)
         return buffer.getvalue()
 
     def _save(self, file: Any, rngs: list[dict[str, Any]], world_size: int) -> None:
@@ -196,7 +187,7 @@ class State:
                 obj.load_state_dict(saved[name])
         rank, world = rank_and_world()
         rngs = data.get("rngs") or [data["rng"]]
-        _set_rng_state(rngs[rank % len(rngs)])  # a new rank of a larger group: an old one's
+        rng.apply(rngs[rank % len(rngs)])  # a new rank of a larger group: an old one's
         old_world = data.get("world_size", world)
         if old_world != world and self._on_resize is not None:
             self._on_resize(old_world, world)
@@ -212,8 +203,7 @@ class State:
             reply = client.request(lambda request_id: StateGet(request_id, inline=True))
         dist = _dist()
         if dist is not None:  # every rank must start from the same commit
-            ids = [None] * dist.get_world_size()
-            dist.all_gather_object(ids, reply.commit_id)
+            ids = _gather_int(dist, reply.commit_id)
             if len(set(ids)) != 1:
                 raise RuntimeError(f"ranks received different snapshots: {ids}")
         if memory_file is not None:
@@ -241,24 +231,18 @@ class State:
         if seconds is not None and not due:
             due = time.monotonic() - self._last_commit >= seconds
             if dist is not None:  # every rank must agree, or the collectives below hang
-                flag = [due]
-                dist.broadcast_object_list(flag, src=0)
-                due = flag[0]
+                due = _broadcast_flag(dist, due)
         if not due:
             return False
         object.__setattr__(self, "_since_commit", 0)
         object.__setattr__(self, "_last_commit", time.monotonic())
-        rngs: list[Any] = [_rng_state()]
-        if dist is not None:  # every rank's random streams; waits until all finished the step
-            rngs = [None] * dist.get_world_size()
-            dist.all_gather_object(rngs, _rng_state())
+        # every rank's random streams; waits until all finished the step
+        rngs = rng.gather(dist) if dist is not None else [rng.current()]
         resize = False
         if client is not None and (dist is None or dist.get_rank() == 0):
             resize = self._send_snapshot(client, rngs, len(rngs))
         if dist is not None:
-            flag = [resize]
-            dist.broadcast_object_list(flag, src=0)
-            resize = flag[0]
+            resize = _broadcast_flag(dist, resize)
         if resize:
             raise ResizeExit(self.step)
         return True

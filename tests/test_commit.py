@@ -74,3 +74,56 @@ def test_a_rank_that_dies_mid_commit_leaves_the_previous_commit_whole(tmp_path, 
         assert snapshot["values"]["step"] == 1
         assert torch.all(snapshot["objects"]["model"]["weight"] == 1)
     assert not list(ckpt.glob(".snapshot*"))  # no half-written temporary left
+
+
+def test_random_states_cross_ranks_as_a_fixed_layout_never_a_pickle():
+    """Each rank's RNG states reach rank 0 over gloo/NCCL, which nobody authenticates: they
+    go as bytes of one layout, decoded field by field. A round trip restores every stream
+    exactly; a pickle (or anything else a peer might send) is refused, never loaded."""
+    import pickle
+    import random
+
+    import numpy
+
+    from elastic_magic import rng
+
+    random.seed(3)
+    random.gauss(0, 1)  # leaves Python's gauss_next set
+    numpy.random.seed(4)
+    numpy.random.standard_normal()  # leaves numpy's cached gaussian set
+    torch.manual_seed(5)
+    saved = rng.current()
+    blob = rng.encode(saved)
+    assert len(blob) == rng.SIZE
+    expected = (random.random(), random.gauss(0, 1), float(numpy.random.standard_normal()),
+                torch.rand(3))
+    random.seed(0), numpy.random.seed(0), torch.manual_seed(0)
+    rng.apply(rng.decode(blob))
+    assert (random.random(), random.gauss(0, 1)) == expected[:2]
+    assert float(numpy.random.standard_normal()) == expected[2]
+    assert torch.equal(torch.rand(3), expected[3])
+
+    class Planted:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('unpickled')",))
+
+    forged = pickle.dumps(Planted()).ljust(rng.SIZE, b"\0")
+    with pytest.raises(ValueError, match="not a random-state record"):
+        rng.decode(forged)
+    with pytest.raises(ValueError, match="bytes, not"):
+        rng.decode(blob[:-1])
+
+
+def test_no_module_unpickles_what_a_collective_received():
+    """torch's object collectives unpickle what any peer sends: the package calls none."""
+    import ast
+    from pathlib import Path
+
+    unpickling = {"all_gather_object", "gather_object", "broadcast_object_list",
+                  "scatter_object_list", "send_object_list", "recv_object_list"}
+    package = Path(em.__file__).parent
+    users = [str(p.relative_to(package)) for p in package.rglob("*.py")
+             for node in ast.walk(ast.parse(p.read_text()))
+             if (isinstance(node, ast.Attribute) and node.attr in unpickling)
+             or (isinstance(node, ast.Name) and node.id in unpickling)]
+    assert not users, f"object collectives in {users}"

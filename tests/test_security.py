@@ -382,3 +382,31 @@ def test_the_join_command_the_notebook_shows_keeps_the_token_off_the_command_lin
 
     command = join_command("10.0.0.5:29400", "3f1c")
     assert command == "ELASTIC_MAGIC_TOKEN=3f1c elastic-magic join 10.0.0.5:29400"
+
+
+def test_a_worker_store_address_replayed_from_an_earlier_round_is_refused(monkeypatch):
+    """The head signs each round's worker-store address for that round only: someone who
+    copies round 0's signed value (an old store's port, which another user may hold by now)
+    into round 1's key gets the job ended, not its workers."""
+    from elastic_magic.agent import rendezvous as rdzv
+    from elastic_magic.protocol import new_secret
+
+    rendezvous = rdzv.Rendezvous(f"em-replay-{os.getpid()}", key=new_secret())
+    try:
+        first = rendezvous.next_round(1)
+        prefix = f"torch.rendezvous.{rendezvous.run_id}"
+        old = rendezvous.store.get(f"{prefix}.0/{rdzv._WORKER_STORE_KEY}")
+        real_put = rdzv.put_signed
+
+        def put_then_replay(store, key, name, value, **kwargs):
+            real_put(store, key, name, value, **kwargs)
+            if name == rdzv._WORKER_STORE_KEY:  # the attacker wins the race to the key
+                store.set(name, old)
+
+        monkeypatch.setattr(rdzv, "put_signed", put_then_replay)
+        with pytest.raises(rdzv.RendezvousRejected, match="worker_store"):
+            rendezvous.next_round(1)
+        monkeypatch.setattr(rdzv, "put_signed", real_put)
+        assert rendezvous.next_round(1).round_id != first.round_id  # unreplayed: it goes on
+    finally:
+        rendezvous.close()
