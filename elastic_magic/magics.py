@@ -17,8 +17,18 @@ from .agent.job import Job, Renderer
 from .comm import JobsChannel, current_cell_id
 from .events import JobState
 from .logs import rank_log
-from .payload import Payload, PayloadError, build_payload, uses_ipython_syntax
-from .result import JobFailedError, JobResult
+from .magic_common import (
+    cell_value,
+    finish_view,
+    make_view,
+    parse_flags,
+    parse_scale,
+    print_stacks,
+    require_plain_python,
+)
+from .payload import Payload, PayloadError, build_payload
+from .result import JobResult
+from .session import Session
 from .session_magic import USAGE as SESSION_USAGE
 from .session_magic import SessionCommands
 from .spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
@@ -35,7 +45,8 @@ _SUBCOMMANDS = """\
 %elastic scale N [JOB] [--now]    resize to N workers (at the next commit, or --now)
 %elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
 %elastic stacks [JOB]             every rank's Python stacks (all threads), without stopping
-JOB is a number from `%elastic jobs` or a run id; the default is the latest job.
+JOB is a number from `%elastic jobs` or a run id; the default is the latest job (for
+logs and stacks: the session, while one is active).
 Sessions (workers that live across cells; see %%elastic?):
 """ + SESSION_USAGE
 
@@ -78,9 +89,10 @@ class ElasticMagics(Magics):
         super().__init__(shell)
         self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
         self.numbers = itertools.count(1)  # jobs and sessions, as the panel lists them
-        self.sessions = SessionCommands(self)
         self.channel = JobsChannel()  # the JupyterLab extension's "Elastic jobs" panel
         self.channel.open(shell)
+        self.sessions = SessionCommands(shell, self.elastic.parser,  # type: ignore[attr-defined]
+                                        self.channel, self.numbers)
 
     @_with_flags
     @cell_magic
@@ -130,11 +142,8 @@ class ElasticMagics(Magics):
             dist.all_reduce(t)
             t.item()
         """
-        try:
-            # as a shell splits (IPython's parse_argstring keeps quotes: --args "--lr 1")
-            opts = self.elastic.parser.parse_args(shlex.split(line))  # type: ignore[attr-defined]
-        except ValueError as exc:  # shlex: unbalanced quotes in the flags
-            raise UsageError(f"%%elastic {line}: {exc}; check the quotes.") from None
+        opts = parse_flags(self.elastic.parser, line,  # type: ignore[attr-defined]
+                           f"%%elastic {line}")
         if self.sessions.session is not None:  # active, or ended and not yet stopped
             return self._session_cell(opts, cell)
         if opts.setup:
@@ -147,7 +156,7 @@ class ElasticMagics(Magics):
             job.start()
             number = self._remember(job)
             self.channel.track(number, job, current_cell_id(self.shell), opts.bg)
-            view = self._view(job, opts.text)
+            view = make_view(self.shell, job, opts.text)
             if opts.bg:
                 if opts.out:
                     self.shell.user_ns[opts.out] = job
@@ -159,20 +168,20 @@ class ElasticMagics(Magics):
             result = job.wait(view)
         except KeyboardInterrupt as exc:
             job.end("interrupted")
-            self._finish_view(view)  # the record of what ran
+            finish_view(view)  # the record of what ran
             # Shown without the library's frames: nothing in them is the user's.
             exc._render_traceback_ = lambda: [  # type: ignore[attr-defined]
                 f"KeyboardInterrupt: job {job.run_id} was stopped; its workers have exited"]
             raise
         except BaseException:
             job.end("interrupted")
-            self._finish_view(view)  # the record of what ran
+            finish_view(view)  # the record of what ran
             raise
         finally:
             # On interrupt too: the result if there is one.
             if opts.out and not opts.bg and job.result is not None:
                 self.shell.user_ns[opts.out] = job.result
-        self._finish_view(view)
+        finish_view(view)
         shown = self._live(view) or (isinstance(view, TextRenderer) and view.printed(result))
         return self._deliver(result, shown=bool(shown))
 
@@ -223,11 +232,7 @@ class ElasticMagics(Magics):
             raise UsageError(f"%%elastic: {exc}") from None
 
     def _payload(self, cell: str, spec: JobSpec) -> Payload:
-        if uses_ipython_syntax(self.shell.transform_cell(cell)):
-            raise UsageError(
-                "%%elastic: IPython syntax (%magics, !shell, ?help) cannot run in workers, "
-                "which are plain Python. Move it to a cell of its own."
-            )
+        require_plain_python(self.shell, cell)
         try:
             return build_payload(cell, spec, namespace=self.shell.user_ns)
         except PayloadError as exc:
@@ -235,52 +240,35 @@ class ElasticMagics(Magics):
 
     def _session_cell(self, opts: Any, cell: str) -> JobResult | None:
         self.sessions.check_cell(opts, cell)
-        view = self._view(self.sessions.controls(), opts.text)
+        view = make_view(self.shell, self.sessions.controls(), opts.text)
         try:
             return self.sessions.run_cell(opts, cell, view)
         finally:
-            self._finish_view(view)
-
-    def _view(self, job: Any, text: bool) -> Renderer:
-        """The live dashboard where a frontend renders widgets, else plain text. ``job``: a
-        Job, or a session cell's controls."""
-        if not text and getattr(self.shell, "kernel", None) is not None:
-            from .ui.dashboard import LiveView
-
-            return LiveView(job)
-        return TextRenderer()
+            finish_view(view)
 
     @staticmethod
     def _live(view: Renderer | None) -> bool:
         """The live dashboard (then its record) is the cell's output."""
         return view is not None and not isinstance(view, TextRenderer)
 
-    @staticmethod
-    def _finish_view(view: Renderer | None) -> None:
-        finish = getattr(view, "finish", None)
-        if finish is not None:
-            finish()
-
     def _follow(self, job: Job, view: Renderer) -> None:
         """Background jobs: keep the view fed until the job ends, then pull variables."""
         try:
             result = job.wait(view)
         finally:
-            self._finish_view(view)
+            finish_view(view)
         if result.ok:
             self.shell.user_ns.update(result.pulled)
 
     def _deliver(self, result: JobResult, shown: bool = False) -> JobResult | None:
-        if result.state is JobState.FAILED:
-            raise JobFailedError(result, shown=shown)
-        self.shell.user_ns.update(result.pulled)
-        if result.missing_pulls:
-            raise UsageError(
-                f"--pull: rank 0 has no variable named {', '.join(result.missing_pulls)} "
-                "after the cell ran; the job itself succeeded."
-            )
-        # Like IPython's own cells: show a value only when the cell produced one.
-        return result if any(v is not None for v in result.values.values()) else None
+        if result.state is not JobState.FAILED:
+            self.shell.user_ns.update(result.pulled)
+            if result.missing_pulls:
+                raise UsageError(
+                    f"--pull: rank 0 has no variable named {', '.join(result.missing_pulls)} "
+                    "after the cell ran; the job itself succeeded."
+                )
+        return cell_value(result, shown=shown)
 
     def _remember(self, job: Job) -> int:
         """Number the job for %elastic; keep a bounded history of finished jobs (each
@@ -344,18 +332,15 @@ class ElasticMagics(Magics):
             print(f"{job.run_id} is still stopping")
 
     def _scale(self, words: list[str]) -> None:
-        immediate = "--now" in words
-        words = [w for w in words if w != "--now"]
-        if not words or not words[0].isdigit():
-            raise UsageError("%elastic scale: how many workers? For example `%elastic scale 4`.")
-        job = self._job(words[1:])
+        nproc, rest, immediate = parse_scale(words)
+        job = self._job(rest)
         if job.done:
             raise UsageError(f"%elastic scale: {job.run_id} has already ended.")
         try:
-            job.scale(int(words[0]), immediate=immediate)
+            job.scale(nproc, immediate=immediate)
         except SpecError as exc:
             raise UsageError(f"%elastic {exc}") from None
-        print(f"{job.run_id}: resize to {count_of(int(words[0]), 'worker')} requested")
+        print(f"{job.run_id}: resize to {count_of(nproc, 'worker')} requested")
 
     def _print_stacks(self, job: Job) -> None:
         """What each rank is doing now; for a finished job, what its stuck ranks were doing
@@ -370,8 +355,7 @@ class ElasticMagics(Magics):
             raise UsageError(f"%elastic stacks: {exc}") from None
         if not stacks and not job.done:
             print(f"{job.run_id}: no rank is running ({job.state.value})")
-        for rank, text in stacks.items():
-            print(f"==> rank {rank} <==\n{text}\n")
+        print_stacks(stacks)
 
     def _print_logs(self, words: list[str]) -> None:
         lines, stream, rest = 40, "stdout", []
@@ -389,10 +373,15 @@ class ElasticMagics(Magics):
         if not rest or not rest[0].isdigit():
             raise UsageError(f"%elastic logs: which rank? For example `%elastic logs 0`.\n"
                              f"{_SUBCOMMANDS}")
-        rank, job = int(rest[0]), self._job(rest[1:])
-        path = rank_log(job.log_dir, rank, stream)
+        rank = int(rest[0])
+        session = self.sessions.session
+        # The session's own logs, unless a job is named: its cells are not jobs.
+        target: Job | Session = session if session is not None and not rest[1:] \
+            else self._job(rest[1:])
+        path = rank_log(target.log_dir, rank, stream)
         if path is None or not path.exists():
-            raise UsageError(f"%elastic logs: no {stream} log for rank {rank} of {job.run_id}.")
+            raise UsageError(f"%elastic logs: no {stream} log for rank {rank} of "
+                             f"{target.run_id}.")
         with open(path, errors="replace", newline="") as f:
             tail = deque(f, maxlen=lines)
         print(f"==> {path} <==")

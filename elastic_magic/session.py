@@ -26,6 +26,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -246,6 +247,11 @@ class Session(AgentThread):
         return self._done.is_set()
 
     @property
+    def log_dir(self) -> Path:
+        """Its ranks' logs, as a job's: ``group_<n>/rank_<r>/{stdout,stderr}.log``."""
+        return self.spec.log_dir / self.run_id
+
+    @property
     def status_snapshot(self) -> JobStatus:
         """As a Job's: what the Elastic jobs panel shows."""
         return self._board.current
@@ -254,7 +260,7 @@ class Session(AgentThread):
         s = self._board.current
         return {"run_id": self.run_id, "state": s.state.value, "world_size": s.world_size,
                 "restarts": f"{s.restarts}/{self.spec.max_restarts}", "cells": self.cells,
-                "pids": dict(s.pids), "log_dir": str(self.spec.log_dir / self.run_id)}
+                "pids": dict(s.pids), "log_dir": str(self.log_dir)}
 
     def interrupt(self) -> None:
         """KeyboardInterrupt in every rank's running cell (what Ctrl-C does)."""

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
 from IPython.core.error import UsageError
 
-from .comm import current_cell_id
-from .payload import PayloadError, uses_ipython_syntax
-from .result import JobFailedError, JobResult, JobState
+from .comm import JobsChannel, current_cell_id
+from .magic_common import cell_value, parse_flags, parse_scale, print_stacks, require_plain_python
+from .payload import PayloadError
+from .result import JobResult
 from .session import Session, SessionEndedError
 from .spec import OPTION_NAMES, SpecError
 
@@ -43,10 +45,16 @@ class _CellControls:
 
 
 class SessionCommands:
-    """This kernel's session, as the magics drive it (one at a time)."""
+    """This kernel's session, as the magics drive it (one at a time): ``parser`` is
+    %%elastic's (a session takes a job's flags), ``channel`` the lab panel's, ``numbers``
+    the kernel's count of jobs and sessions."""
 
-    def __init__(self, magics: Any) -> None:
-        self.magics = magics
+    def __init__(self, shell: Any, parser: Any, channel: JobsChannel,
+                 numbers: Iterator[int]) -> None:
+        self.shell = shell
+        self.parser = parser
+        self.channel = channel
+        self.numbers = numbers
         self.session: Session | None = None
 
     @property
@@ -64,7 +72,7 @@ class SessionCommands:
             if session is None:
                 raise UsageError("%elastic session stop: no session is active.")
             session.stop()
-            self.magics.channel.wake()  # the panel shows it ended
+            self.channel.wake()  # the panel shows it ended
             print(f"{session.run_id}: session ended; its workers have exited; %%elastic "
                   "cells are one-shot jobs again")
         elif action == "status":
@@ -80,10 +88,7 @@ class SessionCommands:
         if self.session is not None:
             raise UsageError("%elastic session start: a session is already active (or "
                              "ended without a stop); `%elastic session stop` ends it.")
-        try:
-            opts = self.magics.elastic.parser.parse_args(words)  # split as a shell would
-        except ValueError as exc:
-            raise UsageError(f"%elastic session start: {exc}") from None
+        opts = parse_flags(self.parser, words, "%elastic session start")
         options = {k: v for k, v in vars(opts).items() if k in OPTION_NAMES}
         if options.get("pull"):
             raise UsageError("%elastic session start: --pull is for jobs; in a session, "
@@ -92,8 +97,8 @@ class SessionCommands:
             self.session = Session(**options)
         except SpecError as exc:
             raise UsageError(f"%elastic session start: {exc}") from None
-        self.magics.channel.track_session(next(self.magics.numbers), self.session,
-                                          current_cell_id(self.magics.shell))
+        self.channel.track_session(next(self.numbers), self.session,
+                                          current_cell_id(self.shell))
         s = self.session.spec
         print(f"{self.session.run_id}: session of {s.nproc} workers; %%elastic cells now "
               f"run in it (--setup to replay a cell when it re-forms; up to "
@@ -107,7 +112,7 @@ class SessionCommands:
         session = self.session
         assert session is not None
         result = None
-        self.magics.channel.wake()  # the panel shows the cell running
+        self.channel.wake()  # the panel shows the cell running
         try:
             result = session.run(cell, setup=opts.setup, render=view, check=False)
         except SessionEndedError as exc:
@@ -117,10 +122,8 @@ class SessionCommands:
             raise UsageError(f"%%elastic: {exc}") from None
         finally:
             if opts.out and result is not None:
-                self.magics.shell.user_ns[opts.out] = result
-        if result.state is JobState.FAILED:
-            raise JobFailedError(result)
-        return result if any(v is not None for v in result.values.values()) else None
+                self.shell.user_ns[opts.out] = result
+        return cell_value(result)
 
     def check_cell(self, opts: Any, cell: str) -> None:
         """Before a session's cell runs: flags that only jobs take are an error, and so is
@@ -135,20 +138,16 @@ class SessionCommands:
             raise UsageError(f"%%elastic: a session is active, and its cells take no job "
                              f"options ({flags}); `%elastic session stop` first to run a "
                              "job, or drop them.")
-        if uses_ipython_syntax(self.magics.shell.transform_cell(cell)):
-            raise UsageError("%%elastic: IPython syntax (%magics, !shell, ?help) cannot run "
-                             "in workers, which are plain Python. Move it to a cell of its "
-                             "own.")
+        require_plain_python(self.shell, cell)
 
     def scale(self, words: list[str]) -> None:
-        if not words or not words[0].isdigit():
-            raise UsageError("%elastic scale: how many workers? For example `%elastic scale 4`.")
+        nproc, _, _ = parse_scale(words)  # a session resizes between cells or at a commit
         assert self.session is not None
         try:
-            self.session.scale(int(words[0]))
+            self.session.scale(nproc)
         except SpecError as exc:
             raise UsageError(f"%elastic {exc}") from None
-        print(f"{self.session.run_id}: the session re-forms with {words[0]} workers before "
+        print(f"{self.session.run_id}: the session re-forms with {nproc} workers before "
               "the next cell (or at a State commit of the running one)")
 
     def print_stacks(self) -> None:
@@ -158,8 +157,7 @@ class SessionCommands:
         except TimeoutError:
             raise UsageError("%elastic stacks: the session did not answer in time; try "
                              "again.") from None
-        for rank, text in stacks.items():
-            print(f"==> rank {rank} <==\n{text}\n")
+        print_stacks(stacks)
 
     def controls(self) -> _CellControls:
         assert self.session is not None
@@ -172,7 +170,7 @@ class SessionCommands:
                              "`%elastic session start` starts one.")
         session = self.session
         assert session is not None
-        user_ns = self.magics.shell.user_ns
+        user_ns = self.shell.user_ns
         rank = 0
         if "--rank" in words:
             at = words.index("--rank")

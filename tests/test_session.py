@@ -292,6 +292,10 @@ def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, l
     ip.run_line_magic("elastic", "stacks")  # idle ranks: their main threads wait for a cell
     out = capsys.readouterr().out
     assert "==> rank 0 <==" in out and "==> rank 1 <==" in out
+    ip.run_line_magic("elastic", "logs 1 -n 100")  # the session's own logs, as a job's
+    out = capsys.readouterr().out
+    session = ip.find_line_magic("elastic").__self__.sessions.session
+    assert f"{session.run_id}/group_0/rank_1/stdout.log <==" in out and "made w" in out
 
     ip.run_line_magic("elastic", "session stop")
     with pytest.raises(UsageError, match="no session is active"):
