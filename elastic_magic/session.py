@@ -19,25 +19,27 @@ and run every cell too; a machine that joins or leaves re-forms the session at t
 from __future__ import annotations
 
 import atexit
-import os
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
 from .agent.cells import CellRequest, InterruptCommand, SessionEndedError, session_payload
-from .agent.hub import new_token
-from .agent.job import RENDER_INTERVAL, AgentError, AgentThread, Renderer, new_run_id
+from .agent.handle import (
+    AgentError,
+    AgentThread,
+    Renderer,
+    next_batch,
+    pause_after,
+    wait_through_interrupts,
+)
 from .agent.session import SessionAgent
-from .agent.status import JobStatus, StatusBoard
+from .agent.status import JobStatus
 from .events import Event, JobFinished
-from .messages import ScaleCommand, StacksCommand, StopCommand
+from .messages import ScaleCommand, StopCommand
 from .payload import PayloadError, build_payload
 from .result import JobFailedError, JobResult, JobState, Unpicklable
 from .spec import JobSpec, options_help
@@ -57,37 +59,22 @@ class Session(AgentThread):
     def __init__(self, nproc: int | str | None = None, *, render: Renderer | None = None,
                  **options: Any) -> None:
         options.setdefault("max_restarts", SESSION_MAX_RESTARTS)
-        self.spec = JobSpec.create(nproc, **options)
-        self.run_id = new_run_id()
+        super().__init__(JobSpec.create(nproc, **options), None, hosts=True)
         self.render = render
-        # What other machines must show to join (ELASTIC_MAGIC_TOKEN fixes it for scripts).
-        self.token = (os.environ.get("ELASTIC_MAGIC_TOKEN") or new_token()) \
-            if self.spec.multi_node else None
-        self._inbox: queue.Queue[Any] = queue.Queue()
-        self._board = StatusBoard()
         self._agent: SessionAgent | None = SessionAgent(self.spec, self.run_id, self._inbox,
                                                         self._board, token=self.token)
         self._lock = threading.Lock()  # one cell at a time from the kernel's threads
-        self._done = threading.Event()
-        self.result: JobResult | None = None  # the session's own, once it has ended
-        self.error: BaseException | None = None
         self.cells = 0
         self._thread = threading.Thread(target=self._run, name=f"elastic-session-{self.run_id}",
                                         daemon=True)
         self._thread.start()
         _live.add(self)
 
-    def _answer_late(self) -> None:
-        """Whatever reached the inbox after the agent's last look gets an answer."""
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, CellRequest) and not item.outcome.done():
-                item.outcome.set_exception(self.ended_error())
-            elif isinstance(item, StacksCommand) and not item.answer.done():
-                item.answer.set_result({})
+    def _answer_unserved(self, item: Any) -> None:
+        if isinstance(item, CellRequest) and not item.outcome.done():
+            item.outcome.set_exception(self.ended_error())
+        else:
+            super()._answer_unserved(item)
 
     # -- cells ----------------------------------------------------------------------------
 
@@ -168,15 +155,9 @@ class Session(AgentThread):
         goes on until they are back, then KeyboardInterrupt is raised."""
         finished = threading.Event()
         request.outcome.add_done_callback(lambda _: finished.set())
-        interrupted = False
-        while True:
-            try:
-                if self._render_batch(request, render, finished):
-                    break
-            except KeyboardInterrupt:
-                if not interrupted:
-                    interrupted = True
-                    self._inbox.put(InterruptCommand())
+        interrupted = wait_through_interrupts(
+            lambda: self._render_batch(request, render, finished),
+            lambda: self._inbox.put(InterruptCommand()))
         try:
             result = request.outcome.result()
         except SessionEndedError:
@@ -196,17 +177,10 @@ class Session(AgentThread):
         ended = finished.is_set()  # read first: every event of an ended cell is queued
         if not ended and self._done.is_set() and not request.outcome.done():
             request.outcome.set_exception(self.ended_error())
-        batch: list[Event] = []
-        try:
-            if not ended:
-                batch.append(request.events.get(timeout=RENDER_INTERVAL))
-            while True:
-                batch.append(request.events.get_nowait())
-        except queue.Empty:
-            pass
+        batch = next_batch(request.events, wait=not ended)
         render(batch)
         if not ended and batch:  # throttled, but an ended cell returns at once
-            finished.wait(max(0.0, RENDER_INTERVAL - (time.monotonic() - started)))
+            pause_after(started, finished.wait)
         return ended
 
     def ended_error(self) -> SessionEndedError:
@@ -231,36 +205,12 @@ class Session(AgentThread):
             self._inbox.put(StopCommand("the session was stopped"))
         self._thread.join(timeout)
 
-    def wait_for_join_command(self, timeout: float | None = None) -> str | None:
-        """What other machines run to join (``nnodes`` above 1), once the session accepts
-        them; None on one machine, or if the session ended first."""
-        if not self.spec.multi_node:
-            return None
-        return self._board.wait_for(lambda s: s.join_command is not None, timeout).join_command
-
     @property
     def active(self) -> bool:
         return not self._done.is_set()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def log_dir(self) -> Path:
-        """Its ranks' logs, as a job's: ``group_<n>/rank_<r>/{stdout,stderr}.log``."""
-        return self.spec.log_dir / self.run_id
-
-    @property
-    def status_snapshot(self) -> JobStatus:
-        """As a Job's: what the Elastic jobs panel shows."""
-        return self._board.current
-
-    def status(self) -> dict[str, Any]:
-        s = self._board.current
-        return {"run_id": self.run_id, "state": s.state.value, "world_size": s.world_size,
-                "restarts": f"{s.restarts}/{self.spec.max_restarts}", "cells": self.cells,
-                "pids": dict(s.pids), "log_dir": str(self.log_dir)}
+    def _status_extra(self, status: JobStatus) -> dict[str, Any]:
+        return {"cells": self.cells}
 
     def interrupt(self) -> None:
         """KeyboardInterrupt in every rank's running cell (what Ctrl-C does)."""
@@ -269,14 +219,6 @@ class Session(AgentThread):
     def stacks(self, timeout: float = 10.0) -> dict[int, str]:
         """Every rank's Python stacks, without stopping anything."""
         return self.request_stacks().result(timeout)
-
-    def request_stacks(self) -> Future[dict[int, str]]:
-        answer: Future[dict[int, str]] = Future()
-        if self._done.is_set():
-            answer.set_result({})
-        else:
-            self._inbox.put(StacksCommand(answer))
-        return answer
 
     def __enter__(self) -> Session:
         return self

@@ -1,0 +1,186 @@
+"""What a Job and a Session handle share: their agent runs on a kernel thread of its own;
+commands reach it through one inbox (safe from any thread); the kernel reads its state from
+a status board, and waits for it in throttled batches of events that a Ctrl-C does not
+cut short."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from ..events import Event
+from ..messages import StacksCommand
+from ..result import JobResult, JobState
+from ..spec import JobSpec
+from .hub import new_token
+from .status import JobStatus, StatusBoard
+
+# Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
+# about 1000 messages/s, and each update may resend a widget's whole state.
+RENDER_INTERVAL = 0.1
+
+Renderer = Callable[[list[Event]], None]
+
+
+def new_run_id() -> str:
+    return f"em-{uuid.uuid4().hex[:12]}"
+
+
+class AgentError(RuntimeError):
+    """The agent itself failed (not the user's code); workers were stopped."""
+
+
+def _without_locals(error: BaseException) -> BaseException:
+    """``error`` with its frames' variables dropped (the traceback still prints): they
+    would keep the agent, its stores and their ports alive as long as the error is kept."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    return error
+
+
+class AgentThread:
+    """A Job's or a Session's handle on its agent, which runs on a thread of its own; what
+    the agent leaves is its result (or its own error), never the agent itself."""
+
+    _agent: Any
+    _thread: threading.Thread
+
+    def __init__(self, spec: JobSpec, run_id: str | None, *, hosts: bool) -> None:
+        """``hosts``: this machine hosts the job (others join it, with the token)."""
+        self.spec = spec
+        self.run_id = run_id or new_run_id()
+        # What other machines must show to join (ELASTIC_MAGIC_TOKEN fixes it for scripts).
+        self.token = (os.environ.get("ELASTIC_MAGIC_TOKEN") or new_token()) \
+            if spec.multi_node and hosts else None
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._board = StatusBoard()
+        self._done = threading.Event()
+        self.result: JobResult | None = None
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        # Workers inherit this thread's signal mask until they have left the kernel's
+        # process group (setsid): blocked, a Ctrl-C or SIGTERM meant for the kernel cannot
+        # kill a worker in that window. Python runs handlers on the main thread anyway.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        assert self._agent is not None
+        try:
+            self.result = self._agent.run()
+        except BaseException as exc:
+            self.error = _without_locals(exc)
+        finally:
+            self._agent = None  # what ended keeps its result, not its payload or stores
+            self._done.set()
+            self._board.publish(done=True)
+            self._answer_late()
+
+    def _answer_late(self) -> None:
+        """Commands that came after the agent's last look: nobody will carry them out, but
+        whoever waits for an answer gets one."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._answer_unserved(item)
+
+    def _answer_unserved(self, item: Any) -> None:
+        if isinstance(item, StacksCommand) and not item.answer.done():
+            item.answer.set_result({})  # no rank runs any more
+
+    # -- what the kernel reads ------------------------------------------------------------
+
+    @property
+    def status_snapshot(self) -> JobStatus:
+        """As it stands (immutable; safe from any thread): what the panel shows."""
+        return self._board.current
+
+    @property
+    def state(self) -> JobState:
+        return self._board.current.state
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def log_dir(self) -> Path:
+        """Its ranks' logs: ``group_<n>/rank_<r>/{stdout,stderr}.log``."""
+        return self.spec.log_dir / self.run_id
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot for people: state, size, restarts, live worker PIDs, logs."""
+        s = self._board.current
+        return {"run_id": self.run_id, "state": s.state.value, "world_size": s.world_size,
+                "nnodes": s.nnodes, "restarts": f"{s.restarts}/{self.spec.max_restarts}",
+                **self._status_extra(s), "pids": dict(s.pids), "log_dir": str(self.log_dir)}
+
+    def _status_extra(self, status: JobStatus) -> dict[str, Any]:
+        return {}
+
+    def wait_for_join_command(self, timeout: float | None = None) -> str | None:
+        """The command other machines run to join (``--nnodes`` above 1), once the
+        rendezvous accepts them; None on one machine, or if it ended first."""
+        if not self.spec.multi_node:
+            return None
+        return self._board.wait_for(lambda s: s.join_command is not None, timeout).join_command
+
+    def request_stacks(self) -> Future[dict[int, str]]:
+        """Every rank's Python stacks, without waiting: the future gets them (from the
+        agent thread). Once ended: the stacks it kept of stuck ranks (often none)."""
+        answer: Future[dict[int, str]] = Future()
+        if self.done:
+            answer.set_result(self._kept_stacks())
+        else:
+            self._inbox.put(StacksCommand(answer))
+        return answer
+
+    def _kept_stacks(self) -> dict[int, str]:
+        return dict(self.result.stacks) if self.result is not None else {}
+
+
+def next_batch(events: queue.Queue[Event], *, wait: bool) -> list[Event]:
+    """The events that arrive within one render interval (only those queued already when
+    not ``wait``)."""
+    batch: list[Event] = []
+    try:
+        if wait:
+            batch.append(events.get(timeout=RENDER_INTERVAL))
+        while True:
+            batch.append(events.get_nowait())
+    except queue.Empty:
+        pass
+    return batch
+
+
+def pause_after(started: float, sleep: Callable[[float], Any] = time.sleep) -> None:
+    """Throttle: the rest of the render interval that began at ``started``."""
+    sleep(max(0.0, RENDER_INTERVAL - (time.monotonic() - started)))
+
+
+def wait_through_interrupts(step: Callable[[], bool], on_interrupt: Callable[[], None]) -> bool:
+    """Call ``step`` until it says the wait is over. Ctrl-C does not end the wait: the first
+    one calls ``on_interrupt`` (which asks the agent to stop or interrupt the ranks), and
+    the wait goes on until they are back. True when there was one."""
+    interrupted = False
+    while True:
+        try:
+            if step():
+                return interrupted
+        except KeyboardInterrupt:
+            if not interrupted:
+                interrupted = True
+                on_interrupt()
