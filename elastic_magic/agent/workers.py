@@ -110,10 +110,13 @@ class Worker:
 
     @property
     def ended_at(self) -> float | None:
-        """When the worker was seen to end: its report pipe closing (that is its death;
-        its shepherd exits a little later, once all the worker started has ended), else
-        the shepherd's exit."""
-        return self.channel_closed_at or self.exited_at
+        """When the rank was first seen to end: its report pipe closing or its shepherd's
+        exit, whichever came first. Usually the pipe closes first (the worker died, its
+        shepherd exits once all it started has ended); a shepherd that was killed goes
+        first, and its worker's pipe closes only later, maybe after the teardown its death
+        caused (the rank must not then count as stopped by that teardown)."""
+        return min((t for t in (self.channel_closed_at, self.exited_at) if t is not None),
+                   default=None)
 
     def reaped(self) -> bool:
         """Known to have exited; no system call, so safe from any thread."""
