@@ -154,7 +154,12 @@ class Worker:
                 source_line=e.source_line)
         code = self.proc.returncode if self.proc else None
         signal_name = _signal_name(-code) if code is not None and code < 0 else None
-        return dataclasses.replace(failure, exit_code=code, signal=signal_name)
+        failure = dataclasses.replace(failure, exit_code=code, signal=signal_name)
+        if code == 0:  # only a session's worker fails so: it should wait for the next cell
+            when = "in the middle of the cell" if self.result is None and self.error is None \
+                else "between cells"
+            failure = dataclasses.replace(failure, reason=f"exited with code 0 {when}")
+        return failure
 
 
 def inherited_env(nproc: int) -> dict[str, str]:
