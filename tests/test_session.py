@@ -106,6 +106,10 @@ def test_a_session_keeps_values_reports_failures_moves_variables_and_survives_ct
         assert s.pull("rank_value", rank=1) == 5
         with pytest.raises(PayloadError, match="lock"):
             s.push(lock=threading.Lock())
+        cells = s.cells
+        with pytest.raises(ValueError, match="'not a name' is not a variable name"):
+            s.push(**{"not a name": 1})
+        assert s.cells == cells  # refused before anything was sent
         with pytest.raises(NameError, match="no variable named 'nothing_here'"):
             s.pull("nothing_here")
         s.run("import threading\nheld = threading.Lock()")
