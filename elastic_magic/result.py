@@ -257,17 +257,22 @@ def short_message(failure: RankFailure) -> str:
     return text or failure.headline
 
 
+def what_happened(failure: RankFailure) -> str:
+    """What a rank did, in a clause: "rank 1 was killed by SIGKILL"."""
+    if failure.reason:  # its first clause: "stalled", "returned early"
+        what = failure.reason.split(":")[0]
+    elif failure.signal:
+        what = f"was killed by {failure.signal}"
+    elif failure.exc_type:
+        what = f"raised {failure.exc_type}"
+    else:
+        what = f"exited with code {failure.exit_code}"
+    return f"rank {failure.rank} {what}"
+
+
 def after(root: RankFailure) -> str:
     """What happened to the root cause, as in "(after rank 1 was killed by SIGKILL)"."""
-    if root.reason:  # its first clause: "stalled", "returned early"
-        what = root.reason.split(":")[0]
-    elif root.signal:
-        what = f"was killed by {root.signal}"
-    elif root.exc_type:
-        what = f"raised {root.exc_type}"
-    else:
-        what = f"exited with code {root.exit_code}"
-    return f"after rank {root.rank} {what}"
+    return f"after {what_happened(root)}"
 
 
 def split_consequences(root: RankFailure, failures: list[RankFailure]

@@ -19,6 +19,7 @@ and run every cell too; a machine that joins or leaves re-forms the session at t
 from __future__ import annotations
 
 import atexit
+import keyword
 import threading
 import time
 import weakref
@@ -90,6 +91,8 @@ class Session(AgentThread):
     def push(self, *, setup: bool = False, **values: Any) -> None:
         """Set these variables on every rank (cloudpickled by value). ``setup``: push them
         again when the session re-forms."""
+        for name in values:
+            _check_name(name)
         problems = []
         for name, value in values.items():
             try:
@@ -112,8 +115,7 @@ class Session(AgentThread):
         return self._fetch(name, None)
 
     def _fetch(self, name: str, rank: int | None) -> dict[int, Any]:
-        if not name.isidentifier():
-            raise ValueError(f"{name!r} is not a variable name.")
+        _check_name(name)
         payload = build_payload(worker_session.value_of, self.spec, args=(name, rank))
         try:
             result = self._submit(session_payload(payload), False, self._quiet, check=True)
@@ -228,6 +230,13 @@ class Session(AgentThread):
 
     def __repr__(self) -> str:
         return f"<elastic Session {self.run_id}: {self._board.current.state.value}>"
+
+
+def _check_name(name: str) -> None:
+    """push, pull and gather take variable names; anything else is refused before a cell
+    is sent."""
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(f"{name!r} is not a variable name.")
 
 
 def stop_all(reason: Callable[[Session], bool] = lambda _: True) -> None:

@@ -105,6 +105,25 @@ print("children up", flush=True)
 """
 
 
+# Rank 1 SIGKILLs its shepherd (its parent, checked by name) and returns; rank 0 sleeps. Rank
+# 1 first stops dying with its shepherd (PR_SET_PDEATHSIG 0): its report pipe then closes
+# only when the agent tears the group down and the lifeline closes, so the shepherd's exit is
+# the first sign of the rank's end, as when a shepherd is killed from outside just as a cell
+# ends (there the worker's pipe closes a few ms after the shepherd's exit).
+KILL_OWN_SHEPHERD = """
+import ctypes, os, signal, time, torch.distributed as dist
+if dist.get_rank() == 1:
+    shepherd = os.getppid()
+    with open(f"/proc/{shepherd}/comm") as comm:
+        assert comm.read().strip() == "em-shepherd"
+    ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)
+    os.kill(shepherd, signal.SIGKILL)
+else:
+    time.sleep(120)
+'done'
+"""
+
+
 def forked_children(pid_dir: Path) -> list[int]:
     return sorted(int(path.stem) for path in pid_dir.glob("*.pid"))
 

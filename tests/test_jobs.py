@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import tagged_workers
+from conftest import KILL_OWN_SHEPHERD, tagged_workers
 
 import elastic_magic as em
 from elastic_magic.events import (
@@ -270,6 +270,18 @@ def test_exit_code_and_signal_failures(log_dir):
     root = err.value.result.failure
     assert root.rank == 0 and root.signal == "SIGKILL"
     assert "killed by SIGKILL" in str(err.value)
+
+
+
+def test_a_rank_whose_shepherd_was_killed_is_the_root_cause(log_dir):
+    """The shepherd's exit is the first sign of the rank's end; its worker's pipe closes
+    only in the teardown, which must not make the rank look stopped by it."""
+    with pytest.raises(em.JobFailedError) as err:
+        em.launch(KILL_OWN_SHEPHERD, nproc=2, log_dir=log_dir, render=lambda e: None)
+    result = err.value.result
+    assert [(f.rank, f.signal) for f in result.failures] == [(1, "SIGKILL")]
+    assert str(err.value).startswith("Rank 1 failed first")
+    assert not tagged_workers()
 
 
 RESTART_CELL = textwrap.dedent("""

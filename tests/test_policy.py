@@ -4,6 +4,7 @@ left-out GPU gives the others; and the status board other threads read."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -18,6 +19,7 @@ from elastic_magic.agent.policy import (
     Resize,
     Step,
     after_group,
+    cell_state,
     during_cell,
     final_state,
     own_failure,
@@ -239,6 +241,33 @@ def test_a_sessions_cell_ends_when_every_rank_answered_and_interrupts_the_rest()
     assert step(Action.STOP, died=True) is CellStep.STOP
     # a resize waits for the cell's end (or its next commit): it does not break the cell
     assert step(Action.REGROUP) is CellStep.WAIT
+
+
+def test_a_sessions_cell_succeeds_only_when_its_group_held():
+    def failure(rank, **kw):
+        return RankFailure(rank=rank, local_rank=rank, attempt=0, pid=rank, time=rank, **kw)
+
+    def state(step, failures=(), interrupted=False, stuck=()):
+        return cell_state(step, list(failures), interrupted=interrupted, stuck=stuck)
+
+    ctrl_c = failure(0, exc_type="KeyboardInterrupt")
+    raised = failure(0, exc_type="ValueError")
+    died = failure(1, exit_code=0, reason="exited with code 0 in the middle of the cell")
+    not_back = failure(1, reason="did not come back within 5s of the interrupt")
+    waited = dataclasses.replace(not_back, consequence=True)
+    assert state(CellStep.DONE) is JobState.SUCCEEDED
+    assert state(CellStep.DONE, [raised]) is JobState.FAILED
+    assert state(CellStep.DONE, [ctrl_c], interrupted=True) is JobState.STOPPED
+    # a group that broke: never succeeded, whatever the ranks that answered said
+    assert state(CellStep.BROKEN, [died]) is JobState.FAILED
+    assert state(CellStep.BROKEN) is JobState.FAILED  # nothing known: still not a success
+    # the user's interrupt, and a rank that did not come back from it
+    assert state(CellStep.BROKEN, [not_back], True, (1,)) is JobState.STOPPED
+    assert state(CellStep.BROKEN, [ctrl_c, not_back], True, (1,)) is JobState.STOPPED
+    # a rank raised, the others were interrupted for it and one did not come back
+    assert state(CellStep.BROKEN, [raised, waited], False, (1,)) is JobState.FAILED
+    assert state(CellStep.BROKEN, [raised, waited], True, (1,)) is JobState.FAILED
+    assert state(CellStep.STOP, [raised]) is JobState.STOPPED
 
 
 def test_session_reformations_are_bounded_by_max_restarts():

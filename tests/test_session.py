@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from conftest import tagged_workers
+from conftest import KILL_OWN_SHEPHERD, tagged_workers
 
 import elastic_magic as em
 from elastic_magic.events import Output, SessionBroken, SessionReformed, WorkerFailed
@@ -106,6 +106,10 @@ def test_a_session_keeps_values_reports_failures_moves_variables_and_survives_ct
         assert s.pull("rank_value", rank=1) == 5
         with pytest.raises(PayloadError, match="lock"):
             s.push(lock=threading.Lock())
+        cells = s.cells
+        with pytest.raises(ValueError, match="'not a name' is not a variable name"):
+            s.push(**{"not a name": 1})
+        assert s.cells == cells  # refused before anything was sent
         with pytest.raises(NameError, match="no variable named 'nothing_here'"):
             s.pull("nothing_here")
         s.run("import threading\nheld = threading.Lock()")
@@ -144,6 +148,11 @@ def test_a_session_keeps_values_reports_failures_moves_variables_and_survives_ct
         box["thread"].join(60)
         broken = watcher.of(SessionBroken)
         assert broken and "rank 1 did not come back" in broken[0].reason and broken[0].reforms
+        # Interrupted, not succeeded with rank 0's value: the group it ran on is gone.
+        result = box["result"]
+        assert result.state is em.JobState.STOPPED and result.values == {}
+        assert result.stop_reason == ("interrupted: rank 1 did not come back within 5s of "
+                                      "the interrupt")
         watcher = Watcher()
         assert s.run("t.tolist()", render=watcher).values == {0: [1.0, 1.0], 1: [2.0, 2.0]}
         assert watcher.of(SessionReformed)[0].setup_cells == 1
@@ -152,6 +161,61 @@ def test_a_session_keeps_values_reports_failures_moves_variables_and_survives_ct
     assert not tagged_workers()
     with pytest.raises(em.SessionEndedError):
         s.run("1")
+
+
+def test_a_cell_whose_group_broke_fails_or_is_interrupted_naming_the_rank(log_dir):
+    """A group that breaks in a cell never makes the cell succeed with whatever values
+    came: a rank that exits (with code 0 too), loses its shepherd, or does not come back
+    from an interrupt is named. Each break re-forms the session."""
+    with em.Session(nproc=2, max_restarts=5, log_dir=log_dir) as s:
+        s.run("import os, time, torch, torch.distributed as dist", setup=True)
+
+        watcher = Watcher()
+        result = s.run("if dist.get_rank() == 1:\n    os._exit(0)\ntime.sleep(120)\n",
+                       render=watcher, check=False)
+        assert result.state is em.JobState.FAILED and result.values == {}
+        assert [(f.rank, f.exit_code, f.headline) for f in result.failures] == [
+            (1, 0, "exited with code 0 in the middle of the cell")]
+        assert [b.reason for b in watcher.of(SessionBroken)] == [
+            "rank 1 exited with code 0 in the middle of the cell"]
+
+        # The shepherd's exit comes first, the worker's pipe closes after the teardown:
+        # the rank died before the teardown, it was not stopped by it.
+        for _ in range(3):
+            watcher = Watcher()
+            with pytest.raises(em.JobFailedError) as err:
+                s.run(KILL_OWN_SHEPHERD, render=watcher)
+            result = err.value.result
+            assert result.values == {}
+            assert [(f.rank, f.signal) for f in result.failures] == [(1, "SIGKILL")]
+            assert str(err.value).startswith("Rank 1 failed first")
+            assert [b.reason for b in watcher.of(SessionBroken)] == [
+                "rank 1 was killed by SIGKILL in the cell"]
+
+        # Rank 1 returned while rank 0 waits in a collective for it; an interrupt cannot
+        # reach rank 0 there: the cell was interrupted, naming rank 0, not succeeded.
+        watcher = Watcher()
+        box = run_in_thread(s, "t = torch.ones(1)\n"
+                               "if dist.get_rank() == 0:\n"
+                               "    dist.all_reduce(t)\n"
+                               "'done'", watcher)
+        stacks: dict[int, str] = {}
+        deadline = time.monotonic() + 60
+        while not ("all_reduce" in stacks.get(0, "") and "finished" in stacks.get(1, "")) \
+                and time.monotonic() < deadline:
+            stacks = s.stacks()
+        s.interrupt()
+        box["thread"].join(60)
+        result = box["result"]
+        assert result.state is em.JobState.STOPPED and result.values == {}, stacks
+        assert result.stop_reason == ("interrupted: rank 0 did not come back within 5s of "
+                                      "the interrupt")
+        assert [(e.failure.rank, e.failure.headline) for e in watcher.of(WorkerFailed)] == [
+            (0, "did not come back within 5s of the interrupt")]
+
+        assert s.run("dist.get_world_size()").values == {0: 2, 1: 2}
+        assert s.status()["restarts"] == "5/5"
+    assert not tagged_workers()
 
 
 def _worker_pids(session: em.Session) -> dict[int, int]:

@@ -53,6 +53,9 @@ class WorkerGroup:
         self.attempt = attempt
         self.workers = [Worker(local_rank=i, global_rank=base_rank + i, attempt=attempt)
                         for i in range(nproc)]
+        # A session's workers wait for the next payload: one that exits has died, whatever
+        # its code (a one-shot worker that exits with code 0 has finished).
+        self.persistent = False
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -69,6 +72,7 @@ class WorkerGroup:
               inbox: queue.Queue[Any], emit: EventSink, pool: bool = True) -> None:
         """Spawn every worker (``env_for(worker)`` gives its environment), from the warm
         pool unless ``pool`` is off, and send it the payload."""
+        self.persistent = payload.session
         envs = [env_for(worker) for worker in self.workers]
         zygote = None
         if pool and envs:
@@ -131,18 +135,22 @@ class WorkerGroup:
             if code is None or worker.exited_at is not None:
                 continue
             worker.exited_at = now
-            if code == 0 and worker.state is WorkerState.HEALTHY and worker.result is None \
-                    and not worker.resized:
+            if code == 0 and not self.persistent and worker.state is WorkerState.HEALTHY \
+                    and worker.result is None and not worker.resized:
                 # Exited cleanly without a result (os._exit(0) in the cell): success, no value.
                 worker.result = Result(cloudpickle.dumps(None))
                 worker.state = WorkerState.SUCCEEDED
 
-    @staticmethod
-    def _has_failed(worker: Worker) -> bool:
+    def _exit_failed(self, worker: Worker) -> bool:
+        """The rank's process has exited, and that is a failure: a non-zero code, or any
+        exit of a session's worker but one that left at a resize."""
+        code = worker.proc.poll() if worker.proc else None
+        return code is not None and (code != 0 or (self.persistent and not worker.resized))
+
+    def _has_failed(self, worker: Worker) -> bool:
         if worker.error is not None:
             return True
-        code = worker.proc.poll() if worker.proc else None
-        if code is None or code == 0 or worker.exited_at is None:
+        if not self._exit_failed(worker) or worker.exited_at is None:
             return False
         # Wait for its report pipe to close so an error report in flight is not missed.
         return worker.channel_closed_at is not None or (
@@ -164,7 +172,7 @@ class WorkerGroup:
             w.failure() for w in self.workers
             if (w.error is not None and w.error.time <= teardown_at)
             or (w.error is None and w.ended_at is not None and w.ended_at <= teardown_at
-                and w.proc is not None and w.proc.returncode != 0)
+                and self._exit_failed(w))
         ]
         for worker in self.workers:
             worker.state = WorkerState.FAILED if worker.error else WorkerState.STOPPED

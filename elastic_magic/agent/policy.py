@@ -5,6 +5,7 @@ is tested without processes (tests/test_policy.py)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -250,6 +251,24 @@ def during_cell(action: Action | None, status: CellStatus, *, interrupt: bool,
     if status.errors or interrupt:
         return CellStep.INTERRUPT
     return CellStep.WAIT
+
+
+def cell_state(step: CellStep, failures: list[RankFailure], *, interrupted: bool,
+               stuck: Collection[int] = ()) -> JobState:
+    """How a session's cell ends. It succeeded only when every rank answered and none
+    failed: a group that broke (a rank died, or did not come back from an interrupt) fails
+    the cell, whatever the ranks that answered said. It was interrupted when every rank that
+    failed of itself raised KeyboardInterrupt, or when none did and ranks (``stuck``, their
+    failures among ``failures``) did not come back from the user's interrupt
+    (``interrupted``)."""
+    if step is CellStep.STOP:
+        return JobState.STOPPED
+    own = [f for f in failures if f.rank not in stuck]
+    if all(f.exc_type == "KeyboardInterrupt" for f in own) and (own or (stuck and interrupted)):
+        return JobState.STOPPED
+    if step is CellStep.DONE and not failures:
+        return JobState.SUCCEEDED
+    return JobState.FAILED
 
 
 def reform_allowed(restarts_used: int, max_restarts: int) -> bool:

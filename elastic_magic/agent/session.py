@@ -4,15 +4,18 @@ The group is formed as a job's is (rendezvous round, workers from the warm pool,
 environment), then waits: each cell is one payload that every rank runs in its persistent
 namespace (``worker/session.py``). Between cells the agent blocks on its inbox (no polling):
 a worker that dies while idle arrives there as its report pipe closing. A group that broke
-(a rank died, or did not come back from an interrupt) is re-formed before the next cell:
-a new round, fresh workers, the setup cells replayed in order (a ``State`` they make restores
-the last commit). Re-formations after a failure count against ``--max-restarts``; a resize
-does not. What to do is decided in ``policy`` (``during_cell``, ``reform_allowed``).
+(a rank died, or did not come back from an interrupt) fails the cell it broke in, naming
+the rank (a cell the user interrupted comes back interrupted), and is re-formed before the
+next cell: a new round, fresh workers, the setup cells replayed in order (a ``State`` they
+make restores the last commit). Re-formations after a failure count against
+``--max-restarts``; a resize does not. What to do is decided in ``policy``
+(``during_cell``, ``cell_state``, ``reform_allowed``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import time
 from collections import deque
@@ -29,7 +32,14 @@ from ..events import (
 )
 from ..messages import Action, CellReport, Exit, Interrupt, Leaving, Run, StopCommand
 from ..payload import Payload, build_payload
-from ..result import JobResult, JobState, RankFailure, assemble_result, root_cause_order
+from ..result import (
+    JobResult,
+    JobState,
+    RankFailure,
+    assemble_result,
+    root_cause_order,
+    what_happened,
+)
 from ..spec import JobSpec
 from ..worker import session as worker_session
 from ..worker.session import CELL_END_MARK
@@ -44,7 +54,7 @@ from .cells import (
 )
 from .ending import close_group, finish
 from .hub import FromLink
-from .policy import CellStatus, CellStep, during_cell, reform_allowed
+from .policy import CellStatus, CellStep, cell_state, during_cell, reform_allowed
 from .roles import JoinedJob
 from .status import StatusBoard
 from .supervisor import Agent
@@ -52,6 +62,7 @@ from .workers import WorkerState, wait_for_exit
 
 # Ranks still in the cell this long after an interrupt are stuck (a collective, C code).
 INTERRUPT_GRACE = 5.0
+NOT_BACK = f"did not come back within {INTERRUPT_GRACE:g}s of the interrupt"
 # A rank that answered but whose output has not reached its end mark by then (it closed its
 # stdout, say) is not waited for any longer.
 OUTPUT_GRACE = 2.0
@@ -79,7 +90,8 @@ class SessionAgent(Agent):
         self.broken: str | None = "the session starts"  # why the group must be formed
         self.pending: deque[CellRequest] = deque()
         self.ended: JobState | None = None
-        self.interrupt = False
+        self.interrupt = False  # the user interrupted the running cell
+        self.stuck: tuple[int, ...] = ()  # ranks that did not come back from an interrupt
         self.marks: set[tuple[int, str]] = set()
         self.cell_started = time.time()
 
@@ -132,7 +144,7 @@ class SessionAgent(Agent):
             if self._handle(self.inbox.get()) is Action.STOP:
                 self.ended = JobState.STOPPED
             elif self.group is not None and self.broken is None and self._died():
-                self._break("a rank died while the session was idle", self._tear_down())
+                self._break_idle()
             elif self.broken is None and self.others.broken():
                 close_group(self)
                 self._break("a rank on another machine died while the session was idle",
@@ -185,7 +197,7 @@ class SessionAgent(Agent):
         if self.group is not None and self.broken is None:
             self.group.poll()  # notes exits
             if self._died():
-                self._break("a rank died while the session was idle", self._tear_down())
+                self._break_idle()
         if self.ended is not None:
             return self._cell_result(self.ended, self.failures)
         if self.broken is not None or self.membership.resize_pending \
@@ -204,12 +216,11 @@ class SessionAgent(Agent):
         if step is CellStep.STOP:
             self.ended = JobState.STOPPED
             return self._cell_result(JobState.STOPPED, [], self.stop_reason)
-        if step is CellStep.DONE and not failures and request.setup:
+        state = cell_state(step, failures, interrupted=self.interrupt, stuck=self.stuck)
+        if state is JobState.SUCCEEDED and request.setup:
             self.setup.append(request.payload)
-        if failures and all(f.exc_type == "KeyboardInterrupt" for f in failures):
-            return self._cell_result(JobState.STOPPED, failures, "interrupted")
-        return self._cell_result(JobState.FAILED if failures else JobState.SUCCEEDED,
-                                 failures)
+        why = f"interrupted: {_not_back(self.stuck)}" if self.stuck else "interrupted"
+        return self._cell_result(state, failures, why)
 
     def _cell_started(self) -> None:
         group, info = self.group, self.round
@@ -226,6 +237,7 @@ class SessionAgent(Agent):
         assert group is not None
         self.marks = set()
         self.interrupt = False
+        self.stuck = ()
         for worker in group.workers:
             worker.result = worker.error = None
             worker.state = WorkerState.HEALTHY
@@ -269,17 +281,18 @@ class SessionAgent(Agent):
             self._emit_failures(own)  # other machines send their own
             return step, root_cause_order([*own, *self.others.failures()])
         if step is CellStep.BROKEN:
-            failures = root_cause_order([*self._tear_down(), *self.others.failures()])
+            dead = self._dead_ranks()
+            if not status.died:  # the interrupt's grace ran out
+                self.stuck = tuple(w.global_rank for w in group.workers
+                                   if w.result is None and w.error is None)
+            failures = root_cause_order([*self._tear_down(self.stuck),
+                                         *self.others.failures()])
             if self.others.broken():
                 reason = "a rank on another machine died in the cell"
-            elif status.died:
-                reason = "a rank died in the cell"
+            elif self.stuck:
+                reason = _not_back(self.stuck)
             else:
-                stuck = [w.global_rank for w in group.workers
-                         if w.result is None and w.error is None]
-                reason = (f"rank{'s' if len(stuck) > 1 else ''} "
-                          f"{', '.join(map(str, stuck))} did not come back within "
-                          f"{INTERRUPT_GRACE:g}s of the interrupt")
+                reason = _death(failures, dead, "in the cell")
             self._break(reason, failures)
             return step, failures
         if step is CellStep.RESIZED:
@@ -293,23 +306,40 @@ class SessionAgent(Agent):
                     worker.control.send(Interrupt())
 
     def _died(self) -> bool:
-        return self.group is not None and any(
-            (w.channel_closed_at is not None or w.exited_at is not None) and not w.resized
-            for w in self.group.workers)
+        return bool(self._dead_ranks())
+
+    def _dead_ranks(self) -> set[int]:
+        """This machine's ranks whose process has ended (but at a resize)."""
+        return {w.global_rank for w in self.group.workers if w.ended_at is not None
+                and not w.resized} if self.group is not None else set()
 
     def _emit_failures(self, failures: list[RankFailure]) -> None:
         for failure in failures:
             self.emit(WorkerFailed(failure))
 
-    def _tear_down(self) -> list[RankFailure]:
-        """Stop the group at once; its failures, root cause first."""
-        assert self.group is not None
-        teardown_at = self.group.tear_down()
+    def _tear_down(self, stuck: tuple[int, ...] = ()) -> list[RankFailure]:
+        """Stop the group at once; its failures, root cause first. ``stuck``: ranks that
+        did not come back from an interrupt: consequences when a rank raised first (the
+        interrupt was for it), else what broke the group."""
+        group = self.group
+        assert group is not None
+        teardown_at = group.tear_down()
         self._drain()  # error reports still in flight
-        failures = self.hangs.explain(self.group.failures_before(teardown_at))
+        failures = group.failures_before(teardown_at)
+        raised = any(f.exc_type not in (None, "KeyboardInterrupt") for f in failures)
+        failures += [dataclasses.replace(w.failure(), time=teardown_at, reason=NOT_BACK,
+                                         consequence=raised)
+                     for w in group.workers if w.global_rank in stuck]
+        failures = self.hangs.explain(root_cause_order(failures))
         self._emit_failures(failures)
         close_group(self)
         return failures
+
+    def _break_idle(self) -> None:
+        """A rank died while no cell ran: the group is gone."""
+        dead = self._dead_ranks()
+        failures = self._tear_down()
+        self._break(_death(failures, dead, "while the session was idle"), failures)
 
     def _break(self, reason: str, failures: list[RankFailure]) -> None:
         """The group is gone: re-form before the next cell, if a restart is left."""
@@ -385,3 +415,15 @@ class SessionAgent(Agent):
             ranks={**group.results(), **self.others.results()}
             if group and state is JobState.SUCCEEDED else {},
             tails=tails)
+
+
+def _not_back(ranks: tuple[int, ...]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {NOT_BACK}"
+
+
+def _death(failures: list[RankFailure], dead: set[int], when: str) -> str:
+    """Why the group broke: the first rank that died, and what it did."""
+    root = next((f for f in failures if f.rank in dead), None)
+    if root is None:
+        return f"a rank died {when}"
+    return what_happened(root) + ("" if root.reason else f" {when}")

@@ -52,7 +52,7 @@ class JoinedSessionAgent(SessionAgent):
                 elif action is Action.REGROUP:
                     self._form()
                 elif self.group is not None and self.broken is None and self._died():
-                    self._break("a rank died between cells", self._tear_down())
+                    self._break_idle()
                     self._report(-1, CellStep.BROKEN, self.failures)
             final = self.ended or JobState.STOPPED
         except BaseException:

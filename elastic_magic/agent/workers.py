@@ -110,10 +110,13 @@ class Worker:
 
     @property
     def ended_at(self) -> float | None:
-        """When the worker was seen to end: its report pipe closing (that is its death;
-        its shepherd exits a little later, once all the worker started has ended), else
-        the shepherd's exit."""
-        return self.channel_closed_at or self.exited_at
+        """When the rank was first seen to end: its report pipe closing or its shepherd's
+        exit, whichever came first. Usually the pipe closes first (the worker died, its
+        shepherd exits once all it started has ended); a shepherd that was killed goes
+        first, and its worker's pipe closes only later, maybe after the teardown its death
+        caused (the rank must not then count as stopped by that teardown)."""
+        return min((t for t in (self.channel_closed_at, self.exited_at) if t is not None),
+                   default=None)
 
     def reaped(self) -> bool:
         """Known to have exited; no system call, so safe from any thread."""
@@ -151,7 +154,12 @@ class Worker:
                 source_line=e.source_line)
         code = self.proc.returncode if self.proc else None
         signal_name = _signal_name(-code) if code is not None and code < 0 else None
-        return dataclasses.replace(failure, exit_code=code, signal=signal_name)
+        failure = dataclasses.replace(failure, exit_code=code, signal=signal_name)
+        if code == 0:  # only a session's worker fails so: it should wait for the next cell
+            when = "in the middle of the cell" if self.result is None and self.error is None \
+                else "between cells"
+            failure = dataclasses.replace(failure, reason=f"exited with code 0 {when}")
+        return failure
 
 
 def inherited_env(nproc: int) -> dict[str, str]:
