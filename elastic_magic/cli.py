@@ -137,9 +137,9 @@ def _token_from_file(path: Path) -> str:
 def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .agent.hub import HubError, connect
     from .agent.job import AgentError, Job
+    from .agent.joined import JoinedJob
     from .agent.pool import prewarm
     from .agent.rendezvous import rendezvous_key
-    from .agent.roles import JoinedJob
     from .agent.workers import inherited_env
     from .messages import Forward, Hello
     from .ui.text import TextRenderer
@@ -193,7 +193,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
 
 def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
                   forward: Any, host: str, nproc: int) -> int:
-    from .agent.session_joined import join_session
+    from .agent.assemble import join_session
     from .messages import Hello
 
     joined.link.send(Hello(host, nproc, os.getpid()))

@@ -196,6 +196,7 @@ class StopCommand:
 class ScaleCommand:
     nproc: int
     immediate: bool = False
+    include: tuple[int, ...] = ()  # excluded worker slots named back
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,13 @@ import keyword
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import cloudpickle
 
-from .agent.cells import CellRequest, InterruptCommand, SessionEndedError, session_payload
+from .agent.assemble import session_agent
+from .agent.cells import SessionEndedError, session_payload
 from .agent.handle import (
     AgentError,
     AgentThread,
@@ -37,7 +38,8 @@ from .agent.handle import (
     pause_after,
     wait_through_interrupts,
 )
-from .agent.session import SessionAgent
+from .agent.inbox import CellRequest, InboxItem, InterruptCommand
+from .agent.session_loop import SessionLoop
 from .agent.status import JobStatus
 from .events import Event, JobFinished
 from .messages import ScaleCommand, StopCommand
@@ -62,7 +64,7 @@ class Session(AgentThread):
         options.setdefault("max_restarts", SESSION_MAX_RESTARTS)
         super().__init__(JobSpec.create(nproc, **options), None, hosts=True)
         self.render = render
-        self._agent: SessionAgent | None = SessionAgent(self.spec, self.run_id, self._inbox,
+        self._agent: SessionLoop | None = session_agent(self.spec, self.run_id, self._inbox,
                                                         self._board, token=self.token)
         self._lock = threading.Lock()  # one cell at a time from the kernel's threads
         self.cells = 0
@@ -71,7 +73,7 @@ class Session(AgentThread):
         self._thread.start()
         _live.add(self)
 
-    def _answer_unserved(self, item: Any) -> None:
+    def _answer_unserved(self, item: InboxItem) -> None:
         if isinstance(item, CellRequest) and not item.outcome.done():
             item.outcome.set_exception(self.ended_error())
         else:
@@ -195,11 +197,12 @@ class Session(AgentThread):
 
     # -- the session ----------------------------------------------------------------------
 
-    def scale(self, nproc: int) -> None:
+    def scale(self, nproc: int, include: Iterable[int] = ()) -> None:
         """Resize to ``nproc`` workers: before the next cell, or at the next State commit
-        of the cell that runs (the same re-formation; it does not count as a restart)."""
+        of the cell that runs (the same re-formation; it does not count as a restart). A
+        worker slot left out for failing again stays out unless named in ``include``."""
         self.spec.check_scale(nproc)
-        self._inbox.put(ScaleCommand(nproc))
+        self._inbox.put(ScaleCommand(nproc, include=tuple(include)))
 
     def stop(self, timeout: float | None = None) -> None:
         """End the session: workers leave (a running cell is interrupted)."""
@@ -239,10 +242,11 @@ def _check_name(name: str) -> None:
         raise ValueError(f"{name!r} is not a variable name.")
 
 
-def stop_all(reason: Callable[[Session], bool] = lambda _: True) -> None:
-    """End every live session (the kernel exits, or the extension is unloaded)."""
+def stop_all(which: Callable[[Session], bool] = lambda _: True) -> None:
+    """End every live session (the kernel exits, or the extension is unloaded), or those
+    ``which`` picks."""
     for session in list(_live):
-        if reason(session):
+        if which(session):
             session.stop(timeout=30)  # the workers die with the kernel anyway (lifeline)
 
 

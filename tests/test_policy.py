@@ -21,11 +21,10 @@ from elastic_magic.agent.policy import (
     after_group,
     cell_state,
     during_cell,
+    during_group,
     final_state,
     own_failure,
-    reform_allowed,
-    settle,
-    while_running,
+    what_ended,
 )
 from elastic_magic.agent.rendezvous import RoundInfo
 from elastic_magic.agent.status import StatusBoard
@@ -59,8 +58,8 @@ BUSY = GroupStatus(running=True)
     (None, False, SUCCEEDED, Step.SUCCEEDED),
     (None, False, RESIZED, Step.RESIZED),
 ])
-def test_while_running(action, regroup_due, status, step):
-    assert while_running(action, regroup_due, status) is step
+def test_during_group(action, regroup_due, status, step):
+    assert during_group(action, regroup_due, status) is step
 
 
 @pytest.mark.parametrize(("step", "used", "allowed", "next_", "final"), [
@@ -81,30 +80,21 @@ def test_after_group(step, used, allowed, next_, final):
         assert final_state(step) is final
 
 
-@pytest.mark.parametrize(("step", "stop", "node_failed", "settled"), [
-    (Step.FAILED, False, False, Step.FAILED),
+@pytest.mark.parametrize(("step", "heard", "ended"), [
+    (Step.FAILED, None, Step.FAILED),
     # a stop that arrived while the failed group was torn down: no restart, stopped
-    (Step.FAILED, True, False, Step.STOP),
+    (Step.FAILED, Action.STOP, Step.STOP),
     # another machine failed for good meanwhile: no restart here either
-    (Step.FAILED, False, True, Step.NODE_FAILED),
-    (Step.REGROUP, False, True, Step.NODE_FAILED),
-    (Step.RESIZED, True, True, Step.STOP),
-    (Step.SUCCEEDED, True, True, Step.SUCCEEDED),  # the work is done: a success stays one
-])
-def test_what_arrives_during_a_teardown_outranks_a_restart(step, stop, node_failed, settled):
-    assert settle(step, stop_requested=stop, node_failed=node_failed) is settled
-
-
-@pytest.mark.parametrize(("step", "stop", "node_failed", "settled"), [
+    (Step.FAILED, Action.NODE_FAILED, Step.NODE_FAILED),
+    (Step.REGROUP, Action.NODE_FAILED, Step.NODE_FAILED),
+    (Step.RESIZED, Action.STOP, Step.STOP),
+    (Step.SUCCEEDED, Action.STOP, Step.SUCCEEDED),  # the work is done: a success stays one
     # a machine left or was lost while the group failed: its ranks lost peers, not a failure
-    (Step.FAILED, False, False, Step.REGROUP),
-    (Step.FAILED, True, False, Step.STOP),
-    (Step.FAILED, False, True, Step.NODE_FAILED),  # too few machines left to go on
-    (Step.SUCCEEDED, False, False, Step.SUCCEEDED),
+    (Step.FAILED, Action.REGROUP, Step.REGROUP),
+    (Step.SUCCEEDED, Action.REGROUP, Step.SUCCEEDED),
 ])
-def test_a_membership_change_during_a_teardown_makes_a_failure_a_regroup(
-        step, stop, node_failed, settled):
-    assert settle(step, stop_requested=stop, node_failed=node_failed, regroup=True) is settled
+def test_what_arrives_during_a_teardown_outranks_a_restart(step, heard, ended):
+    assert what_ended(step, heard) is ended
 
 
 @pytest.mark.parametrize(("used", "allowed", "failed_before", "can_shrink", "next_"), [
@@ -134,6 +124,11 @@ def test_slots_keep_their_identity_when_ranks_are_renumbered():
     m.request(3, graceful=False)
     m.apply()
     assert m.slots == [0, 2, 3]  # growing again never brings the excluded slot back
+    # unless the user names it back: a change even at the same size, and a fresh start
+    assert m.request(3, graceful=True, include=[1, 7]) is Resize.AT_COMMIT
+    assert m.resize_pending and m.slots == [0, 2, 3]  # the running group keeps its slots
+    assert m.apply() == (3, 3) and m.slots == [0, 1, 2] and not m.failed_before(1)
+    assert m.request(3, graceful=True, include=[1]) is Resize.NONE  # it is in already
 
 
 def test_membership_resizes_at_a_commit_or_now_and_counts_only_real_changes():
@@ -238,6 +233,7 @@ def test_a_sessions_cell_ends_when_every_rank_answered_and_interrupts_the_rest()
     assert step(interrupted_for=9.0, reported=True) is CellStep.DONE  # they came back
     assert step(died=True, reported=True) is CellStep.BROKEN  # a dead rank outranks answers
     assert step(resized=True) is CellStep.RESIZED
+    assert step(stalled=True) is CellStep.BROKEN  # the watchdog named a rank: tear down
     assert step(Action.STOP, died=True) is CellStep.STOP
     # a resize waits for the cell's end (or its next commit): it does not break the cell
     assert step(Action.REGROUP) is CellStep.WAIT
@@ -269,8 +265,3 @@ def test_a_sessions_cell_succeeds_only_when_its_group_held():
     assert state(CellStep.BROKEN, [raised, waited], True, (1,)) is JobState.FAILED
     assert state(CellStep.STOP, [raised]) is JobState.STOPPED
 
-
-def test_session_reformations_are_bounded_by_max_restarts():
-    assert reform_allowed(0, 3) and reform_allowed(2, 3)
-    assert not reform_allowed(3, 3)
-    assert not reform_allowed(0, 0)

@@ -218,6 +218,40 @@ def test_a_cell_whose_group_broke_fails_or_is_interrupted_naming_the_rank(log_di
     assert not tagged_workers()
 
 
+STALL = """t = torch.ones(1)
+dist.barrier()
+if dist.get_rank() == 1:
+    time.sleep(120)
+dist.all_reduce(t)
+"""  # rank 1 sleeps outside any collective; rank 0 waits for it in all_reduce
+
+
+def test_the_stall_watchdog_fails_a_session_cell_naming_the_stalled_rank(log_dir):
+    """--stall-timeout in a session: a rank quiet outside any collective breaks the group
+    as a death does; the cell fails naming it (its stack kept), the rank that waited for it
+    is a consequence, and the session re-forms. Time between cells is not a stall."""
+    with em.Session(nproc=2, stall_timeout=3, timeout=60, max_restarts=1,
+                    log_dir=log_dir) as s:
+        s.run("import time, torch, torch.distributed as dist", setup=True)
+        time.sleep(4)  # idle longer than the stall timeout
+        assert s.run("dist.all_reduce(torch.ones(1)); 'fine'").values == {0: "fine",
+                                                                           1: "fine"}
+        watcher = Watcher()
+        result = s.run(STALL, render=watcher, check=False)
+        assert result.state is em.JobState.FAILED and result.values == {}
+        root = result.failure
+        assert root.rank == 1 and root.reason.startswith("stalled: no progress for"), root
+        assert "outside any collective" in root.reason and "time.sleep(120)" in root.traceback
+        (waiting,) = [f for f in result.failures if f.rank == 0]
+        assert waiting.consequence and waiting.reason == "waited in all_reduce"
+        assert "dist.all_reduce(t)" in result.stacks[0] and "time.sleep" in result.stacks[1]
+        assert result.duration < 45, "the watchdog, not the 60 s collective timeout, ended it"
+        assert [b.reason for b in watcher.of(SessionBroken)] == ["rank 1 stalled in the cell"]
+        assert s.run("dist.get_world_size()").values == {0: 2, 1: 2}  # re-formed
+        assert s.status()["restarts"] == "1/1"
+    assert not tagged_workers()
+
+
 def _worker_pids(session: em.Session) -> dict[int, int]:
     return session.gather("my_pid")
 
@@ -401,7 +435,8 @@ def test_in_a_real_kernel_ctrl_c_leaves_the_session_alive_and_it_ends_with_the_k
 
 
 def test_end_of_cell_marks_leave_the_cells_own_lines_whole():
-    from elastic_magic.agent.cells import OutputEnded, take_end_marks
+    from elastic_magic.agent.cells import take_end_marks
+    from elastic_magic.agent.inbox import OutputEnded
     from elastic_magic.worker.session import CELL_END_MARK
 
     ended: list = []

@@ -1,54 +1,32 @@
-"""A session's cells: what the kernel asks of a session's agent, and what the other machines
-of a multi-node session report. The head's agent sends each cell (and each setup cell it
-replays) to the other machines as :class:`SessionCell` and waits for their
-:class:`CellReport` as it waits for its own ranks (``OtherMachines``)."""
+"""A session's cells: where their events go, the end-of-cell marks on the ranks' output, and
+what the other machines of a multi-node session report. The head's agent sends each cell
+(and each setup cell it replays) to the other machines as :class:`SessionCell` and waits for
+their :class:`CellReport` as it waits for its own ranks (``OtherMachines``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import queue
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..events import Event, Output
-from ..messages import CellReport, InterruptCell, LinkMessage, Result, SessionCell
+from ..messages import CellReport, InterruptCell, Result, SessionCell
 from ..payload import Payload
-from ..result import JobResult, RankFailure
+from ..result import RankFailure
 from ..worker.session import CELL_END_MARK
+from .inbox import CellRequest, Inbox, OutputEnded
 
 if TYPE_CHECKING:
     from .rendezvous import RoundInfo
     from .roles import SingleMachine
 
+# Events that happen between cells (a rank dying), shown by the next cell; older ones go.
+IDLE_EVENTS = 200
+
 
 class SessionEndedError(RuntimeError):
     """The session has ended (stopped, or its restarts were spent)."""
-
-
-@dataclass
-class CellRequest:
-    """One cell for the session: its payload, and where its events and result go."""
-
-    payload: Payload
-    setup: bool = False
-    events: queue.Queue[Event] = field(default_factory=queue.Queue)
-    outcome: Future[JobResult] = field(default_factory=Future)
-
-
-@dataclass(frozen=True)
-class InterruptCommand:
-    """Ctrl-C in the kernel: KeyboardInterrupt in every rank's running code."""
-
-
-@dataclass(frozen=True)
-class OutputEnded:
-    """A rank's stream reached the end-of-cell mark (posted by the output router)."""
-
-    attempt: int
-    rank: int
-    stream: str
 
 
 def take_end_marks(event: Output, ended: Callable[[OutputEnded], None]) -> Output | None:
@@ -71,16 +49,11 @@ def session_payload(payload: Payload) -> Payload:
     return dataclasses.replace(payload, session=True)
 
 
-def _broadcast(role: SingleMachine, message: LinkMessage) -> None:
-    hub = getattr(role, "hub", None)  # the head's; one machine alone has none
-    if hub is not None:
-        hub.broadcast(message)
-
-
 class OtherMachines:
     """The head's view of the other machines for the cell that runs: their reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: SingleMachine) -> None:
+        self.role = role  # the head's tells the machines that joined it
         self.round_id: str | None = None
         self.expected = 0
         self.seq = 0
@@ -92,17 +65,17 @@ class OtherMachines:
         self.round_id, self.expected, self.seq = info.round_id, info.nnodes - 1, 0
         self.reports, self.idle_break, self.lost = {}, None, False
 
-    def send_cell(self, role: SingleMachine, payload: Payload) -> None:
+    def send_cell(self, payload: Payload) -> None:
         self.seq += 1
         self.reports = {}
         if self.expected and self.round_id is not None:
-            _broadcast(role, SessionCell(self.round_id, self.seq, payload))
+            self.role.broadcast(SessionCell(self.round_id, self.seq, payload))
 
-    def interrupt(self, role: SingleMachine) -> None:
+    def interrupt(self) -> None:
         if self.expected and self.round_id is not None:
-            _broadcast(role, InterruptCell(self.round_id, self.seq))
+            self.role.broadcast(InterruptCell(self.round_id, self.seq))
 
-    def take(self, report: CellReport) -> None:
+    def note(self, report: CellReport) -> None:
         if report.round_id != self.round_id:
             return  # an earlier round's
         if report.seq == -1:
@@ -124,3 +97,45 @@ class OtherMachines:
     def results(self) -> dict[int, Result]:
         return {rank: result for report in self.reports.values()
                 for rank, result in report.results.items()}
+
+
+class CellEvents:
+    """A session's events (the engine's ``emit``; the output pumps call it too): each goes
+    to the running cell, or waits for the next one (a rank may die between cells); on a
+    machine that joined, each is forwarded to the head instead. End-of-cell marks are taken
+    out of output lines here and posted to the inbox (:class:`OutputEnded`)."""
+
+    def __init__(self, inbox: Inbox, forward: Callable[[Event], None] | None = None) -> None:
+        self.inbox = inbox
+        self.forward = forward
+        self.cell: CellRequest | None = None
+        self.idle: deque[Event] = deque(maxlen=IDLE_EVENTS)
+
+    def route(self, event: Event) -> None:
+        if isinstance(event, Output):
+            kept = take_end_marks(event, self.inbox.put)
+            if kept is None:
+                return
+            event = kept
+        cell = self.cell
+        if self.forward is not None:
+            self.forward(event)  # the notebook shows it; nothing is kept here
+        elif cell is not None:
+            cell.events.put(event)
+        else:
+            self.idle.append(event)
+
+    def begin(self, cell: CellRequest) -> None:
+        """``cell`` runs: what happened since the last one goes first."""
+        self.cell = cell
+        while self.idle:  # the pumps may add more meanwhile
+            cell.events.put(self.idle.popleft())
+
+    def end(self) -> None:
+        self.cell = None
+
+
+def without_end_marks(tails: dict[int, list[str]]) -> dict[int, list[str]]:
+    """Output tails without the end-of-cell marks (a line that was only a mark goes)."""
+    return {rank: [line.replace(CELL_END_MARK, "") for line in lines if line != CELL_END_MARK]
+            for rank, lines in tails.items()}

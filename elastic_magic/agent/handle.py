@@ -22,6 +22,7 @@ from ..messages import StacksCommand
 from ..result import JobResult, JobState
 from ..spec import JobSpec
 from .hub import new_token
+from .inbox import Inbox, InboxItem
 from .status import JobStatus, StatusBoard
 
 # Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
@@ -65,7 +66,7 @@ class AgentThread:
         # What other machines must show to join (ELASTIC_MAGIC_TOKEN fixes it for scripts).
         self.token = (os.environ.get("ELASTIC_MAGIC_TOKEN") or new_token()) \
             if spec.multi_node and hosts else None
-        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._inbox: Inbox = queue.Queue()
         self._board = StatusBoard()
         self._done = threading.Event()
         self.result: JobResult | None = None
@@ -97,7 +98,7 @@ class AgentThread:
                 return
             self._answer_unserved(item)
 
-    def _answer_unserved(self, item: Any) -> None:
+    def _answer_unserved(self, item: InboxItem) -> None:
         if isinstance(item, StacksCommand) and not item.answer.done():
             item.answer.set_result({})  # no rank runs any more
 
@@ -122,11 +123,14 @@ class AgentThread:
         return self.spec.log_dir / self.run_id
 
     def status(self) -> dict[str, Any]:
-        """A snapshot for people: state, size, restarts, live worker PIDs, logs."""
+        """A snapshot for people: state, size, restarts, what was left out and why, live
+        worker PIDs, logs."""
         s = self._board.current
+        excluded = {"excluded": "; ".join(s.excluded)} if s.excluded else {}
         return {"run_id": self.run_id, "state": s.state.value, "world_size": s.world_size,
                 "nnodes": s.nnodes, "restarts": f"{s.restarts}/{self.spec.max_restarts}",
-                **self._status_extra(s), "pids": dict(s.pids), "log_dir": str(self.log_dir)}
+                **self._status_extra(s), **excluded, "pids": dict(s.pids),
+                "log_dir": str(self.log_dir)}
 
     def _status_extra(self, status: JobStatus) -> dict[str, Any]:
         return {}

@@ -1,42 +1,28 @@
-"""Hangs, seen from the agent: each rank's last progress, its stacks on request, the stall
-watchdog (``--stall-timeout``), ranks that finish while others run, and the root cause of a
-failure that is only a timeout or a lost peer.
+"""Hangs, seen from the agent: each rank's last progress, the stall watchdog
+(``--stall-timeout``), ranks that finish while others run, and the root cause of a failure
+that is only a timeout or a lost peer.
 
-It runs on the agent thread, beside the loop: the loop hands it reports and commands, asks
-it each round whether the group must fail (``watch``) and lets it explain the failures after
-a teardown (``explain``). The decisions themselves are pure functions in ``stalls``.
+It runs on the agent thread, beside the loop: the engine hands it the workers' reports, the
+loop asks it each round whether the group must fail (``watch`` for a job, ``stalled`` for a
+session's cell) and lets it explain the failures after a teardown (``explain``). The stacks
+it judges by are gathered by ``stack_requests``; the decisions themselves are pure functions
+in ``stalls``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
 import time
-from collections.abc import Callable
-from concurrent.futures import InvalidStateError
-from dataclasses import dataclass, field
 
 from ..events import Event, EventSink, Output, RanksFinished
-from ..messages import (
-    Commit,
-    DumpStacks,
-    NodeStacks,
-    Progress,
-    Result,
-    Running,
-    Stacks,
-    StacksCommand,
-    StacksRequest,
-    StateGet,
-)
+from ..messages import Commit, Progress, Result, Running, StateGet
 from ..result import RankFailure, is_consequence, root_cause_order
 from ..spec import JobSpec
-from ..stacks import RankStacks, place_of
+from ..stacks import place_of
 from .group import WorkerGroup
-from .hub import FromLink
+from .inbox import WorkerReport
 from .policy import GroupStatus
-from .roles import Head, SingleMachine
+from .stack_requests import NOT_ANSWERING, Gathering, StackRequests
 from .stalls import (
     Kind,
     RankView,
@@ -47,76 +33,29 @@ from .stalls import (
     quiet_ranks,
     waiting_reason,
 )
-from .workers import Worker, WorkerReport, WorkerState
+from .workers import WorkerState
 
-STACKS_DEADLINE = 2.0  # a rank that has not sent its stacks by then is reported as silent
-REMOTE_DEADLINE = 4.0  # other machines first gather their own ranks' stacks
 FINISHED_NOTICE = 1.0  # a rank done this long before the others is news
-NOT_ANSWERING = (f"did not answer within {STACKS_DEADLINE:.0f}s (stuck in C code that holds "
-                 "the GIL?)")
-FINISHED = "finished: its cell returned; it waits for the other ranks"
-EXITED = "exited before it could answer"
-
-
-@dataclass
-class Gathering:
-    """Stacks asked of this machine's ranks (and of other machines), kept until all have
-    answered or the deadline passed."""
-
-    request_id: int
-    deadline: float
-    asked: dict[tuple[int, int], int]  # (attempt, local rank) -> global rank, unanswered
-    nodes: set[int]  # other machines (hub connections) that have not answered
-    on_done: Callable[[Gathering], None] | None = None
-    stacks: dict[int, RankStacks] = field(default_factory=dict)  # this machine's ranks
-    remote: dict[int, str] = field(default_factory=dict)  # other machines' ranks, as text
-    done: bool = False
-
-    def complete(self, now: float) -> bool:
-        return (not self.asked and not self.nodes) or now >= self.deadline
-
-    def finish(self) -> None:
-        for rank in self.asked.values():
-            self.stacks[rank] = RankStacks(rank, note=NOT_ANSWERING)
-        self.asked.clear()
-        self.done = True
-        if self.on_done is not None:
-            self.on_done(self)
-
-    def texts(self) -> dict[int, str]:
-        found = {rank: stacks.format() for rank, stacks in self.stacks.items()}
-        return dict(sorted({**found, **self.remote}.items()))
-
-
-def _ask(worker: Worker, message: DumpStacks) -> bool:
-    if worker.control is None:
-        return False
-    try:
-        worker.control.send(message)
-        return True
-    except OSError:
-        return False
 
 
 class HangWatch:
-    """One job's hang diagnosis on this machine, on the agent thread. Per group: each rank's
-    last progress, when it finished, the stacks asked for a decision and the verdict."""
+    """One job's hang diagnosis on this machine, on the agent thread. Per group (and per
+    session cell): each rank's last progress, when it finished, the stacks asked for a
+    decision and the verdict."""
 
-    def __init__(self, spec: JobSpec, emit: EventSink, role: SingleMachine) -> None:
+    def __init__(self, spec: JobSpec, emit: EventSink, stacks: StackRequests) -> None:
         self.stall_timeout = spec.stall_timeout
         # Every rank here waiting in a collective names no one on several machines: the
         # ranks they wait for may be busy elsewhere, where that machine's agent watches them.
         self.all_waiting_after = float("inf") if spec.multi_node \
             else (spec.stall_timeout or 0.0)
         self.emit = emit
-        self.role = role
-        self._ids = itertools.count(1)
-        self.gatherings: dict[int, Gathering] = {}
+        self.stacks = stacks
         self._output_at: dict[tuple[int, int], float] = {}  # (attempt, rank), pump threads
-        self._reset(-1)
+        self.reset(-1)
 
-    def _reset(self, attempt: int) -> None:
-        """A new group: nothing known of its ranks yet."""
+    def reset(self, attempt: int) -> None:
+        """A new group, or a session's next cell: nothing known of its ranks yet."""
         self.attempt = attempt
         self.progress_at: dict[int, float] = {}  # local rank -> last progress
         self.finished_at: dict[int, float] = {}
@@ -124,13 +63,13 @@ class HangWatch:
         self.check: Gathering | None = None  # stacks asked for a decision
         self.next_check = 0.0
         self.verdict: Verdict | None = None
-        self.stalled = False  # the watchdog failed the group
+        self.tripped = False  # the watchdog failed the group
         self.failures: list[RankFailure] = []  # the verdict's, to put before the reports
         self.kept: dict[int, str] = {}  # stacks of a group that failed by a hang
 
     def _sync(self, group: WorkerGroup) -> None:
         if group.attempt != self.attempt:
-            self._reset(group.attempt)
+            self.reset(group.attempt)
 
     # -- what arrives ---------------------------------------------------------------------
 
@@ -142,113 +81,27 @@ class HangWatch:
             emit(event)
         return sink
 
-    def handle(self, item: object, group: WorkerGroup | None) -> bool:
-        """Take what arrived on the agent's inbox if it is ours alone (stacks asked or
-        answered, progress); other reports are noted and left to the loop (False)."""
-        match item:
-            case StacksCommand():
-                self.request(item, group)
-                return True
-            case WorkerReport() if group is not None:
-                return self.take(item, group)
-            case FromLink():
-                return self.take_link(item, group)
-        return False
-
-    def take(self, report: WorkerReport, group: WorkerGroup) -> bool:
-        """Note a worker's report; True when it was for us alone (progress, stacks)."""
+    def note(self, report: WorkerReport, group: WorkerGroup) -> bool:
+        """Note a worker's progress or result; True when the report was for us alone."""
         self._sync(group)
-        mine = isinstance(report.message, (Progress, Stacks))
-        if report.attempt != group.attempt:
-            return mine
-        local = report.local_rank
-        match report.message:
-            case Progress() | Running() | StateGet() | Commit():
-                self.progress_at[local] = report.time
-            case Result():
-                self.finished_at[local] = report.time
-            case Stacks(request_id, threads):
-                gathering = self.gatherings.get(request_id)
-                rank = gathering.asked.pop((report.attempt, local), None) if gathering else None
-                if gathering is not None and rank is not None:
-                    gathering.stacks[rank] = RankStacks(rank, threads)
-                self._tick(time.time())
-        return mine
-
-    def take_link(self, item: FromLink, group: WorkerGroup | None) -> bool:
-        """Stacks between machines; True when ``item`` was one of those."""
-        match item.message:
-            case StacksRequest(request_id):  # the head asks this machine
-                link = item.link
-
-                def answer(gathering: Gathering) -> None:
-                    link.send(NodeStacks(request_id, gathering.texts()))
-
-                self._start(group, answer)
-            case NodeStacks(request_id, stacks):  # a machine answers the head
-                gathering = self.gatherings.get(request_id)
-                if gathering is not None:
-                    gathering.remote.update(stacks)
-                    gathering.nodes.discard(item.node)
-                self._tick(time.time())
-            case _:
-                return False
-        return True
-
-    def request(self, command: StacksCommand, group: WorkerGroup | None) -> None:
-        """Someone asked for every rank's stacks (``Job.stacks``)."""
-        answer = command.answer
-
-        def reply(gathering: Gathering) -> None:
-            with contextlib.suppress(InvalidStateError):  # the asker gave up
-                answer.set_result(gathering.texts())
-
-        role = self.role
-        nodes = set(role.names) if isinstance(role, Head) and role.hub is not None else set()
-        gathering = self._start(group, reply, nodes=nodes)
-        if nodes and isinstance(role, Head) and role.hub is not None:
-            role.hub.broadcast(StacksRequest(gathering.request_id))
-
-    def _start(self, group: WorkerGroup | None, on_done: Callable[[Gathering], None] | None,
-               *, nodes: set[int] | None = None) -> Gathering:
-        now = time.time()
-        gathering = Gathering(next(self._ids), now + (REMOTE_DEADLINE if nodes else
-                                                      STACKS_DEADLINE), {}, set(nodes or ()),
-                              on_done)
-        for worker in group.workers if group is not None else ():
-            rank = worker.global_rank
-            if worker.state is WorkerState.SUCCEEDED:
-                gathering.stacks[rank] = RankStacks(rank, note=FINISHED)
-            elif worker.error is None and worker.alive() \
-                    and _ask(worker, DumpStacks(gathering.request_id)):
-                gathering.asked[(worker.attempt, worker.local_rank)] = rank
-        self.gatherings[gathering.request_id] = gathering
-        self._tick(now)
-        return gathering
-
-    def _tick(self, now: float) -> None:
-        for request_id, gathering in list(self.gatherings.items()):
-            if gathering.complete(now):
-                del self.gatherings[request_id]
-                gathering.finish()
-
-    def close(self) -> None:
-        """The job ends: answer whoever still waits with what has arrived."""
-        self._tick(float("inf"))
+        if report.attempt == group.attempt:
+            match report.message:
+                case Progress() | Running() | StateGet() | Commit():
+                    self.progress_at[report.local_rank] = report.time
+                case Result():
+                    self.finished_at[report.local_rank] = report.time
+        return isinstance(report.message, Progress)
 
     # -- each round of the loop -----------------------------------------------------------
 
     def watch(self, status: GroupStatus, group: WorkerGroup) -> GroupStatus:
-        """The group's status as the loop should see it: failed when the watchdog names a
+        """A job's group status as the loop should see it: failed when the watchdog names a
         stalled rank; not failed yet while the stacks of a group that failed by a timeout
         or a lost peer are being gathered (the teardown waits for them, ~ms; at most
         STACKS_DEADLINE)."""
-        now = time.time()
-        self._sync(group)
-        self._drop_gone(group)
-        self._tick(now)
+        now = self._look(group)
         self._notice_finished(group, now)
-        if self.stalled:
+        if self.tripped:
             return dataclasses.replace(status, failed=True)
         if status.failed:
             if self.verdict is None and _hang_failure(group) and not self._judged(group, now):
@@ -258,15 +111,20 @@ class HangWatch:
             return dataclasses.replace(status, failed=True)
         return status
 
-    def _drop_gone(self, group: WorkerGroup) -> None:
-        """A rank that has exited cannot answer: stop waiting for it."""
-        if not any(g.asked for g in self.gatherings.values()):
-            return
-        gone = {(w.attempt, w.local_rank) for w in group.workers if not w.alive()}
-        for gathering in self.gatherings.values():
-            for key in gone & gathering.asked.keys():
-                rank = gathering.asked.pop(key)
-                gathering.stacks[rank] = RankStacks(rank, note=EXITED)
+    def stalled(self, group: WorkerGroup) -> bool:
+        """A session's cell: whether the watchdog names a stalled rank (then the group is
+        torn down, and ``explain`` names it)."""
+        if self.stall_timeout is None:
+            return False
+        now = self._look(group)
+        return self.tripped or self._stall(group, now)
+
+    def _look(self, group: WorkerGroup) -> float:
+        now = time.time()
+        self._sync(group)
+        self.stacks.drop_gone(group)
+        self.stacks.tick(now)
+        return now
 
     def _notice_finished(self, group: WorkerGroup, now: float) -> None:
         for worker in group.workers:
@@ -285,7 +143,7 @@ class HangWatch:
         """A failure by timeout or lost peer: once the live ranks' stacks are in, name the
         rank the others waited for. False while they are still being gathered."""
         if self.check is None:
-            self.check = self._start(group, None)
+            self.check = self.stacks.gather(group, None)
         if not self.check.done:
             return False
         views = self._views(group, now, self.check)
@@ -300,7 +158,7 @@ class HangWatch:
             if now < self.next_check or not quiet_ranks(self._views(group, now, None),
                                                         self.stall_timeout):
                 return False
-            self.check = self._start(group, None)
+            self.check = self.stacks.gather(group, None)
         if not self.check.done:
             return False
         views = self._views(group, now, self.check)
@@ -310,7 +168,7 @@ class HangWatch:
             self.next_check = now + max(1.0, self.stall_timeout / 2)
             return False
         self._decide(verdict, views, group, self.check, now)
-        self.stalled = True
+        self.tripped = True
         return True
 
     def _views(self, group: WorkerGroup, now: float,

@@ -25,17 +25,15 @@ import contextlib
 import hashlib
 import hmac
 import itertools
-import queue
 import secrets
 import socket
 import struct
 import threading
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from ..messages import Heartbeat, JobOffer, LinkMessage
 from ..protocol import Channel
+from .inbox import FromLink, Inbox
 
 HUB_KEY = "elastic_magic/hub"  # in the rendezvous store: "host:port" of the hub
 _NONCE_BYTES = 32
@@ -124,18 +122,7 @@ class Link:
             self.sock.close()
 
 
-@dataclass(frozen=True)
-class FromLink:
-    """A message from the other side (machine ``node``, or 0 for the head), or None when
-    the connection ended (``reason`` says why when it failed rather than closed)."""
-
-    link: Link
-    node: int
-    message: LinkMessage | None
-    reason: str | None = None
-
-
-def read_into(link: Link, node: int, inbox: queue.Queue[Any]) -> None:
+def read_into(link: Link, node: int, inbox: Inbox) -> None:
     """Put every message from ``link`` on ``inbox`` until it closes (run on a thread)."""
     reason = None
     while True:
@@ -160,8 +147,7 @@ class Hub:
     """Head side: accepts nodes on ``host`` (OS-assigned port), hands each the job, and
     puts their messages on the agent's inbox (``FromLink``)."""
 
-    def __init__(self, host: str, token: str, job: JobOffer,
-                 inbox: queue.Queue[Any]) -> None:
+    def __init__(self, host: str, token: str, job: JobOffer, inbox: Inbox) -> None:
         self.link_timeout = job.spec.link_timeout
         self.token = token
         self.job = job

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -14,6 +14,7 @@ from ..messages import ScaleCommand, StopCommand
 from ..payload import Payload
 from ..result import JobResult, JobState
 from ..spec import JobSpec
+from .assemble import job_agent
 from .handle import (
     RENDER_INTERVAL,
     AgentError,
@@ -24,9 +25,9 @@ from .handle import (
     pause_after,
     wait_through_interrupts,
 )
-from .roles import JoinedJob
+from .job_loop import JobLoop
+from .joined import JoinedJob
 from .status import JobStatus
-from .supervisor import Agent
 
 __all__ = ["RENDER_INTERVAL", "AgentError", "Job", "Renderer", "new_run_id"]
 
@@ -40,7 +41,7 @@ class Job(AgentThread):
         super().__init__(spec, run_id, hosts=joined is None)
         self.events: queue.Queue[Event] = queue.Queue()
         self._forward = forward  # a joined machine: the events the head shows too
-        self._agent: Agent | None = Agent(
+        self._agent: JobLoop | None = job_agent(
             spec, payload, self.run_id, self._emit, self._inbox, self._board,
             token=self.token, joined=joined)
         # Spawning from this long-lived thread matters: PR_SET_PDEATHSIG fires when the
@@ -78,13 +79,14 @@ class Job(AgentThread):
         return (f"<elastic Job {self.run_id}: {self.state.value} at {time.strftime('%H:%M:%S')}"
                 "; a live handle: show it again, or %elastic status, for its state now>")
 
-    def scale(self, nproc: int, immediate: bool = False) -> None:
+    def scale(self, nproc: int, immediate: bool = False, include: Iterable[int] = ()) -> None:
         """Resize to ``nproc`` workers on this machine. With an elastic State in the cell the
         resize happens at the next ``commit()`` (no step lost or repeated) unless
-        ``immediate``; a job without State is resized at once. Raises SpecError outside the
-        job's --min-nproc/--max-nproc bounds."""
+        ``immediate``; a job without State is resized at once. A worker slot left out for
+        failing again stays out at every size unless named in ``include``. Raises SpecError
+        outside the job's --min-nproc/--max-nproc bounds."""
         self.spec.check_scale(nproc)
-        self._inbox.put(ScaleCommand(nproc, immediate))
+        self._inbox.put(ScaleCommand(nproc, immediate, tuple(include)))
 
     @property
     def last_commit(self) -> dict[str, Any] | None:

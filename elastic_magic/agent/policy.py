@@ -35,7 +35,7 @@ class Step(Enum):
     RESIZED = "resized"  # every rank left at a commit: next round at the new size
 
 
-def while_running(action: Action | None, regroup_due: bool, status: GroupStatus) -> Step:
+def during_group(action: Action | None, regroup_due: bool, status: GroupStatus) -> Step:
     """Commands first (a stop beats everything), then membership, then the group itself."""
     if action is Action.STOP:
         return Step.STOP
@@ -76,18 +76,18 @@ class Next(Enum):
     EXCLUDE = "exclude"  # go on without the failing slot, from the last commit: no restart
 
 
-def settle(step: Step, *, stop_requested: bool, node_failed: bool,
-           regroup: bool = False) -> Step:
-    """What ended the group, counting what arrived while it was torn down: a stop, or
-    another machine's failure for good, outranks a restart or a new round; a membership
-    change (a machine left or was lost) makes a failure a consequence of it: a regroup."""
+def what_ended(step: Step, heard: Action | None) -> Step:
+    """What ended the group, counting what was ``heard`` (the most urgent command) while it
+    was torn down: a stop, or another machine's failure for good, outranks a restart or a
+    new round; a membership change (a machine left or was lost) makes a failure a
+    consequence of it: a regroup."""
     if step is Step.SUCCEEDED:
         return step
-    if stop_requested:
+    if heard is Action.STOP:
         return Step.STOP
-    if node_failed:
+    if heard is Action.NODE_FAILED:
         return Step.NODE_FAILED
-    if step is Step.FAILED and regroup:
+    if step is Step.FAILED and heard is Action.REGROUP:
         return Step.REGROUP
     return step
 
@@ -128,13 +128,15 @@ class Membership:
     """This machine's worker count, the resize waiting to be applied, and its worker
     slots: slot ``s`` is GPU ``s`` (or the s-th CPU worker). Local ranks are renumbered
     from 0 in every group; slots are not, so a slot that keeps failing can be named and
-    left out. The group's slots are the ``nproc`` lowest that are not excluded."""
+    left out. The group's slots are the ``nproc`` lowest that are not excluded; an excluded
+    slot stays out at every size until the user names it back (``request(include=...)``)."""
 
     nproc: int
     pending: int | None = None
     resizes: int = 0
-    excluded: set[int] = field(default_factory=set)
+    excluded: dict[int, str] = field(default_factory=dict)  # slot -> why it is out
     failed: set[int] = field(default_factory=set)  # slots that failed in some attempt
+    returning: set[int] = field(default_factory=set)  # excluded slots named back
 
     @property
     def slots(self) -> list[int]:
@@ -147,29 +149,37 @@ class Membership:
         self.failed.add(slot)
         return before
 
-    def exclude(self, slot: int) -> tuple[int, int]:
+    def exclude(self, slot: int, why: str = "") -> tuple[int, int]:
         """Go on without ``slot``: (old, new) worker count."""
-        self.excluded.add(slot)
+        self.excluded[slot] = why
         self.nproc -= 1
         return self.nproc + 1, self.nproc
 
-    def request(self, target: int, *, graceful: bool) -> Resize:
-        """Note a resize to ``target``: applied at the next commit when ``graceful`` (no
-        step lost), else now."""
-        if target == self.nproc and self.pending is None:
+    def request(self, target: int, *, graceful: bool, include: Collection[int] = ()
+                ) -> Resize:
+        """Note a resize to ``target``, with the excluded slots in ``include`` back in:
+        applied at the next commit when ``graceful`` (no step lost), else now."""
+        back = set(include) & self.excluded.keys()
+        if target == self.nproc and self.pending is None and not back:
             return Resize.NONE
         self.pending = target
+        self.returning |= back
         return Resize.AT_COMMIT if graceful else Resize.NOW
 
     @property
     def resize_pending(self) -> bool:
-        return self.pending is not None and self.pending != self.nproc
+        return (self.pending is not None and self.pending != self.nproc) \
+            or bool(self.returning)
 
     def apply(self) -> tuple[int, int] | None:
-        """Before a new round: take the pending size; (old, new) when it changed."""
+        """Before a new round: take the pending size and the slots named back; (old, new)
+        when the group changes."""
         old, new = self.nproc, self.pending
-        self.pending = None
-        if new is None or new == old:
+        back, self.pending, self.returning = self.returning, None, set()
+        for slot in back:  # a fresh start: its earlier failures are forgotten
+            del self.excluded[slot]
+            self.failed.discard(slot)
+        if new is None or (new == old and not back):
             return None
         self.nproc = new
         self.resizes += 1
@@ -212,12 +222,13 @@ class RegroupClock:
 
 @dataclass(frozen=True)
 class CellStatus:
-    """Where a session's cell stands on this machine (``agent/session.py``)."""
+    """Where a session's cell stands on this machine (``agent/cell_runner.py``)."""
 
     died: bool = False  # a worker process ended: the group cannot run the next cell
     reported: bool = False  # every rank reported its value or its error, output included
     errors: bool = False  # some rank reported an error (it lives on)
     resized: bool = False  # every rank left at a commit that applied a resize
+    stalled: bool = False  # the stall watchdog named a rank (--stall-timeout)
 
 
 class CellStep(Enum):
@@ -234,13 +245,13 @@ class CellStep(Enum):
 def during_cell(action: Action | None, status: CellStatus, *, interrupt: bool,
                 interrupted_for: float | None, grace: float) -> CellStep:
     """A stop first (a resize waits for the cell's end or its next commit); then a rank
-    that died; then the ranks' answers. A rank that raised, or
+    that died or stalled; then the ranks' answers. A rank that raised, or
     a Ctrl-C, interrupts the others (they may wait for it in a collective); ranks that have
     not answered ``grace`` seconds after the interrupt are stuck: the group is re-formed.
     ``interrupted_for``: seconds since the interrupt was sent (None: not sent)."""
     if action is Action.STOP:
         return CellStep.STOP
-    if status.died:
+    if status.died or status.stalled:
         return CellStep.BROKEN
     if status.resized:
         return CellStep.RESIZED
@@ -269,8 +280,3 @@ def cell_state(step: CellStep, failures: list[RankFailure], *, interrupted: bool
     if step is CellStep.DONE and not failures:
         return JobState.SUCCEEDED
     return JobState.FAILED
-
-
-def reform_allowed(restarts_used: int, max_restarts: int) -> bool:
-    """A session whose group broke re-forms if a restart is left (as a job restarts)."""
-    return after_group(Step.FAILED, restarts_used, max_restarts) is Next.RESTART

@@ -1,17 +1,15 @@
 """Where an agent stands in its job: alone on one machine, the head of several machines (the
-kernel), or a machine that joined the head's job (``elastic-magic join``). A role owns its
-links and threads and answers the loop's questions; the loop itself is the same for all.
+kernel), or a machine that joined the head's job (``elastic-magic join``, ``joined.py``). A
+role owns its links and threads and answers the engine's and the loops' questions, so that
+no code asks which role it holds; the loops themselves are the same for all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import queue
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..events import AcceptingNodes, EventSink, Excluded, NetworkChosen, NodeConnected, Output
 from ..messages import (
@@ -23,20 +21,24 @@ from ..messages import (
     Hello,
     JobOffer,
     Leaving,
+    LinkMessage,
     NodeFinished,
     NodeReply,
     NodeRequest,
     Regroup,
     Reply,
     Result,
+    StacksRequest,
     StateRequest,
 )
 from ..protocol import new_secret
 from ..result import JobState, RankFailure
 from ..spec import JobSpec
 from .group import WorkerGroup
-from .hub import HUB_KEY, FromLink, Hub, Link, join_command, read_into
+from .hub import HUB_KEY, Hub, join_command
+from .inbox import FromLink, Inbox
 from .network import choose
+from .policy import Step
 from .rendezvous import Rendezvous, RoundInfo, rendezvous_key
 from .snapshots import StateServer
 from .workers import Worker, take_memory_file
@@ -53,6 +55,7 @@ class SingleMachine:
     """One machine: the kernel hosts the rendezvous and holds the snapshots."""
 
     hosts_rendezvous = True
+    holds_snapshots = True  # a joined machine asks the head for State
     join_command: str | None = None
     network: NetworkChosen | None = None  # several machines: the interface workers use
 
@@ -106,8 +109,23 @@ class SingleMachine:
         return False
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
-                     next_action: NextAction) -> JobState:
-        return JobState.SUCCEEDED
+                     next_action: NextAction) -> Step:
+        """This machine's group succeeded in round ``info``: what ended the round for the
+        job (SUCCEEDED, or STOP, REGROUP, NODE_FAILED heard before the others were done)."""
+        return Step.SUCCEEDED
+
+    def peers_for_stacks(self) -> set[int]:
+        """The other machines to ask for their ranks' stacks (hub connections)."""
+        return set()
+
+    def ask_peers_for_stacks(self, request_id: int) -> None:
+        """Ask those machines; their answers come to the inbox as NodeStacks."""
+
+    def broadcast(self, message: LinkMessage) -> None:
+        """Tell every machine that joined this one (a session's cells, interrupts)."""
+
+    def send_to_head(self, message: LinkMessage) -> None:
+        """Tell the head of the job (a joined session's reports); here, nobody."""
 
     def other_ranks(self, info: RoundInfo | None) -> tuple[dict[int, Result],
                                                          dict[int, list[str]]]:
@@ -127,7 +145,7 @@ class Head(SingleMachine):
     join with the token; serves their State requests and collects their results."""
 
     def __init__(self, spec: JobSpec, run_id: str, emit: EventSink, *, token: str,
-                 payload: Payload, inbox: queue.Queue[Any]) -> None:
+                 payload: Payload, inbox: Inbox) -> None:
         super().__init__(spec, run_id, emit)
         self.token = token
         self.rdzv_key = rendezvous_key(token)  # the machines that join hold the token too
@@ -239,7 +257,7 @@ class Head(SingleMachine):
     reforming = regrouping
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
-                     next_action: NextAction) -> JobState:
+                     next_action: NextAction) -> Step:
         """Wait for every other machine's results of this round."""
         deadline = time.monotonic() + self.spec.timeout
         while len(self.results.get(info.round_id, {})) < info.nnodes - 1:
@@ -248,12 +266,23 @@ class Head(SingleMachine):
                                    f"{self.spec.timeout:.0f}s")
             action = next_action(self.spec.monitor_interval)
             if action is Action.STOP:
-                return JobState.STOPPED
+                return Step.STOP
             if action is Action.NODE_FAILED:
-                return JobState.FAILED
+                return Step.NODE_FAILED
             if action is Action.REGROUP:  # a machine went before its results came
-                return JobState.RESIZING  # so re-form, and finish from the last commit
-        return JobState.SUCCEEDED
+                return Step.REGROUP  # so re-form, and finish from the last commit
+        return Step.SUCCEEDED
+
+    def peers_for_stacks(self) -> set[int]:
+        return set(self.names) if self.hub is not None else set()
+
+    def ask_peers_for_stacks(self, request_id: int) -> None:
+        if self.hub is not None:
+            self.hub.broadcast(StacksRequest(request_id))
+
+    def broadcast(self, message: LinkMessage) -> None:
+        if self.hub is not None:
+            self.hub.broadcast(message)
 
     def other_ranks(self, info: RoundInfo | None) -> tuple[dict[int, Result],
                                                          dict[int, list[str]]]:
@@ -271,123 +300,3 @@ class Head(SingleMachine):
                 hub.broadcast(EndJob(f"the job {final.value}"))
             finally:
                 hub.close()
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinedJob:
-    """How an agent on another machine takes part in the head's job."""
-
-    link: Link  # to the head's hub
-    rdzv_endpoint: str  # the rendezvous store the head hosts
-    host: str  # this machine's address as the others reach it
-    rdzv_key: bytes  # what the head signs that store with (from the token)
-
-
-class JoinedMachine(SingleMachine):
-    """A machine that joined the head's job: it follows the head's rendezvous, proxies its
-    workers' State requests to the head and reports its results there. It does not watch
-    for waiting machines itself (the head does, and says Regroup): a read of the head's
-    store could block its loop for the store's timeout on a cut link, long after the
-    link's own timeout has said that the head is lost."""
-
-    hosts_rendezvous = False
-
-    def __init__(self, spec: JobSpec, run_id: str, emit: EventSink, joined: JoinedJob,
-                 inbox: queue.Queue[Any]) -> None:
-        super().__init__(spec, run_id, emit)
-        self.link = joined.link
-        self.head_lost = False
-        self.joined = joined
-        self.rdzv_key = joined.rdzv_key
-        self._reader = threading.Thread(target=read_into, args=(self.link, 0, inbox),
-                                        name="elastic-head", daemon=True)
-
-    def open(self) -> Rendezvous:
-        self._reader.start()
-        self.network = choose(self.joined.host, self.spec.env)
-        self.emit(self.network)  # printed here and forwarded to the notebook
-        spec = self.spec
-        return Rendezvous(self.run_id, key=self.rdzv_key, host=self.joined.host,
-                          join=self.joined.rdzv_endpoint, min_nodes=spec.min_nodes,
-                          max_nodes=spec.max_nodes, join_timeout=spec.timeout)
-
-    def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
-               world_size: int) -> Action | None:
-        match item.message:
-            case NodeReply(attempt, local_rank, reply):
-                if group is not None and attempt == group.attempt \
-                        and local_rank < len(group.workers):
-                    group.workers[local_rank].send(reply)
-            case Regroup():
-                return Action.REGROUP
-            case EndJob(reason):
-                self.stop_reason = reason
-                return Action.STOP
-            case None:
-                # The job cannot go on here without the head: stop the workers, and fail
-                # (a scheduler sees this machine's agent end in error).
-                why = f"the link to the head failed: {item.reason}" if item.reason \
-                    else "the head of the job (the notebook's kernel) went away"
-                self.head_lost = True
-                self.node_failures.append(RankFailure(
-                    rank=-1, local_rank=-1, attempt=group.attempt if group else 0, pid=0,
-                    time=time.time(), reason=f"lost the head at {self.link.peer}: {why}"))
-                return Action.NODE_FAILED
-        return None
-
-    def serve(self, worker: Worker, request: StateRequest, server: StateServer | None,
-              world_size: int) -> None:
-        """The head holds the snapshots: a snapshot in a memory file crosses as bytes."""
-        memory_file = take_memory_file(worker, request)
-        if memory_file is False:
-            return
-        if memory_file is not None:
-            assert isinstance(request, Commit) and request.handoff is not None
-            try:
-                data = os.pread(memory_file, request.handoff.size, 0)
-            finally:
-                os.close(memory_file)
-            request = dataclasses.replace(request, snapshot=data, handoff=None)
-        self.link.send(NodeRequest(worker.attempt, worker.local_rank, request))
-
-    def stop_requested(self, reason: str) -> None:
-        self.link.send(Leaving(reason))  # a membership change there, before our ranks go
-
-    def reforming(self) -> None:
-        self.link.send(Regroup())  # the head regroups every machine
-
-    def finish_round(self, info: RoundInfo, group: WorkerGroup,
-                     next_action: NextAction) -> JobState:
-        self.link.send(GroupResult(info.round_id, info.node_rank, group.results(),
-                                   group.tails()))
-        return JobState.SUCCEEDED
-
-    def finished(self, final: JobState, failures: list[RankFailure]) -> None:
-        try:
-            self.link.send(NodeFinished(final, failures))
-        finally:
-            self.link.close()
-
-    def close_rendezvous(self, rendezvous: Rendezvous | None) -> None:
-        if rendezvous is None:  # the run id stays open: the job belongs to the head
-            return
-        if self.head_lost:
-            # torch's rendezvous heartbeat thread may wait on the lost head's store for the
-            # store's timeout (a minute), and releasing the handler joins it. This agent is
-            # about to exit (elastic-magic join): it does not wait for that thread.
-            threading.Thread(target=rendezvous.close, kwargs={"shutdown": False},
-                             name="elastic-rendezvous-close", daemon=True).start()
-        else:
-            rendezvous.close(shutdown=False)
-
-
-def role_for(spec: JobSpec, run_id: str, emit: EventSink, inbox: queue.Queue[Any],
-             payload: Payload, *, token: str | None, joined: JoinedJob | None
-             ) -> SingleMachine:
-    """This agent's role: a machine that joined, the head of several, or one alone."""
-    if joined is not None:
-        return JoinedMachine(spec, run_id, emit, joined, inbox)
-    if spec.multi_node:
-        assert token is not None
-        return Head(spec, run_id, emit, token=token, payload=payload, inbox=inbox)
-    return SingleMachine(spec, run_id, emit)

@@ -27,6 +27,7 @@ class JobStatus:
     pids: Mapping[int, int] = field(default_factory=_no_pids)  # rank -> PID, live, here
     join_command: str | None = None  # set once other machines can join
     last_commit: Mapping[str, Any] | None = None  # step, time, world size
+    excluded: tuple[str, ...] = ()  # what the job goes on without (slots, machines), and why
     started: float = field(default_factory=time.time)
     finished: float | None = None
     done: bool = False  # the agent thread has ended: the result (or error) is there

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..events import EventSink, NetworkChosen
 from ..logs import make_rank_dir
@@ -37,7 +36,6 @@ from ..messages import (
     Result,
     Run,
     StateRequest,
-    WorkerMessage,
 )
 from ..protocol import Channel, ProtocolError, widen_pipe
 from ..result import RankFailure
@@ -47,6 +45,7 @@ if TYPE_CHECKING:
     from ..spec import JobSpec
     from .rendezvous import RoundInfo
 
+from .inbox import Inbox, WorkerReport
 from .output import StreamPump, new_tail
 from .pool import PooledProcess, Zygote
 
@@ -73,16 +72,6 @@ class WorkerState(str, Enum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     UNKNOWN = "UNKNOWN"
-
-
-@dataclass(frozen=True)
-class WorkerReport:
-    """A message from a worker of ``attempt``, or None when its report pipe closed."""
-
-    attempt: int
-    local_rank: int
-    message: WorkerMessage | None
-    time: float
 
 
 @dataclass
@@ -223,7 +212,7 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
 
 def spawn(
     worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, log_root: Path,
-    inbox: queue.Queue[Any], emit: EventSink, zygote: Zygote | None = None,
+    inbox: Inbox, emit: EventSink, zygote: Zygote | None = None,
 ) -> None:
     """Start ``python -m elastic_magic.worker`` in its own session, or fork it from the
     ``zygote`` of the warm pool; then its pumps and reader."""
@@ -273,7 +262,7 @@ def spawn(
         thread.start()
 
 
-def _read_reports(worker: Worker, channel: Channel, inbox: queue.Queue[Any]) -> None:
+def _read_reports(worker: Worker, channel: Channel, inbox: Inbox) -> None:
     while True:
         try:
             message = channel.recv()

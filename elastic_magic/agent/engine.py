@@ -1,0 +1,301 @@
+"""The engine: one job's worker groups on this machine, whichever loop drives them.
+
+It owns what a group's life takes, and nothing of the decisions between groups: the
+rendezvous round, starting the group, the inbox (commands, worker reports, other machines),
+the job's state, tearing a group down, what follows a failure here (restart, or a slot left
+out: design decision 19), the result, and releasing everything at the end (decision 13).
+The one-shot loop (``job_loop``) and a session's loops (``session_loop``,
+``session_joined``) each hold an engine; none inherits another's loop.
+
+A loop's own inbox items (a session's cells, its interrupts) are handed to the loop first
+(``switchboard.loop_items``), wherever the inbox is read (a round, a teardown, the other
+machines' results): they are never lost while the engine waits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+from ..events import (
+    EventSink,
+    JobFinished,
+    MembershipChanged,
+    RendezvousCompleted,
+    ResizeRequested,
+    StateChanged,
+    WorkersStarted,
+)
+from ..logs import is_default, open_run, prune, rank_dir
+from ..messages import Action, NodeRequest, Result, ScaleCommand, StopCommand
+from ..payload import Payload
+from ..protocol import new_secret
+from ..result import JobResult, JobState, RankFailure, assemble_result
+from ..spec import JobSpec
+from .cells import without_end_marks
+from .group import WorkerGroup
+from .hangs import HangWatch
+from .inbox import FromLink, Inbox, InboxItem, WorkerReport
+from .policy import Membership, Next, Resize, Step
+from .recovery import Recovery
+from .rendezvous import Rendezvous, RoundInfo
+from .roles import SingleMachine
+from .stack_requests import StackRequests
+from .state_keeper import StateKeeper
+from .status import StatusBoard
+from .switchboard import Switchboard
+from .workers import Worker, torchrun_env
+
+# Makes one attempt's workers on this machine: (attempt, base rank, nproc). Tests give a
+# scripted group here, as torch tests its rendezvous with a fake state holder.
+GroupFactory = Callable[[int, int, int], WorkerGroup]
+Results = tuple[dict[int, Result], dict[int, list[str]]]  # other machines' ranks
+
+
+class Engine:
+    """One job's worker groups on this machine (see the module's docstring)."""
+
+    def __init__(self, spec: JobSpec, payload: Payload, run_id: str, emit: EventSink,
+                 inbox: Inbox, board: StatusBoard, role: SingleMachine, *,
+                 new_group: GroupFactory = WorkerGroup) -> None:
+        self.spec = spec
+        self.payload = payload  # what every group starts with
+        self.run_id = run_id
+        self.emit = emit
+        self.inbox = inbox
+        self.board = board
+        self.role = role
+        self.new_group = new_group
+        self.switchboard = Switchboard(inbox, self._dispatch, self._check_store)
+        self.key = new_secret()
+        self.log_root = spec.log_dir / run_id
+        self.run_lock: int | None = None  # held while the job runs: see logs.open_run
+        self.stack_requests = StackRequests(role)
+        self.hangs = HangWatch(spec, emit, self.stack_requests)  # stalls, early exits
+        self.elastic_state = StateKeeper(spec, role, board, emit, self._leave_at_commit)
+        self.membership = Membership(spec.nproc)
+        self.recovery = Recovery(spec, self.membership, role, board, emit)  # restarts, slots
+        self.rendezvous: Rendezvous | None = None
+        self.round: RoundInfo | None = None
+        self.group: WorkerGroup | None = None
+        self.state = JobState.RENDEZVOUS
+        self.attempt = -1
+        self.world_size = 0
+        self.failures: list[RankFailure] = []
+        self.stop_reason: str | None = None
+
+    # -- a group's life -------------------------------------------------------------------
+
+    def open(self) -> None:
+        """What a job holds before its first round: its run's lock (first, so no prune
+        takes this run), the checkpoint it resumes from, the rendezvous."""
+        self.run_lock = open_run(self.log_root)
+        if is_default(self.spec.log_dir):
+            prune(self.spec.log_dir)
+        self.elastic_state.resume()
+        self.rendezvous = self.role.open()
+        self.board.publish(join_command=self.role.join_command)
+
+    def apply_resize(self) -> None:
+        """Before a round: the size asked for, and the slots named back, take effect."""
+        if change := self.membership.apply():
+            self.emit(MembershipChanged(*change))
+
+    def next_round(self) -> RoundInfo | None:
+        """Join the next round, serving the inbox meanwhile. None when a stop (or another
+        machine's failure for good) came first, or when a joined machine finds that the
+        job has ended."""
+        assert self.rendezvous is not None
+        try:
+            info = self.rendezvous.next_round_unless(
+                self.membership.nproc, self._stop_waiting, self.spec.monitor_interval,
+                cancel=self.role.hosts_rendezvous)
+        except RendezvousClosedError:
+            if self.role.hosts_rendezvous:
+                raise
+            self.stop_reason = "the job ended before this machine joined a round"
+            return None
+        if info is not None:
+            self.round = info
+            self.emit(RendezvousCompleted(info.round, info.node_rank, info.nnodes,
+                                          info.world_size, info.master_addr,
+                                          info.master_port))
+        return info
+
+    def _stop_waiting(self) -> bool:
+        return self.switchboard.drain() in (Action.STOP, Action.NODE_FAILED)
+
+    def start_group(self, info: RoundInfo) -> None:
+        """This machine's workers of round ``info``, running ``payload``."""
+        self.attempt += 1
+        self.world_size = info.world_size
+        self.switchboard.new_group()
+        self.failures = []
+        self.set_state(JobState.STARTING)
+        nproc, slots = self.membership.nproc, self.membership.slots
+        group = self.group = self.new_group(self.attempt, info.base_rank, nproc)
+
+        def env_for(worker: Worker) -> dict[str, str]:
+            error_file = rank_dir(self.log_root, self.attempt, worker.global_rank) / "error.json"
+            return torchrun_env(worker, info, self.spec, nproc=nproc, run_id=self.run_id,
+                                restart_count=self.restarts, error_file=error_file,
+                                network=self.role.network, slots=slots)
+
+        group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
+                    log_root=self.log_root, inbox=self.inbox,
+                    emit=self.hangs.noting_output(self.emit), pool=self.spec.pool)
+        self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids))
+        self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
+                           restarts=self.restarts, pids=group.live_pids())
+
+    def tear_down(self) -> tuple[float, list[RankFailure]]:
+        """Stop the group at once (no waiting for collective timeouts): when, and the ranks
+        that failed on their own before that, root cause first (error reports still in
+        flight included)."""
+        group = self.group
+        assert group is not None
+        teardown_at = group.tear_down()
+        self.switchboard.drain()
+        return teardown_at, group.failures_before(teardown_at)
+
+    def close_group(self) -> None:
+        """Whatever happened: no worker of the group left running."""
+        if self.group is not None:
+            self.group.close()
+            self.board.publish(pids={})
+
+    def after_group(self, step: Step) -> Next:
+        """What follows the group that ended with ``step`` (see ``recovery``)."""
+        ranks = self.group.ranks if self.group is not None else ()
+        return self.recovery.after_group(step, self.failures, ranks)
+
+    @property
+    def restarts(self) -> int:
+        return self.recovery.restarts
+
+    def set_state(self, state: JobState) -> None:
+        if state is not self.state or state is JobState.RENDEZVOUS:
+            self.state = state
+            self.board.publish(state=state, finished=time.time() if state.is_final else None)
+            self.emit(StateChanged(state))
+
+    # -- the inbox ------------------------------------------------------------------------
+
+    def _check_store(self) -> None:
+        """Raises when the rendezvous store held something this job did not write (torch's
+        heartbeat thread may have been the one to read it)."""
+        if self.rendezvous is not None:
+            self.rendezvous.check()
+
+    def _dispatch(self, item: InboxItem) -> Action | None:
+        group = self.group
+        if self.stack_requests.handle(item, group):
+            return None
+        match item:
+            case StopCommand(reason):
+                self.stop_reason = reason
+                self.role.stop_requested(reason)
+                return Action.STOP
+            case ScaleCommand(nproc, immediate, include):
+                graceful = self.graceful and not immediate
+                verdict = self.membership.request(nproc, graceful=graceful, include=include)
+                if verdict is not Resize.NONE:
+                    self.emit(ResizeRequested(nproc, verdict is Resize.AT_COMMIT))
+                return Action.REGROUP if verdict is Resize.NOW else None
+            case WorkerReport() if group is not None:
+                if self.hangs.note(item, group):  # progress: for the hang watch alone
+                    return None
+                request = group.record(item)
+                if request is not None:
+                    self.elastic_state.serve(group.workers[item.local_rank], request,
+                                             self.world_size)
+                elif self.state is JobState.STARTING and group.running:
+                    self.set_state(JobState.RUNNING)
+            case FromLink():
+                if isinstance(item.message, NodeRequest):
+                    self.elastic_state.used = True  # another machine's ranks use State
+                action = self.role.handle(item, group, self.elastic_state.server,
+                                          self.world_size)
+                if action is Action.STOP:
+                    self.stop_reason = self.role.stop_reason
+                return action
+        return None
+
+    # -- State and membership across machines -------------------------------------------
+
+    @property
+    def graceful(self) -> bool:
+        """A membership change can wait for the running group's next State commit."""
+        return self.elastic_state.used and self.state is JobState.RUNNING
+
+    def _leave_at_commit(self) -> bool:
+        """Every rank leaves at this commit when this machine resizes or others wait."""
+        leave = self.membership.resize_pending or self.nodes_waiting()
+        if leave:
+            self.set_state(JobState.RESIZING)
+        return leave
+
+    def nodes_waiting(self) -> bool:
+        return self.spec.multi_node and self.rendezvous is not None \
+            and self.role.nodes_waiting(self.rendezvous)
+
+    # -- the end --------------------------------------------------------------------------
+
+    def result(self, state: JobState, failures: list[RankFailure], *, started: float,
+               stop_reason: str | None, others: Results | None = None,
+               snapshot: bytes | None = None) -> JobResult:
+        """The JobResult of the job, or of a session's cell: this machine's ranks, and the
+        other machines' (``others``: their results and output tails). Plain data:
+        assembling it cannot fail on a released resource."""
+        group = self.group
+        ranks, tails = (group.results(), group.tails()) if group is not None else ({}, {})
+        other_ranks, other_tails = others or ({}, {})
+        return assemble_result(
+            run_id=self.run_id, state=state, world_size=self.world_size,
+            restarts=self.restarts, max_restarts=self.spec.max_restarts, started=started,
+            log_dir=self.log_root, failures=failures, stop_reason=stop_reason,
+            resizes=self.membership.resizes, commit=self.elastic_state.snapshots.meta,
+            snapshot=snapshot, ranks={**ranks, **other_ranks},
+            tails=without_end_marks({**tails, **other_tails}), stacks=self.hangs.kept,
+            excluded=self.recovery.excluded())
+
+    def finish(self, final: JobState) -> JobResult:
+        """Release everything the job held and tell the other machines, each step even when
+        an earlier one raised; then report the job's result."""
+        errors: list[BaseException] = []
+
+        def attempt(release: Callable[[], object]) -> None:
+            try:
+                release()
+            except Exception as exc:
+                errors.append(exc)
+
+        attempt(self.close_group)
+        attempt(self._release_run_lock)
+        attempt(lambda: self.role.close_rendezvous(self.rendezvous))
+        result: JobResult | None = None
+        try:
+            others = self.role.other_ranks(self.round) if final is JobState.SUCCEEDED \
+                else None
+            result = self.result(final, self.failures, started=self.board.current.started,
+                                 stop_reason=self.stop_reason, others=others,
+                                 snapshot=self.elastic_state.snapshots.blob)
+        finally:
+            attempt(self.stack_requests.close)
+            attempt(self.elastic_state.close)
+            attempt(lambda: self.set_state(final))
+            attempt(lambda: self.role.finished(final, self.failures))
+            if result is not None:
+                attempt(lambda: self.emit(JobFinished(result)))
+            self.rendezvous = self.group = None  # their stores and pipes go now
+        if errors:
+            raise errors[0]
+        return result
+
+    def _release_run_lock(self) -> None:
+        if self.run_lock is not None:
+            os.close(self.run_lock)
+            self.run_lock = None

@@ -1,0 +1,140 @@
+"""A one-shot job's loop, modelled on torch's ``SimpleElasticAgent._invoke_run`` but ours: it
+runs on a kernel thread (no signal handlers), emits the events renderers need, and gives
+every attempt a fresh store namespace so restarts always work.
+
+next round, start, monitor, decide: restart on a failure (counts against --max-restarts),
+a new round on a membership change (does not), or leave a failing slot out. The loop decides
+(with ``policy``); the engine, its worker group and the role carry it out and report back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ..events import Restarting, WorkerFailed
+from ..messages import Action
+from ..result import JobResult, JobState, is_consequence, root_cause_order
+from .engine import Engine
+from .policy import Next, RegroupClock, Step, during_group, final_state, what_ended
+from .rendezvous import RoundInfo
+
+
+class JobLoop:
+    """Runs one job on this machine until it ends; its result."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.regroup_clock = RegroupClock()  # machines waiting to join: torch's mechanism
+
+    def run(self) -> JobResult:
+        engine, inbox = self.engine, self.engine.switchboard
+        final = JobState.FAILED
+        try:
+            engine.set_state(JobState.RENDEZVOUS)
+            engine.open()
+            while True:
+                if inbox.drain() is Action.STOP:
+                    final = JobState.STOPPED
+                    break
+                engine.apply_resize()
+                info = engine.next_round()
+                if info is None:
+                    failed = inbox.heard is Action.NODE_FAILED
+                    final = JobState.FAILED if failed else JobState.STOPPED
+                    engine.failures = list(engine.role.node_failures) if failed else []
+                    break
+                engine.start_group(info)
+                self.regroup_clock.reset()
+                step = what_ended(self._end_group(self._monitor(), info), inbox.heard)
+                if step is Step.NODE_FAILED:  # what ended it here comes first
+                    engine.failures = [*engine.role.node_failures,
+                                       *root_cause_order(engine.failures)]
+                final = final_state(step)
+                next_ = engine.after_group(step)
+                if next_ is Next.END:
+                    break
+                if next_ in (Next.RESTART, Next.EXCLUDE):
+                    engine.role.reforming()
+                if next_ is Next.RESTART:
+                    engine.recovery.count_restart()
+                    engine.set_state(JobState.RESTARTING)
+                    engine.emit(Restarting(engine.restarts, engine.spec.max_restarts,
+                                           engine.failures[0]))
+                engine.set_state(JobState.RENDEZVOUS)
+        except BaseException:
+            final = JobState.FAILED
+            raise
+        finally:
+            result = engine.finish(final)
+        return result
+
+    def _monitor(self) -> Step:
+        """Watch the group until something must be done; carry it out; say what it was."""
+        engine, group = self.engine, self.engine.group
+        assert group is not None
+        while True:
+            action = engine.switchboard.next_action(engine.spec.monitor_interval)
+            status = engine.hangs.watch(group.poll(), group)
+            step = during_group(action, action is None and self._regroup_due(), status)
+            if step is not Step.WAIT:
+                self._carry_out(step)
+                engine.board.publish(pids=group.live_pids())
+                return step
+
+    def _carry_out(self, step: Step) -> None:
+        engine, group = self.engine, self.engine.group
+        assert group is not None
+        if step is Step.STOP:  # SIGINT first: the cell sees KeyboardInterrupt
+            engine.set_state(JobState.STOPPING)
+            engine.role.stopping_job(engine.stop_reason or "stopped")
+            group.interrupt()
+        elif step is Step.REGROUP:
+            engine.role.regrouping()
+            engine.set_state(JobState.RESIZING)
+            group.stop_now()
+        elif step is Step.NODE_FAILED:
+            engine.set_state(JobState.STOPPING)
+            group.stop_now()
+        elif step is Step.FAILED:
+            engine.set_state(JobState.STOPPING)
+            _, failures = engine.tear_down()
+            engine.failures = engine.hangs.explain(failures)
+            self._await_cause()
+            if engine.switchboard.heard in (Action.REGROUP, Action.NODE_FAILED):  # a machine left
+                engine.failures = [replace(f, consequence=True) for f in engine.failures]
+            for failure in engine.failures:
+                engine.emit(WorkerFailed(failure))
+        elif step is Step.RESIZED:
+            engine.set_state(JobState.RESIZING)
+            group.release()
+        elif step is Step.SUCCEEDED:
+            group.release()
+
+    def _regroup_due(self) -> bool:
+        """Other machines wait for a round: leave the group (at its next commit, if State
+        lets it)."""
+        if not self.engine.spec.multi_node:
+            return False
+        now = time.monotonic()
+        waiting = self.engine.nodes_waiting() if self.regroup_clock.check_now(now) else None
+        return self.regroup_clock.due(now, waiting, self.engine.graceful)
+
+    def _end_group(self, step: Step, info: RoundInfo) -> Step:
+        """A group that succeeded here still needs the other machines' results."""
+        group = self.engine.group
+        if step is not Step.SUCCEEDED or group is None:
+            return step
+        return self.engine.role.finish_round(info, group, self.engine.switchboard.next_action)
+
+    def _await_cause(self) -> None:
+        """Ranks that only lost their peers, in a job of several machines: the cause is on
+        another machine, whose word (a regroup, its failure for good, its loss) comes
+        within the link timeout; a restart here would be spent on someone else's fault."""
+        engine = self.engine
+        if not (engine.spec.multi_node and engine.failures
+                and all(is_consequence(f) for f in engine.failures)):
+            return
+        deadline, inbox = time.monotonic() + engine.spec.link_timeout, engine.switchboard
+        while inbox.heard is None and (left := deadline - time.monotonic()) > 0:
+            inbox.next_action(left)

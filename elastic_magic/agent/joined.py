@@ -1,0 +1,148 @@
+"""The role of an agent on a machine that joined the head's job (``elastic-magic join``): it
+follows the head's rendezvous, proxies its workers' State requests to the head and reports
+its results (a session's cells too) there."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+
+from ..events import EventSink
+from ..messages import (
+    Action,
+    Commit,
+    EndJob,
+    GroupResult,
+    Leaving,
+    LinkMessage,
+    NodeFinished,
+    NodeReply,
+    NodeRequest,
+    Regroup,
+    StateRequest,
+)
+from ..result import JobState, RankFailure
+from ..spec import JobSpec
+from .group import WorkerGroup
+from .hub import Link, read_into
+from .inbox import FromLink, Inbox
+from .network import choose
+from .policy import Step
+from .rendezvous import Rendezvous, RoundInfo
+from .roles import NextAction, SingleMachine
+from .snapshots import StateServer
+from .workers import Worker, take_memory_file
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinedJob:
+    """How an agent on another machine takes part in the head's job."""
+
+    link: Link  # to the head's hub
+    rdzv_endpoint: str  # the rendezvous store the head hosts
+    host: str  # this machine's address as the others reach it
+    rdzv_key: bytes  # what the head signs that store with (from the token)
+
+
+class JoinedMachine(SingleMachine):
+    """A machine that joined the head's job: it follows the head's rendezvous, proxies its
+    workers' State requests to the head and reports its results there. It does not watch
+    for waiting machines itself (the head does, and says Regroup): a read of the head's
+    store could block its loop for the store's timeout on a cut link, long after the
+    link's own timeout has said that the head is lost."""
+
+    hosts_rendezvous = False
+    holds_snapshots = False
+
+    def __init__(self, spec: JobSpec, run_id: str, emit: EventSink, joined: JoinedJob,
+                 inbox: Inbox) -> None:
+        super().__init__(spec, run_id, emit)
+        self.link = joined.link
+        self.head_lost = False
+        self.joined = joined
+        self.rdzv_key = joined.rdzv_key
+        self._reader = threading.Thread(target=read_into, args=(self.link, 0, inbox),
+                                        name="elastic-head", daemon=True)
+
+    def open(self) -> Rendezvous:
+        self._reader.start()
+        self.network = choose(self.joined.host, self.spec.env)
+        self.emit(self.network)  # printed here and forwarded to the notebook
+        spec = self.spec
+        return Rendezvous(self.run_id, key=self.rdzv_key, host=self.joined.host,
+                          join=self.joined.rdzv_endpoint, min_nodes=spec.min_nodes,
+                          max_nodes=spec.max_nodes, join_timeout=spec.timeout)
+
+    def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
+               world_size: int) -> Action | None:
+        match item.message:
+            case NodeReply(attempt, local_rank, reply):
+                if group is not None and attempt == group.attempt \
+                        and local_rank < len(group.workers):
+                    group.workers[local_rank].send(reply)
+            case Regroup():
+                return Action.REGROUP
+            case EndJob(reason):
+                self.stop_reason = reason
+                return Action.STOP
+            case None:
+                # The job cannot go on here without the head: stop the workers, and fail
+                # (a scheduler sees this machine's agent end in error).
+                why = f"the link to the head failed: {item.reason}" if item.reason \
+                    else "the head of the job (the notebook's kernel) went away"
+                self.head_lost = True
+                self.node_failures.append(RankFailure(
+                    rank=-1, local_rank=-1, attempt=group.attempt if group else 0, pid=0,
+                    time=time.time(), reason=f"lost the head at {self.link.peer}: {why}"))
+                return Action.NODE_FAILED
+        return None
+
+    def serve(self, worker: Worker, request: StateRequest, server: StateServer | None,
+              world_size: int) -> None:
+        """The head holds the snapshots: a snapshot in a memory file crosses as bytes."""
+        memory_file = take_memory_file(worker, request)
+        if memory_file is False:
+            return
+        if memory_file is not None:
+            assert isinstance(request, Commit) and request.handoff is not None
+            try:
+                data = os.pread(memory_file, request.handoff.size, 0)
+            finally:
+                os.close(memory_file)
+            request = dataclasses.replace(request, snapshot=data, handoff=None)
+        self.link.send(NodeRequest(worker.attempt, worker.local_rank, request))
+
+    def stop_requested(self, reason: str) -> None:
+        self.link.send(Leaving(reason))  # a membership change there, before our ranks go
+
+    def reforming(self) -> None:
+        self.link.send(Regroup())  # the head regroups every machine
+
+    def finish_round(self, info: RoundInfo, group: WorkerGroup,
+                     next_action: NextAction) -> Step:
+        self.link.send(GroupResult(info.round_id, info.node_rank, group.results(),
+                                   group.tails()))
+        return Step.SUCCEEDED
+
+    def send_to_head(self, message: LinkMessage) -> None:
+        self.link.send(message)
+
+    def finished(self, final: JobState, failures: list[RankFailure]) -> None:
+        try:
+            self.link.send(NodeFinished(final, failures))
+        finally:
+            self.link.close()
+
+    def close_rendezvous(self, rendezvous: Rendezvous | None) -> None:
+        if rendezvous is None:  # the run id stays open: the job belongs to the head
+            return
+        if self.head_lost:
+            # torch's rendezvous heartbeat thread may wait on the lost head's store for the
+            # store's timeout (a minute), and releasing the handler joins it. This agent is
+            # about to exit (elastic-magic join): it does not wait for that thread.
+            threading.Thread(target=rendezvous.close, kwargs={"shutdown": False},
+                             name="elastic-rendezvous-close", daemon=True).start()
+        else:
+            rendezvous.close(shutdown=False)

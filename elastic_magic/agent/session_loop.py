@@ -1,0 +1,224 @@
+"""A session's loop (design decision 15), on the kernel's machine: a group kept alive between
+cells.
+
+The group is formed as a job's is (the engine's round, workers from the warm pool,
+torchrun's environment), then waits: each cell is one payload that every rank runs in its
+persistent namespace (``cell_runner``). Between cells the loop blocks on its inbox (no
+polling): a worker that dies while idle arrives there as its report pipe closing. A group
+that broke (a rank died, stalled, or did not come back from an interrupt) fails the cell it
+broke in, naming the rank (a cell the user interrupted comes back interrupted), and is
+re-formed before the next cell: a new round, fresh workers, the setup cells replayed in
+order (a ``State`` they make restores the last commit). Re-formations after a failure count
+against ``--max-restarts``, as a job's restarts do, and a slot that fails again is left out
+as a job's is (decision 19); a resize does not count. What to do is decided in ``policy``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from ..events import CellStarted, SessionBroken, SessionReformed
+from ..messages import Action, StopCommand
+from ..payload import Payload
+from ..result import JobResult, JobState, RankFailure
+from .cell_runner import CellOutcome, CellRunner, not_back
+from .cells import CellEvents, SessionEndedError
+from .engine import Engine
+from .inbox import CellRequest, InboxItem, InterruptCommand
+from .policy import CellStep, Next, Step, cell_state
+
+
+class SessionLoop:
+    """Runs a session's cells on a group that outlives them; re-forms it when it breaks."""
+
+    def __init__(self, engine: Engine, events: CellEvents) -> None:
+        self.engine = engine
+        self.events = events  # the engine's emit: to the running cell, or kept for the next
+        self.runner = CellRunner(engine)
+        self.setup: list[Payload] = []
+        self.formed = False  # the group is up, whole, and has run its setup cells
+        self.pending: deque[CellRequest] = deque()
+        self.ended: JobState | None = None
+        self.cell_started = time.time()
+        engine.switchboard.loop_items = self._own
+
+    def run(self) -> JobResult:
+        engine = self.engine
+        final = JobState.STOPPED
+        try:
+            engine.open()
+            self._form()  # now: the first cell finds its workers ready
+            while (request := self._next_cell()) is not None:
+                self._serve_cell(request)
+            final = self.ended or JobState.STOPPED
+        except BaseException:
+            final = JobState.FAILED
+            raise
+        finally:
+            self.runner.dismiss()
+            for request in self.pending:  # cells queued behind the end
+                request.outcome.set_exception(SessionEndedError(
+                    f"the session {engine.run_id} has ended; start a new one."))
+            result = engine.finish(final)
+        return result
+
+    def _own(self, item: InboxItem) -> InboxItem | None:
+        engine = self.engine
+        match item:
+            case CellRequest():
+                self.pending.append(item)
+                return None
+            case InterruptCommand() if (self.events.cell is not None or self.pending) \
+                    and engine.state is JobState.RENDEZVOUS:
+                # A cell waits for a round (for machines): only a stop ends that wait.
+                return StopCommand("interrupted while the session formed")
+            case InterruptCommand():
+                self.runner.interrupt = self.events.cell is not None
+                return None
+        return self.runner.own(item)
+
+    def _whole(self) -> bool:
+        """The group formed and did not break, and no machine has left (or failed for good)
+        since; a resize is looked at separately."""
+        regrouped = self.engine.switchboard.heard in (Action.REGROUP, Action.NODE_FAILED) \
+            and not self.engine.membership.resize_pending
+        return self.formed and not regrouped
+
+    def _intact(self) -> bool:
+        """The group can run the next cell."""
+        return self.engine.group is not None and self._whole()
+
+    def _next_cell(self) -> CellRequest | None:
+        """Block until a cell comes (None: the session ends). A rank that dies meanwhile
+        breaks the group at once, so that its peers do not wait for it."""
+        engine = self.engine
+        while self.ended is None:
+            if self.pending:
+                return self.pending.popleft()
+            if engine.switchboard.handle(engine.inbox.get()) is Action.STOP:
+                self.ended = JobState.STOPPED
+            elif self._intact() and self.runner.died():
+                self._break(self.runner.break_idle())
+            elif self._whole() and self.runner.others.broken():
+                engine.close_group()
+                self._break(CellOutcome(
+                    CellStep.BROKEN, self.runner.others.failures(),
+                    "a rank on another machine died while the session was idle"))
+        return None
+
+    def _serve_cell(self, request: CellRequest) -> None:
+        self.cell_started = time.time()
+        self.events.begin(request)
+        try:
+            result = self._run_cell(request)
+        except BaseException as exc:
+            request.outcome.set_exception(exc)
+            raise
+        finally:
+            self.events.end()
+        request.outcome.set_result(result)
+
+    def _run_cell(self, request: CellRequest) -> JobResult:
+        engine = self.engine
+        engine.switchboard.drain()  # a rank's death already known breaks the group first
+        if self._intact():
+            assert engine.group is not None
+            engine.group.poll()  # notes exits
+            if self.runner.died():
+                self._break(self.runner.break_idle())
+        if self.ended is not None:
+            return self._result(self.ended, engine.failures)
+        if not self._intact() or engine.membership.resize_pending or engine.nodes_waiting():
+            failures = self._form()
+            if failures is not None:
+                return self._result(self.ended or JobState.FAILED, failures)
+        self._cell_started()
+        outcome = self._run(request.payload)
+        while outcome.step is CellStep.RESIZED:  # every rank left at a commit: go on resized
+            self.formed = False
+            failures = self._form()
+            if failures is not None:
+                return self._result(self.ended or JobState.FAILED, failures)
+            outcome = self._run(request.payload)
+        if outcome.step is CellStep.STOP:
+            self.ended = JobState.STOPPED
+            return self._result(JobState.STOPPED, [], engine.stop_reason)
+        stuck = self.runner.stuck
+        state = cell_state(outcome.step, outcome.failures, interrupted=self.runner.interrupt,
+                           stuck=stuck)
+        if state is JobState.SUCCEEDED and request.setup:
+            self.setup.append(request.payload)
+        why = f"interrupted: {not_back(stuck)}" if stuck else "interrupted"
+        return self._result(state, outcome.failures, why)
+
+    def _cell_started(self) -> None:
+        engine = self.engine
+        group, info = engine.group, engine.round
+        assert group is not None and info is not None
+        engine.emit(CellStarted(group.attempt, group.ranks, info.world_size, info.nnodes,
+                                info.round, engine.restarts))
+
+    def _run(self, payload: Payload | None) -> CellOutcome:
+        outcome = self.runner.run(payload)
+        if outcome.step is CellStep.BROKEN:
+            self._break(outcome)
+        return outcome
+
+    def _break(self, outcome: CellOutcome) -> None:
+        """The group is gone: re-form before the next cell, if a restart is left (or without
+        a slot that failed again, which is no restart)."""
+        engine = self.engine
+        engine.failures = outcome.failures
+        next_ = engine.after_group(Step.FAILED)
+        reforms = next_ is not Next.END
+        if next_ is Next.RESTART:
+            engine.recovery.count_restart()
+        elif not reforms:
+            self.ended = JobState.FAILED
+        self.formed = False
+        engine.emit(SessionBroken(outcome.broke_because, engine.restarts,
+                                  engine.spec.max_restarts, reforms))
+        engine.set_state(JobState.RESTARTING if reforms else JobState.FAILED)
+
+    def _form(self) -> list[RankFailure] | None:
+        """New round, fresh workers, setup cells replayed (a State restores the last
+        commit). None once the group is up; else why not (failures, or none: stopped)."""
+        engine = self.engine
+        if self.ended is not None:
+            return engine.failures
+        first = engine.attempt < 0
+        engine.close_group()
+        if not first:  # the other machines leave their groups for the new round too
+            engine.role.regrouping()
+        engine.apply_resize()
+        engine.set_state(JobState.RENDEZVOUS)
+        info = engine.next_round()
+        if info is None:
+            self.ended = JobState.STOPPED
+            return []
+        engine.start_group(info)
+        self.runner.others.new_round(info)
+        for payload in [None, *self.setup]:  # None: the ready payload, sent at the start
+            outcome = self._run(payload)
+            if outcome.step is CellStep.STOP:
+                self.ended = JobState.STOPPED
+                return []
+            if outcome.step is not CellStep.DONE or outcome.failures:
+                if outcome.step is CellStep.DONE:  # a setup cell failed: no group for cells
+                    engine.close_group()
+                    self._break(CellOutcome(CellStep.BROKEN, outcome.failures,
+                                            "a setup cell failed when it was replayed"))
+                return outcome.failures
+        self.formed = True
+        if not first:
+            step = (engine.elastic_state.snapshots.meta or {}).get("step")
+            engine.emit(SessionReformed(len(self.setup), step, engine.world_size))
+        return None
+
+    def _result(self, state: JobState, failures: list[RankFailure],
+                reason: str | None = None) -> JobResult:
+        """A cell's result (the engine's, as a job's): its ranks' values on success."""
+        return self.engine.result(state, failures, started=self.cell_started,
+                                  stop_reason=reason or "the session ended",
+                                  others=(self.runner.others.results(), {}))

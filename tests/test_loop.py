@@ -1,0 +1,407 @@
+"""The loops without processes: the one-shot job's loop and a session's loop, each driven
+through the real engine, with a scripted worker group and a scripted rendezvous given to
+the engine's constructor (as torch tests its rendezvous with a fake state holder). What a
+worker would report is put on the inbox as a real worker's reader thread would."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import cloudpickle
+
+from elastic_magic.agent.cells import CellEvents
+from elastic_magic.agent.engine import Engine
+from elastic_magic.agent.group import WorkerGroup
+from elastic_magic.agent.inbox import CellRequest, Inbox, WorkerReport
+from elastic_magic.agent.job_loop import JobLoop
+from elastic_magic.agent.rendezvous import RoundInfo
+from elastic_magic.agent.roles import SingleMachine
+from elastic_magic.agent.session_loop import SessionLoop
+from elastic_magic.agent.status import StatusBoard
+from elastic_magic.agent.workers import Worker, WorkerState
+from elastic_magic.events import (
+    Excluded,
+    Output,
+    Restarting,
+    SessionBroken,
+    SessionReformed,
+)
+from elastic_magic.messages import (
+    DumpStacks,
+    ErrorInfo,
+    Exit,
+    Failed,
+    Interrupt,
+    Result,
+    Run,
+    Running,
+    ScaleCommand,
+    Stacks,
+    StopCommand,
+)
+from elastic_magic.payload import Payload
+from elastic_magic.result import JobState
+from elastic_magic.spec import JobSpec
+from elastic_magic.worker.session import CELL_END_MARK
+
+# -- the scripted world ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Do:
+    """What a scripted worker does with a payload: return ``value``, raise ``raises``, end
+    its process with ``exit`` (a code, or -signal), or hang (until interrupted)."""
+
+    value: object = None
+    raises: str | None = None
+    exit: int | None = None
+    hang: bool = False
+    then: Callable[[Inbox], None] | None = None  # e.g. the user asks for a resize meanwhile
+
+
+OK = Do()
+Script = Callable[[int, int, Payload], Do]  # (attempt, slot, payload) -> what it does
+
+
+class FakeProcess:
+    """A worker's shepherd, as the group sees it: a pid and, once it ended, a code."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+class FakeControl:
+    """A worker's control pipe: what the agent sends it makes the script answer."""
+
+    def __init__(self, group: ScriptedGroup, worker: Worker, slot: int) -> None:
+        self.group, self.worker, self.slot = group, worker, slot
+        self.hanging = False
+
+    def send(self, message: object) -> None:
+        group, worker = self.group, self.worker
+        if worker.proc is None or worker.proc.returncode is not None:
+            raise BrokenPipeError
+        match message:
+            case Run(payload):
+                group.world.ran.append((worker.attempt, self.slot, payload.source))
+                self._do(group.world.script(worker.attempt, self.slot, payload), payload)
+            case Interrupt() if self.hanging:
+                self.hanging = False
+                self._report(Failed(_error("KeyboardInterrupt")))
+            case Exit():
+                self._end(0)
+            case DumpStacks(request_id):
+                self._report(Stacks(request_id, ()))
+
+    def close(self) -> None:
+        pass
+
+    def _do(self, do: Do, payload: Payload) -> None:
+        self._report(Running(time.time()))
+        if do.then is not None:
+            do.then(self.group.inbox)
+        if do.exit is not None:
+            self._end(do.exit)
+        elif do.raises is not None:
+            self._report(Failed(_error(do.raises)))
+            if not payload.session:
+                self._end(1)
+        elif do.hang:
+            self.hanging = True
+        else:
+            self._report(Result(cloudpickle.dumps(do.value)))
+        if payload.session and do.exit is None and not do.hang:
+            for stream in ("stdout", "stderr"):  # the end-of-cell mark, as the worker prints
+                self.group.emit(Output(self.worker.global_rank, stream, (CELL_END_MARK,),
+                                       self.worker.attempt))
+
+    def _report(self, message: object) -> None:
+        worker = self.worker
+        self.group.inbox.put(WorkerReport(worker.attempt, worker.local_rank, message,
+                                          time.time()))
+
+    def _end(self, code: int) -> None:
+        """The process ends: its report pipe closes (None), as a dead worker's does."""
+        assert self.worker.proc is not None
+        if self.worker.proc.returncode is None:
+            self.worker.proc.returncode = code
+            self._report(None)
+
+
+def _error(exc_type: str) -> ErrorInfo:
+    return ErrorInfo(exc_type, f"{exc_type} in the script", "", time.time(), 1)
+
+
+class ScriptedGroup(WorkerGroup):
+    """A WorkerGroup whose workers are scripted: it starts no process and signals none;
+    everything else (what it records, polls and reports) is the real group's."""
+
+    world: World
+    inbox: Inbox
+
+    def start(self, payload, env_for, *, cwd, key, log_root, inbox, emit, pool=True):
+        self.persistent = payload.session
+        self.inbox, self.emit = inbox, emit
+        slots = [int(env_for(w)["ELASTIC_MAGIC_SLOT"]) for w in self.workers]
+        self.world.slots.append(slots)
+        for worker, slot in zip(self.workers, slots, strict=True):
+            worker.proc = FakeProcess(1000 * (self.attempt + 1) + worker.local_rank)
+            worker.state = WorkerState.HEALTHY
+            worker.control = FakeControl(self, worker, slot)
+            worker.send(Run(payload))
+
+    def _stop(self, escalation) -> None:  # SIGTERM (or SIGINT) reaches every live worker
+        self.world.on_teardown(self.attempt, self.inbox)
+        for worker in self.workers:
+            if worker.control is not None and worker.alive():
+                worker.control._end(-15)
+            if worker.state is not WorkerState.SUCCEEDED:
+                worker.state = WorkerState.STOPPED
+
+    def release(self) -> None:
+        for worker in self.workers:
+            worker.send(Exit())
+
+    def close(self) -> None:
+        self._stop(None)
+
+
+class FakeRendezvous:
+    """Every round completes at once, with this machine alone; a stop asked for first
+    ends the wait (None)."""
+
+    endpoint = "127.0.0.1:0"
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.closed = False
+
+    def next_round_unless(self, nproc, stop, interval, *, cancel):
+        if stop():
+            return None
+        self.rounds += 1
+        return RoundInfo(self.rounds, f"round-{self.rounds}", 0, 1, 0, nproc, "127.0.0.1", 1)
+
+    def check(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def close(self, shutdown: bool = True) -> None:
+        self.closed = True
+
+
+class ScriptedMachine(SingleMachine):
+    def open(self):
+        self.rendezvous = FakeRendezvous()
+        return self.rendezvous
+
+
+@dataclass
+class World:
+    """One test's scripted machine: what its workers do, and what they were given."""
+
+    script: Script
+    on_teardown: Callable[[int, Inbox], None] = lambda attempt, inbox: None
+    slots: list[list[int]] = field(default_factory=list)  # each attempt's worker slots
+    ran: list[tuple[int, int, str | None]] = field(default_factory=list)
+    events: list = field(default_factory=list)
+
+    def engine(self, spec: JobSpec, payload: Payload, emit=None, inbox=None) -> Engine:
+        """The real engine, with this world's group and rendezvous."""
+        emit = emit or self.events.append
+        inbox = inbox or queue.Queue()
+        role = ScriptedMachine(spec, "em-test", emit)
+
+        class Group(ScriptedGroup):
+            world = self
+
+        return Engine(spec, payload, "em-test", emit, inbox, StatusBoard(), role,
+                      new_group=Group)
+
+    def of(self, kind: type) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def spec(tmp_path, nproc: int = 2, **options) -> JobSpec:
+    return JobSpec.create(nproc, log_dir=tmp_path, pool=False, **options)
+
+
+def run_job(world: World, spec: JobSpec):
+    started = time.monotonic()
+    engine = world.engine(spec, Payload(source="job"))
+    result = JobLoop(engine).run()
+    assert time.monotonic() - started < 1.0
+    return result, engine
+
+
+# -- the one-shot loop -------------------------------------------------------------------
+
+
+def test_a_failure_restarts_the_group_and_is_counted(tmp_path):
+    world = World(lambda attempt, slot, _: Do(raises="ValueError")
+                  if attempt == 0 and slot == 1 else Do(value=slot))
+    result, engine = run_job(world, spec(tmp_path, max_restarts=2))
+    assert result.state is JobState.SUCCEEDED and result.values == {0: 0, 1: 1}
+    assert result.restarts == 1 and len(world.of(Restarting)) == 1
+    assert world.slots == [[0, 1], [0, 1]]
+    assert engine.rendezvous is None and engine.group is None  # released
+
+
+def test_restarts_run_out(tmp_path):
+    world = World(lambda attempt, slot, _: Do(exit=3) if slot == 1 else Do(hang=True))
+    result, _ = run_job(world, spec(tmp_path, max_restarts=1))
+    assert result.state is JobState.FAILED and result.restarts == 1
+    assert result.failure.rank == 1 and result.failure.exit_code == 3
+    assert len(world.slots) == 2
+
+
+def test_a_stop_heard_while_a_failed_group_is_torn_down_ends_the_job_unrestarted(tmp_path):
+    def stop_meanwhile(attempt: int, inbox: Inbox) -> None:
+        inbox.put(StopCommand("the user stopped it"))
+
+    world = World(lambda attempt, slot, _: Do(raises="ValueError") if slot == 1
+                  else Do(hang=True), on_teardown=stop_meanwhile)
+    result, _ = run_job(world, spec(tmp_path, max_restarts=3))
+    assert result.state is JobState.STOPPED and result.restarts == 0
+    assert result.stop_reason == "the user stopped it" and len(world.slots) == 1
+
+
+def test_a_resize_is_a_new_round_not_a_restart(tmp_path):
+    def scale(inbox: Inbox) -> None:
+        inbox.put(ScaleCommand(3))  # from a widget, while the group runs
+
+    world = World(lambda attempt, slot, _: Do(hang=True, then=scale)
+                  if attempt == 0 and slot == 0 else Do(hang=True) if attempt == 0
+                  else Do(value=slot))
+    result, _ = run_job(world, spec(tmp_path, max_nproc=3, max_restarts=0))
+    assert result.state is JobState.SUCCEEDED and result.values == {0: 0, 1: 1, 2: 2}
+    assert result.restarts == 0 and result.resizes == 1 and result.world_size == 3
+    assert world.slots == [[0, 1], [0, 1, 2]]
+
+
+def _slot_1_fails_twice(scales: list[ScaleCommand]) -> Script:
+    """Slot 1 fails in the first two attempts; in the third, a scale is asked for (each of
+    ``scales``, one per attempt), and the last attempt succeeds."""
+
+    def script(attempt: int, slot: int, _: Payload) -> Do:
+        if attempt < 2:
+            return Do(exit=3) if slot == 1 else Do(hang=True)
+        if attempt - 2 < len(scales):
+            command = scales[attempt - 2]
+            return Do(hang=True, then=(lambda inbox: inbox.put(command)) if slot == 0
+                      else None)
+        return Do(value=slot)
+
+    return script
+
+
+def test_a_slot_that_fails_again_is_left_out_and_stays_out_when_the_job_grows(tmp_path):
+    world = World(_slot_1_fails_twice([ScaleCommand(3)]))
+    result, engine = run_job(world, spec(tmp_path, 3, min_nproc=2, max_restarts=3))
+    assert result.state is JobState.SUCCEEDED
+    assert world.slots == [[0, 1, 2], [0, 1, 2], [0, 2], [0, 2, 3]]
+    assert result.restarts == 1  # the exclusion was no restart; neither was the resize
+    (excluded,) = world.of(Excluded)
+    assert excluded.what == "slot 1 of this machine" and excluded.goes_on
+    assert result.excluded == [f"slot 1 of this machine: {excluded.why}"]
+    assert "failed again after a restart" in excluded.why and "code 3" in excluded.why
+    assert engine.board.current.excluded == (result.excluded[0],)
+
+
+def test_a_slot_left_out_comes_back_when_the_user_names_it(tmp_path):
+    world = World(_slot_1_fails_twice([ScaleCommand(3, include=(1,))]))
+    result, _ = run_job(world, spec(tmp_path, 3, min_nproc=2, max_restarts=3))
+    assert result.state is JobState.SUCCEEDED and result.values == {0: 0, 1: 1, 2: 2}
+    assert world.slots[-1] == [0, 1, 2] and result.excluded == []
+
+
+# -- a session's loop --------------------------------------------------------------------
+
+
+class Session:
+    """A SessionLoop on a thread of its own, fed cells as the kernel's Session feeds it."""
+
+    def __init__(self, world: World, spec: JobSpec) -> None:
+        self.inbox: Inbox = queue.Queue()
+        events = CellEvents(self.inbox)
+        self.engine = world.engine(spec, Payload(source="ready", session=True), events.route,
+                                   self.inbox)
+        self.loop = SessionLoop(self.engine, events)
+        self.final: list = []
+        self.thread = threading.Thread(target=lambda: self.final.append(self.loop.run()))
+        self.thread.start()
+
+    def run(self, source: str, setup: bool = False):
+        request = CellRequest(Payload(source=source, session=True), setup)
+        self.inbox.put(request)
+        result = request.outcome.result(timeout=5)
+        events = []
+        while not request.events.empty():
+            events.append(request.events.get())
+        return result, events
+
+    def stop(self):
+        self.inbox.put(StopCommand("the session was stopped"))
+        self.thread.join(timeout=5)
+        return self.final[0]
+
+
+def test_a_session_re_forms_after_its_group_broke_and_replays_its_setup_cells(tmp_path):
+    def script(attempt: int, slot: int, payload: Payload) -> Do:
+        if payload.source == "kill rank 1" and slot == 1:
+            return Do(exit=-9)
+        return Do(hang=True) if payload.source == "kill rank 1" else Do(value=payload.source)
+
+    world = World(script)
+    started = time.monotonic()
+    session = Session(world, spec(tmp_path, max_restarts=3))
+    assert session.run("setup", setup=True)[0].state is JobState.SUCCEEDED
+    broken, events = session.run("kill rank 1")
+    assert broken.state is JobState.FAILED and broken.failure.rank == 1
+    assert broken.failure.signal == "SIGKILL" and broken.restarts == 1
+    (why,) = [e for e in events if isinstance(e, SessionBroken)]
+    assert why.reason == "rank 1 was killed by SIGKILL in the cell" and why.reforms
+    again, events = session.run("after")
+    assert again.state is JobState.SUCCEEDED and again.values == {0: "after", 1: "after"}
+    assert [e.setup_cells for e in events if isinstance(e, SessionReformed)] == [1]
+    # the second group: the ready payload, the setup cell replayed, then the cell
+    assert [source for attempt, slot, source in world.ran if attempt == 1 and slot == 0] \
+        == ["ready", "setup", "after"]
+    assert session.stop().state is JobState.STOPPED
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_session_leaves_out_a_slot_that_fails_again_and_keeps_it_out_at_a_resize(tmp_path):
+    def script(attempt: int, slot: int, payload: Payload) -> Do:
+        if payload.source == "kill slot 1":
+            return Do(exit=-9) if slot == 1 else Do(hang=True)
+        return Do(value=slot)
+
+    world = World(script)
+    started = time.monotonic()
+    session = Session(world, spec(tmp_path, 3, min_nproc=2, max_restarts=3))
+    assert session.run("kill slot 1")[0].restarts == 1  # a first failure: a restart
+    second, _ = session.run("kill slot 1")  # again: left out, which is no restart
+    assert second.state is JobState.FAILED and second.restarts == 1
+    assert second.excluded[0].startswith("slot 1 of this machine: failed again after a")
+    after, _ = session.run("values")
+    assert after.values == {0: 0, 1: 2} and world.slots[-1] == [0, 2]
+    assert after.excluded[0].startswith("slot 1 of this machine: failed again")
+    session.inbox.put(ScaleCommand(3))  # growing again does not bring slot 1 back
+    assert session.run("values")[0].values == {0: 0, 1: 2, 2: 3}
+    assert world.slots[-1] == [0, 2, 3]
+    assert session.engine.board.current.excluded == tuple(after.excluded)  # its status
+    session.inbox.put(ScaleCommand(3, include=(1,)))  # unless the user names it back
+    assert session.run("values")[0].values == {0: 0, 1: 1, 2: 2}
+    assert session.stop().excluded == []
+    assert time.monotonic() - started < 1.0
