@@ -29,13 +29,23 @@ def require_plain_python(shell: Any, cell: str) -> None:
                          "workers, which are plain Python. Move it to a cell of its own.")
 
 
-def parse_scale(words: list[str]) -> tuple[int, list[str], bool]:
-    """``%elastic scale N [JOB] [--now]``: the size, the words left, and ``--now``."""
+def parse_scale(words: list[str]) -> tuple[int, list[str], bool, tuple[int, ...]]:
+    """``%elastic scale N [JOB] [--now] [--include S,...]``: the size, the words left,
+    ``--now``, and the worker slots left out that the user names back."""
     now = "--now" in words
     words = [w for w in words if w != "--now"]
+    include: tuple[int, ...] = ()
+    if "--include" in words:
+        at = words.index("--include")
+        slots = words[at + 1].split(",") if at + 1 < len(words) else []
+        if not slots or not all(s.isdigit() for s in slots):
+            raise UsageError("%elastic scale: --include takes worker slots, for example "
+                             "`--include 1` or `--include 1,3`.")
+        include = tuple(int(s) for s in slots)
+        words = words[:at] + words[at + 2:]
     if not words or not words[0].isdigit():
         raise UsageError("%elastic scale: how many workers? For example `%elastic scale 4`.")
-    return int(words[0]), words[1:], now
+    return int(words[0]), words[1:], now, include
 
 
 def print_stacks(stacks: dict[int, str]) -> None:

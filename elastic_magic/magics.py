@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import shlex
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -16,39 +15,25 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from .agent.job import Job, Renderer
 from .comm import JobsChannel, current_cell_id
 from .events import JobState
-from .logs import rank_log
+from .job_commands import USAGE as JOB_USAGE
+from .job_commands import JobCommands
 from .magic_common import (
     cell_value,
     finish_view,
     make_view,
     parse_flags,
-    parse_scale,
-    print_stacks,
     require_plain_python,
 )
 from .payload import Payload, PayloadError, build_payload
 from .result import JobResult
-from .session import Session
 from .session_magic import USAGE as SESSION_USAGE
 from .session_magic import SessionCommands
 from .spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
-from .ui.describe import count_of, duration
 from .ui.text import TextRenderer
 
-# Finished jobs that `%elastic jobs` keeps listing; running jobs are always kept.
-JOB_HISTORY = 100
-
-_SUBCOMMANDS = """\
-%elastic jobs                     list this kernel's jobs
-%elastic status [JOB]             state, world size, restarts, worker PIDs
-%elastic stop [JOB]               stop a job's workers (SIGINT, SIGTERM, SIGKILL)
-%elastic scale N [JOB] [--now]    resize to N workers (at the next commit, or --now)
-%elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
-%elastic stacks [JOB]             every rank's Python stacks (all threads), without stopping
-JOB is a number from `%elastic jobs` or a run id; the default is the latest job (for
-logs and stacks: the session, while one is active).
+_SUBCOMMANDS = f"""{JOB_USAGE}
 Sessions (workers that live across cells; see %%elastic?):
-""" + SESSION_USAGE
+{SESSION_USAGE}"""
 
 # The magic's own flags: how a job is shown, not what it runs (those come from JobSpec).
 _VIEW_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
@@ -74,25 +59,22 @@ def _with_flags(magic: Callable[..., Any]) -> Callable[..., Any]:
     return magic_arguments()(magic)
 
 
-def _visible(line: str) -> str:
-    """A log line as a terminal showed it: after its last carriage return."""
-    end = "\n" if line.endswith("\n") else ""
-    parts = [p for p in line.rstrip("\n").rstrip("\r").split("\r") if p]
-    return (parts[-1] if parts else "") + end
-
-
 @magics_class
 class ElasticMagics(Magics):
     shell: Any  # set once registered (IPython types it Optional)
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
-        self.numbers = itertools.count(1)  # jobs and sessions, as the panel lists them
+        numbers = itertools.count(1)  # jobs and sessions, as the panel lists them
         self.channel = JobsChannel()  # the JupyterLab extension's "Elastic jobs" panel
         self.channel.open(shell)
         self.sessions = SessionCommands(shell, self.elastic.parser,  # type: ignore[attr-defined]
-                                        self.channel, self.numbers)
+                                        self.channel, numbers)
+        self.job_commands = JobCommands(self.channel, numbers, self.sessions)
+
+    @property
+    def jobs(self) -> dict[int, Job]:
+        return self.job_commands.jobs
 
     @_with_flags
     @cell_magic
@@ -154,7 +136,7 @@ class ElasticMagics(Magics):
         view: Renderer | None = None
         try:  # from here on, an interrupt or error anywhere must not orphan the job
             job.start()
-            number = self._remember(job)
+            number = self.job_commands.remember(job)
             self.channel.track(number, job, current_cell_id(self.shell), opts.bg)
             view = make_view(self.shell, job, opts.text)
             if opts.bg:
@@ -189,7 +171,7 @@ class ElasticMagics(Magics):
     def elastic_command(self, line: str) -> None:
         """Manage elastic jobs of this kernel.
 
-        %elastic jobs | status [JOB] | stop [JOB] | scale N [JOB] [--now]
+        %elastic jobs | status [JOB] | stop [JOB] | scale N [JOB] [--now] [--include S,...]
         %elastic logs RANK [JOB] [-n N] [--stderr] | stacks [JOB]
         %elastic session start [flags] | stop | status; push|pull|gather NAME
         """
@@ -198,26 +180,27 @@ class ElasticMagics(Magics):
                                          "session", "push", "pull", "gather"):
             raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")
         command, rest = words[0], words[1:]
+        jobs = self.job_commands
         if command == "session":
             self.sessions.command(rest)
         elif command in ("push", "pull", "gather"):
-            self.sessions.move(command, rest)
+            self.sessions.transfer(command, rest)
         elif command == "scale" and self.sessions.active:
             self.sessions.scale(rest)
         elif command == "stacks" and self.sessions.active and not rest:
             self.sessions.print_stacks()
         elif command == "jobs":
-            self._print_jobs()
+            jobs.print_jobs()
         elif command == "status":
-            self._print_status(self._job(rest))
+            jobs.print_status(rest)
         elif command == "stop":
-            self._stop(self._job(rest))
+            jobs.stop(rest)
         elif command == "scale":
-            self._scale(rest)
+            jobs.scale(rest)
         elif command == "stacks":
-            self._print_stacks(self._job(rest))
+            jobs.print_stacks(rest)
         else:
-            self._print_logs(rest)
+            jobs.print_logs(rest)
 
     # -- %%elastic helpers ---------------------------------------------------------------
 
@@ -270,120 +253,9 @@ class ElasticMagics(Magics):
                 )
         return cell_value(result, shown=shown)
 
-    def _remember(self, job: Job) -> int:
-        """Number the job for %elastic; keep a bounded history of finished jobs (each
-        keeps its result, which may hold a snapshot)."""
-        number = next(self.numbers)
-        self.jobs[number] = job
-        finished = [n for n, j in self.jobs.items() if j.done]
-        for old in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:
-            del self.jobs[old]
-        self.channel.forget(j.run_id for j in self.jobs.values())
-        return number
-
     def stop_all(self) -> None:
         """End every job of this kernel that still runs (the extension is unloaded)."""
-        for job in list(self.jobs.values()):
-            job.end("the extension was unloaded")
+        self.job_commands.end_all("the extension was unloaded")
         if self.sessions.session is not None:
             self.sessions.session.stop()
         self.channel.close()
-
-    # -- %elastic helpers ----------------------------------------------------------------
-
-    def _job(self, words: list[str]) -> Job:
-        if not self.jobs:
-            raise UsageError("%elastic: no job has run in this kernel yet.")
-        if not words:
-            return self.jobs[max(self.jobs)]
-        key = words[0]
-        if key.isdigit() and int(key) in self.jobs:
-            return self.jobs[int(key)]
-        for job in self.jobs.values():
-            if job.run_id == key:
-                return job
-        raise UsageError(f"%elastic: no job {key!r}; `%elastic jobs` lists them.")
-
-    def _print_jobs(self) -> None:
-        if not self.jobs:
-            print("no elastic jobs in this kernel yet")
-            return
-        for number, job in self.jobs.items():
-            s = job.status()
-            elapsed = duration(job.status_snapshot.elapsed)  # stops when the job ends
-            print(f"{number:>3}  {job.run_id}  {s['state']:<10} world size {s['world_size']}  "
-                  f"restarts {s['restarts']}  {elapsed}")
-
-    def _print_status(self, job: Job) -> None:
-        status = job.status()
-        for key, value in status.items():
-            print(f"{key:>10}: {value}")
-        if job.result is not None and job.result.failure is not None:
-            print(f"root cause: rank {job.result.failure.rank}: {job.result.failure.headline}")
-
-    def _stop(self, job: Job) -> None:
-        if job.done:
-            print(f"{job.run_id} has already ended ({job.state.value})")
-            return
-        job.stop("%elastic stop")
-        if job.wait_done(timeout=30):
-            print(f"{job.run_id} stopped; its workers have exited")
-        else:
-            print(f"{job.run_id} is still stopping")
-
-    def _scale(self, words: list[str]) -> None:
-        nproc, rest, immediate = parse_scale(words)
-        job = self._job(rest)
-        if job.done:
-            raise UsageError(f"%elastic scale: {job.run_id} has already ended.")
-        try:
-            job.scale(nproc, immediate=immediate)
-        except SpecError as exc:
-            raise UsageError(f"%elastic {exc}") from None
-        print(f"{job.run_id}: resize to {count_of(nproc, 'worker')} requested")
-
-    def _print_stacks(self, job: Job) -> None:
-        """What each rank is doing now; for a finished job, what its stuck ranks were doing
-        when it failed by a timeout or a stall."""
-        if job.done:
-            print(f"{job.run_id} has ended ({job.state.value}); "
-                  + ("the stacks it kept of its stuck ranks:" if job.stacks()
-                     else "it kept no stacks (only a timeout or a stall keeps them)."))
-        try:
-            stacks = job.stacks()
-        except TimeoutError as exc:
-            raise UsageError(f"%elastic stacks: {exc}") from None
-        if not stacks and not job.done:
-            print(f"{job.run_id}: no rank is running ({job.state.value})")
-        print_stacks(stacks)
-
-    def _print_logs(self, words: list[str]) -> None:
-        lines, stream, rest = 40, "stdout", []
-        it = iter(words)
-        for word in it:
-            if word == "--stderr":
-                stream = "stderr"
-            elif word == "-n":
-                value = next(it, "")
-                if not value.isdigit():
-                    raise UsageError("%elastic logs: -n takes a number of lines.")
-                lines = int(value)
-            else:
-                rest.append(word)
-        if not rest or not rest[0].isdigit():
-            raise UsageError(f"%elastic logs: which rank? For example `%elastic logs 0`.\n"
-                             f"{_SUBCOMMANDS}")
-        rank = int(rest[0])
-        session = self.sessions.session
-        # The session's own logs, unless a job is named: its cells are not jobs.
-        target: Job | Session = session if session is not None and not rest[1:] \
-            else self._job(rest[1:])
-        path = rank_log(target.log_dir, rank, stream)
-        if path is None or not path.exists():
-            raise UsageError(f"%elastic logs: no {stream} log for rank {rank} of "
-                             f"{target.run_id}.")
-        with open(path, errors="replace", newline="") as f:
-            tail = deque(f, maxlen=lines)
-        print(f"==> {path} <==")
-        # A line rewritten with carriage returns (a progress bar) as it finally showed.
-        print("".join(_visible(line) for line in tail), end="")

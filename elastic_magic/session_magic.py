@@ -19,7 +19,7 @@ from .spec import OPTION_NAMES, SpecError
 USAGE = """\
 %elastic session start [job flags]   start workers that stay alive across cells
 %elastic session stop | status       end the session | show it
-%elastic scale N | stacks            resize the session | every rank's stacks
+%elastic scale N [--include S,...] | stacks   resize the session | every rank's stacks
 %elastic push NAME [NAME ...]        send kernel variables to every rank
 %elastic pull NAME [--rank R]        copy a rank's variable into the kernel (rank 0)
 %elastic gather NAME                 every rank's variable, as {rank: value}"""
@@ -37,8 +37,8 @@ class _CellControls:
     def stop(self, reason: str = "stopped") -> None:
         self.session.interrupt()
 
-    def scale(self, nproc: int, immediate: bool = False) -> None:
-        self.session.scale(nproc)
+    def scale(self, nproc: int, immediate: bool = False, include: tuple[int, ...] = ()) -> None:
+        self.session.scale(nproc, include=include)
 
     def request_stacks(self) -> Future[dict[int, str]]:
         return self.session.request_stacks()
@@ -141,10 +141,11 @@ class SessionCommands:
         require_plain_python(self.shell, cell)
 
     def scale(self, words: list[str]) -> None:
-        nproc, _, _ = parse_scale(words)  # a session resizes between cells or at a commit
+        # A session resizes between cells or at a commit: --now changes nothing.
+        nproc, _, _, include = parse_scale(words)
         assert self.session is not None
         try:
-            self.session.scale(nproc)
+            self.session.scale(nproc, include=include)
         except SpecError as exc:
             raise UsageError(f"%elastic {exc}") from None
         print(f"{self.session.run_id}: the session re-forms with {nproc} workers before "
@@ -163,7 +164,7 @@ class SessionCommands:
         assert self.session is not None
         return _CellControls(self.session)
 
-    def move(self, command: str, words: list[str]) -> None:
+    def transfer(self, command: str, words: list[str]) -> None:
         """%elastic push/pull/gather."""
         if not self.active:
             raise UsageError(f"%elastic {command}: no session is active; "

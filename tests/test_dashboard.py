@@ -337,7 +337,7 @@ def test_join_command_is_in_the_header_and_the_record():
 
 
 def test_log_tails_show_a_rewritten_line_as_it_finally_showed():
-    from elastic_magic.magics import _visible
+    from elastic_magic.job_commands import visible as _visible
 
     assert _visible("\r 10%|#\r 50%|#####\r100%|##########|\n") == "100%|##########|\n"
     assert _visible("plain line\n") == "plain line\n" and _visible("done\r\n") == "done\n"

@@ -167,3 +167,16 @@ def test_unload_stops_background_jobs_and_removes_both_magics(log_dir):
     assert not tagged_workers()
     shell.run_line_magic("load_ext", "elastic_magic")  # and it loads again
     assert "elastic" in shell.magics_manager.magics["line"]
+
+
+@pytest.mark.parametrize(("words", "parsed"), [
+    (["4"], (4, [], False, ())),
+    (["4", "2", "--now"], (4, ["2"], True, ())),
+    (["4", "--include", "1,3", "em-x"], (4, ["em-x"], False, (1, 3))),
+])
+def test_scale_words_name_the_size_the_job_and_the_slots_brought_back(words, parsed):
+    from elastic_magic.magic_common import parse_scale
+
+    assert parse_scale(words) == parsed
+    with pytest.raises(UsageError, match="--include takes worker slots"):
+        parse_scale(["4", "--include", "one"])
