@@ -39,7 +39,6 @@ from .agent.handle import (
     wait_through_interrupts,
 )
 from .agent.inbox import CellRequest, InboxItem, InterruptCommand
-from .agent.session_loop import SessionLoop
 from .agent.status import JobStatus
 from .events import Event, JobFinished
 from .messages import ScaleCommand, StopCommand
@@ -64,8 +63,8 @@ class Session(AgentThread):
         options.setdefault("max_restarts", SESSION_MAX_RESTARTS)
         super().__init__(JobSpec.create(nproc, **options), None, hosts=True)
         self.render = render
-        self._agent: SessionLoop | None = session_agent(self.spec, self.run_id, self._inbox,
-                                                        self._board, token=self.token)
+        self._agent = session_agent(self.spec, self.run_id, self._inbox, self._board,
+                                    token=self.token)
         self._lock = threading.Lock()  # one cell at a time from the kernel's threads
         self.cells = 0
         self._thread = threading.Thread(target=self._run, name=f"elastic-session-{self.run_id}",

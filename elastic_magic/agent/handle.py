@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..events import Event
 from ..messages import StacksCommand
@@ -52,11 +52,17 @@ def _without_locals(error: BaseException) -> BaseException:
     return error
 
 
+class Loop(Protocol):
+    """An agent's loop (a job's, a session's): it runs until the job ends."""
+
+    def run(self) -> JobResult: ...
+
+
 class AgentThread:
     """A Job's or a Session's handle on its agent, which runs on a thread of its own; what
     the agent leaves is its result (or its own error), never the agent itself."""
 
-    _agent: Any
+    _agent: Loop | None
     _thread: threading.Thread
 
     def __init__(self, spec: JobSpec, run_id: str | None, *, hosts: bool) -> None:

@@ -114,9 +114,9 @@ class HangWatch:
     def stalled(self, group: WorkerGroup) -> bool:
         """A session's cell: whether the watchdog names a stalled rank (then the group is
         torn down, and ``explain`` names it)."""
+        now = self._look(group)  # stacks asked for meanwhile get their answers, or time out
         if self.stall_timeout is None:
             return False
-        now = self._look(group)
         return self.tripped or self._stall(group, now)
 
     def _look(self, group: WorkerGroup) -> float:

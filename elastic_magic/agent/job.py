@@ -25,7 +25,6 @@ from .handle import (
     pause_after,
     wait_through_interrupts,
 )
-from .job_loop import JobLoop
 from .joined import JoinedJob
 from .status import JobStatus
 
@@ -41,7 +40,7 @@ class Job(AgentThread):
         super().__init__(spec, run_id, hosts=joined is None)
         self.events: queue.Queue[Event] = queue.Queue()
         self._forward = forward  # a joined machine: the events the head shows too
-        self._agent: JobLoop | None = job_agent(
+        self._agent = job_agent(
             spec, payload, self.run_id, self._emit, self._inbox, self._board,
             token=self.token, joined=joined)
         # Spawning from this long-lived thread matters: PR_SET_PDEATHSIG fires when the
