@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import queue
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import cloudpickle
 
@@ -22,7 +21,9 @@ from ..messages import (
     StateGet,
     StateRequest,
 )
+from ..payload import Payload
 from ..result import RankFailure, root_cause_order
+from .inbox import Inbox
 from .policy import GroupStatus
 from .pool import PoolError, warm_pool
 from .workers import (
@@ -68,8 +69,9 @@ class WorkerGroup:
     def live_pids(self) -> dict[int, int]:
         return {w.global_rank: w.pid for w in self.workers if not w.reaped()}
 
-    def start(self, payload: Any, env_for: Any, *, cwd: str, key: bytes, log_root: Path,
-              inbox: queue.Queue[Any], emit: EventSink, pool: bool = True) -> None:
+    def start(self, payload: Payload, env_for: Callable[[Worker], dict[str, str]], *,
+              cwd: str, key: bytes, log_root: Path, inbox: Inbox, emit: EventSink,
+              pool: bool = True) -> None:
         """Spawn every worker (``env_for(worker)`` gives its environment), from the warm
         pool unless ``pool`` is off, and send it the payload."""
         self.persistent = payload.session
