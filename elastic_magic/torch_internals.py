@@ -2,8 +2,9 @@
 
 elastic_magic uses torch's own rendezvous, process groups and data loader (DESIGN.md,
 decisions 1 and 22), and in a few places it depends on names torch keeps private: to skip
-the sleeps of a rendezvous round, to host each round's worker store itself, to take a lost
-machine out of the rendezvous state at once, to make the default process group on first
+the sleeps of a rendezvous round, to host each round's worker store itself, to read the
+number of the round a machine joined, to take a lost machine out of the rendezvous state at
+once, to make the default process group on first
 use, to spot torch's DataLoader driving an ``ElasticSampler``, and to skip torch's operator
 clean-up when a forked worker exits. Each is a small function below saying what torch does
 there and why we reach in; the rest of the package calls only these
@@ -297,6 +298,17 @@ def release_handler(handler: DynamicRendezvousHandler) -> None:
     _get(STOP_HEARTBEATS)(handler)
     handler._shared_tcp_store_server = None
     handler.worker_store = None  # type: ignore[attr-defined]
+
+
+def rendezvous_round(handler: DynamicRendezvousHandler) -> int:
+    """The number of the round ``handler`` last joined: torch prefixes that round's store
+    with it, and keeps it only in the state its private state holder
+    (``handler._state_holder``) holds. It changes only when a new round completes, which
+    this machine must join first."""
+    _get(HANDLER_STATE)
+    _get(STATE_HOLDER)
+    _get(RENDEZVOUS_STATE)
+    return int(handler._state_holder.state.round)
 
 
 def remove_rendezvous_node(handler: DynamicRendezvousHandler, addr: str, pid: int

@@ -45,13 +45,6 @@ _WORKER_STORE_KEY = "elastic_magic/worker_store"
 _LOCAL_SIZE_PREFIX = "elastic_magic/local_world_size/"
 
 
-def torch_round(handler: DynamicRendezvousHandler) -> int:
-    """The number of the round ``handler`` last joined: torch prefixes that round's store
-    with it, and keeps it only in its private state holder. It changes only when a new
-    round completes, which this machine must join first."""
-    return int(handler._state_holder.state.round)
-
-
 def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
     """A TCPStore server listening on ``host`` only. Given a bare port, torch listens on
     every interface; a socket we bind ourselves keeps a standalone job on loopback.
@@ -175,7 +168,7 @@ class Rendezvous:
         node_rank, nnodes = info.rank, info.world_size
         # Signed for this round of this run: a value copied from an earlier round (an old
         # store's address, on a port someone else may hold now) is refused.
-        scope = f"{self.run_id}/{torch_round(handler)}"
+        scope = f"{self.run_id}/{torch_internals.rendezvous_round(handler)}"
         if node_rank == 0:
             # torch hosted it for this round (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
             self._worker_store = (torch_internals.round_worker_store(handler)
