@@ -86,6 +86,18 @@ def test_an_adapter_checks_its_names_before_it_reaches_in(monkeypatch):
         ti.is_library_cleanup(print)
 
 
+def test_the_declared_torch_range_is_the_one_the_checks_name_and_ci_tests_its_version():
+    root = Path(__file__).resolve().parent.parent
+    pyproject = (root / "pyproject.toml").read_text()
+    assert f'"torch{ti.SUPPORTED_TORCH}"' in pyproject
+    assert f"torch=={ti.TESTED_TORCH}" in (root / "constraints" / "ci.txt").read_text()
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    assert Version(ti.TESTED_TORCH) in SpecifierSet(ti.SUPPORTED_TORCH)
+    assert Version(torch.__version__.split("+")[0]) in SpecifierSet(ti.SUPPORTED_TORCH)
+
+
 # Nothing else touches torch's private names ---------------------------------------------
 #
 # What counts as a touch, found in the source (ast) without running it:
