@@ -16,7 +16,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -47,6 +46,7 @@ if TYPE_CHECKING:
     from ..spec import JobSpec
     from .rendezvous import RoundInfo
 
+from . import interpreter
 from .output import StreamPump, new_tail
 from .pool import PooledProcess, Zygote
 
@@ -217,7 +217,8 @@ def spawn(
     worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, log_root: Path,
     inbox: queue.Queue[Any], emit: EventSink, zygote: Zygote | None = None,
 ) -> None:
-    """Start ``python -m elastic_magic.worker`` in its own session, or fork it from the
+    """Start the worker (``python -m elastic_magic.worker``, without the current directory on
+    its path: see ``interpreter``) in its own session, or fork it from the
     ``zygote`` of the warm pool; then its pumps and reader."""
     control_r, control_w = os.pipe()
     report_r, report_w = os.pipe()
@@ -235,8 +236,8 @@ def spawn(
                 zygote, zygote.fork(env, cwd, (control_r, report_w, out_w, err_w)))
         else:
             worker.proc = subprocess.Popen(
-                [sys.executable, "-m", "elastic_magic.worker", str(control_r),
-                 str(report_w), str(os.getpid())],
+                interpreter.command("elastic_magic.worker.__main__", str(control_r),
+                                    str(report_w), str(os.getpid())),
                 pass_fds=(control_r, report_w),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
                 env=env, cwd=cwd,
