@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .rendezvous import RoundInfo
 
 from . import interpreter
+from .network import on_loopback
 from .output import StreamPump, new_tail
 from .pool import PooledProcess, Zygote
 
@@ -175,8 +176,8 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
                  slots: list[int] | None = None) -> dict[str, str]:
     """The kernel's environment plus every variable torchrun sets, with its meaning, for
     ``worker`` of this machine's ``nproc`` in round ``info``; the interface chosen for this
-    machine (``network``, a multi-node job); its worker slots (``slots``, see
-    ``policy.Membership``); then the job's ``--env``."""
+    machine (``network``, a multi-node job; loopback for a standalone one); its worker
+    slots (``slots``, see ``policy.Membership``); then the job's ``--env``."""
     world_size = info.world_size
     env = inherited_env(nproc)
     env.update({
@@ -201,6 +202,8 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
     })
     if network is not None:
         env.update(network.variables)
+    elif not spec.multi_node:  # one machine: its process groups on loopback, never the network
+        env.update(on_loopback(spec.env))
     slots = slots or list(range(nproc))
     env["ELASTIC_MAGIC_SLOT"] = str(slots[worker.local_rank])
     visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",") \
