@@ -16,7 +16,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -47,6 +46,8 @@ if TYPE_CHECKING:
     from ..spec import JobSpec
     from .rendezvous import RoundInfo
 
+from . import interpreter
+from .network import on_loopback
 from .output import StreamPump, new_tail
 from .pool import PooledProcess, Zygote
 
@@ -183,8 +184,8 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
                  slots: list[int] | None = None) -> dict[str, str]:
     """The kernel's environment plus every variable torchrun sets, with its meaning, for
     ``worker`` of this machine's ``nproc`` in round ``info``; the interface chosen for this
-    machine (``network``, a multi-node job); its worker slots (``slots``, see
-    ``policy.Membership``); then the job's ``--env``."""
+    machine (``network``, a multi-node job; loopback for a standalone one); its worker
+    slots (``slots``, see ``policy.Membership``); then the job's ``--env``."""
     world_size = info.world_size
     env = inherited_env(nproc)
     env.update({
@@ -209,6 +210,8 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
     })
     if network is not None:
         env.update(network.variables)
+    elif not spec.multi_node:  # one machine: its process groups on loopback, never the network
+        env.update(on_loopback(spec.env))
     slots = slots or list(range(nproc))
     env["ELASTIC_MAGIC_SLOT"] = str(slots[worker.local_rank])
     visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",") \
@@ -225,7 +228,8 @@ def spawn(
     worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, log_root: Path,
     inbox: queue.Queue[Any], emit: EventSink, zygote: Zygote | None = None,
 ) -> None:
-    """Start ``python -m elastic_magic.worker`` in its own session, or fork it from the
+    """Start the worker (``python -m elastic_magic.worker``, without the current directory on
+    its path: see ``interpreter``) in its own session, or fork it from the
     ``zygote`` of the warm pool; then its pumps and reader."""
     control_r, control_w = os.pipe()
     report_r, report_w = os.pipe()
@@ -243,8 +247,8 @@ def spawn(
                 zygote, zygote.fork(env, cwd, (control_r, report_w, out_w, err_w)))
         else:
             worker.proc = subprocess.Popen(
-                [sys.executable, "-m", "elastic_magic.worker", str(control_r),
-                 str(report_w), str(os.getpid())],
+                interpreter.command("elastic_magic.worker.__main__", str(control_r),
+                                    str(report_w), str(os.getpid())),
                 pass_fds=(control_r, report_w),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
                 env=env, cwd=cwd,
