@@ -1,11 +1,15 @@
 """Logs on shared machines: a private default folder (checked, never another user's), private
-run folders and files whatever the umask, and pruning of the default folder."""
+run folders and files whatever the umask, and pruning of the default folder; another user
+who can write where a job writes (a shared log folder, a checkpoint folder) gets nothing."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import pickle
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -14,7 +18,8 @@ import time
 import pytest
 
 import elastic_magic as em
-from elastic_magic import logs
+from elastic_magic import logs, snapshot_format
+from elastic_magic.agent.job import AgentError
 from elastic_magic.events import JobState
 from elastic_magic.payload import build_payload
 
@@ -318,3 +323,52 @@ def test_a_run_folder_renamed_and_replaced_before_a_restart_gets_nothing(
             assert mode(log) == 0o600 and result.log_path(rank, stream) == log
         assert (ours / "group_1" / f"rank_{rank}" / "error.json").read_text() == "{}"
 
+
+class _Pwn:
+    """Unpickling this creates the canary file: code execution, made visible."""
+
+    def __init__(self, canary) -> None:
+        self.canary = str(canary)
+
+    def __reduce__(self):
+        return exec, (f"open({self.canary!r}, 'w').write('pwned')",)
+
+
+@pytest.mark.parametrize("where", ["a folder others can write", "another user's folder",
+                                   "another user's file", "a link"])
+def test_a_planted_checkpoint_is_never_loaded(tmp_path, log_dir, where):
+    if "another user" in where and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    ckpt, canary = tmp_path / "ckpt", tmp_path / "canary"
+    ckpt.mkdir(mode=0o700)
+    table = pickle.dumps(_Pwn(canary))  # what loading the snapshot unpickles first
+    evil = snapshot_format.MAGIC + struct.pack("<Q", len(table)) + table
+    meta = json.dumps({"step": 7, "world_size": 1})
+    if where == "a link":  # to a file of the user's that the attacker cannot otherwise use
+        (tmp_path / "elsewhere.pt").write_bytes(evil)
+        (ckpt / "snapshot.pt").symlink_to(tmp_path / "elsewhere.pt")
+    else:
+        (ckpt / "snapshot.pt").write_bytes(evil)
+    (ckpt / "snapshot.json").write_text(meta)
+    if where == "a folder others can write":
+        os.chmod(ckpt, 0o777)
+    elif where == "another user's folder":
+        os.chown(ckpt, NOBODY, NOBODY)
+    elif where == "another user's file":
+        for name in ("snapshot.pt", "snapshot.json"):
+            os.chown(ckpt / name, NOBODY, NOBODY)
+    cell = "import elastic_magic\nstate = elastic_magic.State(step=0)"
+    if "folder" in where:  # refused with the flags, before anything starts
+        with pytest.raises(em.SpecError) as refused:
+            em.launch(cell, nproc=1, log_dir=log_dir, checkpoint_dir=ckpt)
+        expected = "open to other users (mode 777)" if "others" in where \
+            else f"belongs to user id {NOBODY}"
+        assert expected in str(refused.value) and "only you can write" in str(refused.value)
+    else:  # found by the agent as it opens the folder: nothing loaded, no worker started
+        with pytest.raises(AgentError) as refused:
+            em.launch(cell, nproc=1, log_dir=log_dir, checkpoint_dir=ckpt, render=lambda e: None)
+        expected = "is a symbolic link" if where == "a link" \
+            else f"belongs to user id {NOBODY}"
+        assert "not loaded" in str(refused.value) and expected in str(refused.value)
+        assert not list(log_dir.glob("*/group_*"))
+    assert not canary.exists()
