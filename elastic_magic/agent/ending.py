@@ -3,7 +3,6 @@ earlier one raised), tell the other machines, and report its JobResult."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,7 +25,7 @@ def finish(agent: Agent, final: JobState) -> JobResult:
             errors.append(exc)
 
     attempt(lambda: close_group(agent))
-    attempt(lambda: _release_run_lock(agent))
+    attempt(lambda: _release_run_folder(agent))
     attempt(lambda: agent.role.close_rendezvous(agent.rendezvous))
     result: JobResult | None = None
     try:
@@ -64,10 +63,11 @@ def _result(agent: Agent, final: JobState) -> JobResult:
     )
 
 
-def _release_run_lock(agent: Agent) -> None:
-    if agent.run_lock is not None:
-        os.close(agent.run_lock)
-        agent.run_lock = None
+def _release_run_folder(agent: Agent) -> None:
+    if agent.run_folder is not None:
+        agent.log_root = agent.run_folder.where()  # the result points at the job's logs
+        agent.run_folder.close()
+        agent.run_folder = None
 
 
 def close_group(agent: Agent) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
@@ -38,6 +37,9 @@ from .workers import (
     wait_for_exit,
 )
 
+if TYPE_CHECKING:
+    from ..logs import RunFolder
+
 # A worker that exited without its report pipe closing (a forked grandchild holds it) is
 # judged on its exit code after this long.
 _CHANNEL_CLOSE_GRACE = 1.0
@@ -68,8 +70,9 @@ class WorkerGroup:
     def live_pids(self) -> dict[int, int]:
         return {w.global_rank: w.pid for w in self.workers if not w.reaped()}
 
-    def start(self, payload: Any, env_for: Any, *, cwd: str, key: bytes, log_root: Path,
-              inbox: queue.Queue[Any], emit: EventSink, pool: bool = True) -> None:
+    def start(self, payload: Any, env_for: Any, *, cwd: str, key: bytes,
+              run_folder: RunFolder, inbox: queue.Queue[Any], emit: EventSink,
+              pool: bool = True) -> None:
         """Spawn every worker (``env_for(worker)`` gives its environment), from the warm
         pool unless ``pool`` is off, and send it the payload."""
         self.persistent = payload.session
@@ -80,11 +83,11 @@ class WorkerGroup:
                 zygote = warm_pool().zygote_for(envs[0], cwd, payload.sys_path)
         for worker, env in zip(self.workers, envs, strict=True):
             try:
-                spawn(worker, env=env, cwd=cwd, key=key, log_root=log_root, inbox=inbox,
+                spawn(worker, env=env, cwd=cwd, key=key, run_folder=run_folder, inbox=inbox,
                       emit=emit, zygote=zygote)
             except PoolError:
                 zygote = None  # it stopped answering: the rest start fresh
-                spawn(worker, env=env, cwd=cwd, key=key, log_root=log_root, inbox=inbox,
+                spawn(worker, env=env, cwd=cwd, key=key, run_folder=run_folder, inbox=inbox,
                       emit=emit)
             worker.send(Run(payload))
 

@@ -26,7 +26,7 @@ from ..events import (
     WorkerFailed,
     WorkersStarted,
 )
-from ..logs import is_default, open_run, prune, rank_dir
+from ..logs import RunFolder, is_default, prune
 from ..messages import (
     Action,
     NodeRequest,
@@ -78,7 +78,10 @@ class Agent:
         self.board = board
         self.key = new_secret()
         self.log_root = spec.log_dir / run_id
-        self.run_lock: int | None = None  # held while the job runs: see logs.open_run
+        self.run_folder: RunFolder | None = None  # held while the job runs (logs.RunFolder)
+        # The head makes its run's folder; another machine of the job on this host may
+        # have made it before a joined one.
+        self.fresh_run_folder = joined is None
         self.role = role_for(spec, run_id, emit, inbox, payload, token=token, joined=joined)
         self.hangs = HangWatch(spec, emit, self.role)  # stalls, stacks, early exits
         self.snapshots = SnapshotStore(spec.checkpoint_dir)
@@ -150,13 +153,20 @@ class Agent:
     def open(self) -> None:
         """What a job holds before its first round: its run's lock (first, so no prune
         takes this run), the checkpoint it resumes from, the rendezvous."""
-        self.run_lock = open_run(self.log_root)
+        self.open_run_folder()
         if is_default(self.spec.log_dir):
             prune(self.spec.log_dir)
         if self.server is not None:
             self.server.resume_from_checkpoint()
         self.rendezvous = self.role.open()
         self.board.publish(join_command=self.role.join_command)
+
+    def open_run_folder(self) -> RunFolder:
+        """The run's log folder, held from the job's start (a joined session's agent opens
+        it with its first group)."""
+        if self.run_folder is None:
+            self.run_folder = RunFolder.open(self.log_root, fresh=self.fresh_run_folder)
+        return self.run_folder
 
     def _monitor(self) -> Step:
         """Watch the group until something must be done; carry it out; say what it was."""
@@ -244,16 +254,17 @@ class Agent:
         self.failures = []
         self.set_state(JobState.STARTING)
         group = self.group = WorkerGroup(self.attempt, info.base_rank, self.membership.nproc)
+        run_folder = self.open_run_folder()
 
         def env_for(worker: Worker) -> dict[str, str]:
-            error_file = rank_dir(self.log_root, self.attempt, worker.global_rank) / "error.json"
+            error_file = run_folder.error_file(self.attempt, worker.global_rank)
             return torchrun_env(worker, info, self.spec, nproc=self.membership.nproc,
                                 run_id=self.run_id, restart_count=self.restarts,
                                 error_file=error_file, network=self.role.network,
                                 slots=self.membership.slots)
 
         group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
-                    log_root=self.log_root, inbox=self.inbox,
+                    run_folder=run_folder, inbox=self.inbox,
                     emit=self.hangs.noting_output(self.emit), pool=self.spec.pool)
         self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,

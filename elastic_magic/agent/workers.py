@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..events import EventSink, NetworkChosen
-from ..logs import make_rank_dir
 from ..messages import (
     Commit,
     CommitReply,
@@ -43,6 +42,7 @@ from ..result import RankFailure
 from ..worker.shepherd import END_ALL
 
 if TYPE_CHECKING:
+    from ..logs import RunFolder
     from ..spec import JobSpec
     from .rendezvous import RoundInfo
 
@@ -225,7 +225,7 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
 
 
 def spawn(
-    worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, log_root: Path,
+    worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, run_folder: RunFolder,
     inbox: queue.Queue[Any], emit: EventSink, zygote: Zygote | None = None,
 ) -> None:
     """Start the worker (``python -m elastic_magic.worker``, without the current directory on
@@ -263,10 +263,16 @@ def spawn(
             os.close(fd)
     worker.state = WorkerState.HEALTHY
     worker.control = Channel(control_w, key)
-    worker.log_dir = make_rank_dir(log_root, worker.attempt, worker.global_rank)
+    worker.log_dir = run_folder.rank_dir(worker.attempt, worker.global_rank)
+    try:
+        logs = run_folder.create_logs(worker.attempt, worker.global_rank)
+    except BaseException:  # the worker is the group's to stop; these are ours to close
+        for fd in (report_r, out_r, err_r):
+            os.close(fd)
+        raise
     for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
         worker.threads.append(StreamPump(
-            fd, worker.log_dir / f"{stream}.log", rank=worker.global_rank, stream=stream,
+            fd, logs[stream], rank=worker.global_rank, stream=stream,
             attempt=worker.attempt, emit=emit, tail=worker.tail,
         ))
     worker.threads.append(threading.Thread(
