@@ -430,7 +430,8 @@ sys.path.insert(0, copy)
 import cloudpickle, numpy, torch
 import elastic_magic as em
 sys.path[:0] = ["", users]
-result = em.launch(CELL, nproc=2, pool=pool, log_dir=log_dir, render=lambda events: None)
+result = em.launch(CELL, nproc=2, backend="gloo", pool=pool, log_dir=log_dir,
+                   render=lambda events: None)
 print(json.dumps({"kernel": em.__file__, "ranks": result.values}), flush=True)
 """
 CELL = """
