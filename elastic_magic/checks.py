@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from . import logs
+from . import folders, logs
 
 BACKENDS = ("auto", "gloo", "nccl")
 NPROC_WORDS = ("auto", "cpu", "gpu")
@@ -221,13 +221,30 @@ def variable_names(label: str, value: Any) -> list[str]:
 
 
 def usable_dir(folder: str | os.PathLike[str], flag: str) -> Path:
+    """A folder to write into; the missing part of it created 0700."""
     path = Path(folder).expanduser().resolve()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        folders.make_folders(path)
     except OSError as exc:
         raise SpecError(
             f"{flag} {path}: cannot create it ({exc.strerror}). Pick a writable folder."
         ) from None
+    if not path.is_dir():
+        raise SpecError(f"{flag} {path}: not a folder. Pick a folder.")
     if not os.access(path, os.W_OK):
         raise SpecError(f"{flag} {path}: not writable. Pick a writable folder.")
+    return path
+
+
+def own_dir(folder: str | os.PathLike[str], flag: str) -> Path:
+    """A folder whose files a job reads back and unpickles (--checkpoint-dir): the user's,
+    and no one else may write to it (the agent checks it again on its descriptor)."""
+    path = usable_dir(folder, flag)
+    try:
+        os.close(folders.own_folder(path, private=False))
+    except folders.NotPrivate as exc:
+        raise SpecError(
+            f"{flag} {exc}. A checkpoint planted there would run its code in your job when "
+            f"it resumes: give a folder that only you can write (if this one is yours: "
+            f"chmod go-w {path}).") from None
     return path

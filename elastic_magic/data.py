@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.utils.data as tud
 
+from . import torch_internals
+
 
 def _dist() -> Any:
     """torch.distributed when the job has a default group (the automatic one is made
@@ -103,7 +105,7 @@ class ElasticSampler:
         return torch.randperm(self.length, generator=generator).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        if isinstance(sys._getframe(1).f_locals.get("self"), tud.dataloader._BaseDataLoaderIter):
+        if torch_internals.is_dataloader_iterator(sys._getframe(1).f_locals.get("self")):
             return _refuse_torch_dataloader()
         return self._batches(None)
 

@@ -197,6 +197,12 @@ class NetworkChosen:
         address = (self.hostname_address or "").split("%")[0]
         return address.startswith("127.") or address == "::1"
 
+    @property
+    def machine_is_loopback(self) -> bool:
+        """Every machine is on this host (the head's endpoint is a loopback address)."""
+        address = self.machine.split("%")[0]
+        return address.startswith(("127.", "::ffff:127.")) or address == "::1"
+
 
 @dataclass(frozen=True)
 class JobFinished:

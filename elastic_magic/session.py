@@ -31,9 +31,9 @@ import cloudpickle
 from .agent.assemble import session_agent
 from .agent.cells import SessionEndedError, session_payload
 from .agent.handle import (
-    AgentError,
     AgentThread,
     Renderer,
+    agent_error,
     next_batch,
     pause_after,
     wait_through_interrupts,
@@ -166,7 +166,7 @@ class Session(AgentThread):
         except SessionEndedError:
             raise
         except BaseException as exc:
-            raise AgentError(f"the session's agent failed: {exc!r}") from exc
+            raise agent_error("the session's agent", exc) from exc
         finish = getattr(render, "finish", None)
         if finish is not None:  # a dashboard ends on the result, as a job's
             render([JobFinished(result)])

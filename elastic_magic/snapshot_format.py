@@ -13,7 +13,9 @@ the file as it lies in memory, in one write per tensor, and comes back with one
 Tensors other than plain strided ones (sparse, quantized, ...) are pickled in the tree as
 torch pickles them. A snapshot written by ``torch.save`` (an older checkpoint) still loads.
 Snapshots travel between one job's own processes and the checkpoint folder the user gave:
-they are trusted as ``torch.load(weights_only=False)`` trusts its file.
+they are trusted as ``torch.load(weights_only=False)`` trusts its file, so the agent loads
+a checkpoint only from a folder and a file of the user's that no one else can write
+(``agent/snapshots.py``).
 """
 
 from __future__ import annotations

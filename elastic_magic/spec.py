@@ -23,6 +23,7 @@ from .checks import (
     gpu_count,
     interval,
     optional_count,
+    own_dir,
     parse_endpoint,
     parse_env,
     parse_nnodes,
@@ -120,8 +121,9 @@ OPTIONS: tuple[Option, ...] = (
            "give is never pruned)", "DIR",
            lambda flag, v: usable_dir(v, flag) if v else default_log_dir(), per_machine=True),
     Option("checkpoint_dir", "--checkpoint-dir", None, "also keep the last committed elastic "
-           "State here (atomic writes); a job started with a checkpoint in it resumes from "
-           "it", "DIR", lambda flag, v: usable_dir(v, flag) if v else None, per_machine=True),
+           "State here (atomic writes; a folder only you can write); a job started with a "
+           "checkpoint in it resumes from it", "DIR",
+           lambda flag, v: own_dir(v, flag) if v else None, per_machine=True),
     # Detected where the workers run; Python callers (tests) may state it.
     Option("gpus", None, None, "CUDA GPUs the workers may use (default: those visible)",
            check=gpu_count, per_machine=True),

@@ -16,7 +16,8 @@ namespace and an address 10.213.X.i/24; machines reach each other and the head o
 those addresses (nothing is forwarded to the host's own networks). Every process started in
 machine i also gets a hostname of its own (``em-machine-i``, a UTS namespace) that its
 ``/etc/hosts`` maps to 127.0.1.1, as a stock Debian or Ubuntu install does: whatever picks
-its address from the hostname (gloo does) gets loopback, as on real machines. The test's own
+its address from the hostname (gloo does) gets loopback, as on real machines. With
+``hostnames="own"`` it maps to the machine's own address instead, as on many servers. The test's own
 namespace resolves its hostname as the host does (here to 127.0.0.1).
 
 X is free among the networks that exist (chosen under a lock, so parallel test runs never
@@ -79,8 +80,10 @@ def unavailable() -> str | None:
 class Network:
     """A bridge with ``machines`` namespaces on it; see the module's docstring."""
 
-    def __init__(self, machines: int, directory: Path) -> None:
+    def __init__(self, machines: int, directory: Path, hostnames: str = "loopback") -> None:
+        assert hostnames in ("loopback", "own")
         self.machines = machines
+        self.hostnames = hostnames  # what each machine's hostname resolves to there
         self.directory = directory  # where processes' output goes
         self.procs: list[subprocess.Popen[bytes]] = []
         self._outputs: dict[int, Path] = {}
@@ -158,7 +161,8 @@ class Network:
         etc = _NETNS_ETC / name  # `ip netns exec` binds these over /etc
         etc.mkdir(parents=True)
         self._note("etc", str(etc))
-        (etc / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {self.hostname(i)}\n"
+        resolved = self.address(i) if self.hostnames == "own" else "127.0.1.1"
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{resolved} {self.hostname(i)}\n"
                                    "::1 localhost ip6-localhost ip6-loopback\n")
         _ip("netns", "add", name)
         self._note("netns", name)
@@ -279,7 +283,8 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def network_of(machines: int, directory: Path) -> Iterator[Network]:
+def network_of(machines: int, directory: Path, hostnames: str = "loopback"
+               ) -> Iterator[Network]:
     """A Network, skipped where it cannot be made (a failure under CI)."""
     reason = unavailable()
     if reason is not None:
@@ -287,7 +292,7 @@ def network_of(machines: int, directory: Path) -> Iterator[Network]:
             pytest.fail(f"CI runs as root with iproute2, but {reason}")
         pytest.skip(reason)
     try:
-        net = Network(machines, directory).__enter__()
+        net = Network(machines, directory, hostnames).__enter__()
     except RuntimeError as exc:  # e.g. in a container without CAP_NET_ADMIN
         if os.environ.get("CI") or "not permitted" not in str(exc):
             raise

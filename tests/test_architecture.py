@@ -42,7 +42,7 @@ def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
 
 def import_graph() -> dict[str, set[str]]:
     """Every import of the package's modules, wherever it is written (at the top, under
-    TYPE_CHECKING, inside a function)."""
+    TYPE_CHECKING, inside a function), but of the importing module's own packages."""
     modules = _modules()
     known = set(modules)
     graph: dict[str, set[str]] = {}
@@ -52,7 +52,10 @@ def import_graph() -> dict[str, set[str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 edges |= _imported(node, name, path.name == "__init__.py", known)
-        graph[name] = edges - {name}
+        # A module's own packages are imported before it whatever it writes (``import
+        # elastic_magic`` to find its folder, say): naming one adds no edge.
+        ancestors = {name.rsplit(".", depth)[0] for depth in range(1, name.count(".") + 1)}
+        graph[name] = edges - {name} - ancestors
     return graph
 
 
@@ -98,6 +101,8 @@ def test_no_import_circle():
 def test_the_graph_sees_type_checking_and_relative_imports():
     graph = import_graph()
     assert "elastic_magic.messages" in graph["elastic_magic.agent.roles"]
+    assert "elastic_magic.agent.rendezvous" in graph["elastic_magic.agent.cells"]  # typing
+    assert "elastic_magic" not in graph["elastic_magic.agent.interpreter"]  # its package
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

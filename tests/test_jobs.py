@@ -130,8 +130,10 @@ def test_torchrun_contract_matches_torchrun(tmp_path, log_dir, recorder):
     ours = {r: _probe_envs(recorder.lines(r))[r] for r in (0, 1)}
     # torchrun's own agent setting leaks into its workers' env; it is no worker contract.
     agent_only = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "_"}
-    # We add these: lines arrive as printed; a worker slot's identity (policy.Membership)
-    ours_only = {"PYTHONUNBUFFERED", "ELASTIC_MAGIC_SLOT"}
+    # We add these: lines arrive as printed; a worker slot's identity (policy.Membership);
+    # a standalone job's process groups kept on loopback
+    ours_only = {"PYTHONUNBUFFERED", "ELASTIC_MAGIC_SLOT", "GLOO_SOCKET_IFNAME",
+                 "NCCL_SOCKET_IFNAME"}
     for rank in (0, 1):
         assert set(theirs[rank]) - agent_only == set(ours[rank]) - ours_only
         same_meaning = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",

@@ -5,6 +5,7 @@ agent, bound to the bridge's address; `elastic-magic join` agents run in the nam
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -12,12 +13,13 @@ import time
 
 import pytest
 from netns import network as network  # the fixture
+from netns import network_of
 from test_elastic import STEPS, TRAIN, assert_same_parameters, committed_steps, done_steps
 from test_elastic import baseline as baseline  # the module-scoped fixture
 
 import elastic_magic as em
 from elastic_magic.agent.job import Job
-from elastic_magic.agent.network import choose
+from elastic_magic.agent.network import choose, is_loopback
 from elastic_magic.events import (
     AcceptingNodes,
     Excluded,
@@ -26,6 +28,7 @@ from elastic_magic.events import (
     RendezvousCompleted,
 )
 from elastic_magic.payload import build_payload
+from elastic_magic.ui.describe import network_text
 from elastic_magic.ui.state import DashboardState
 
 PARAMETERS = "[p.detach().clone() for p in model.module.parameters()]"
@@ -72,9 +75,12 @@ def test_the_interface_is_the_one_carrying_the_address_unless_the_user_named_one
     chosen = choose(network.head_address, {"NCCL_SOCKET_IFNAME": "ib0"})
     assert chosen.variables == ()
     assert chosen.kept == (("GLOO_SOCKET_IFNAME", "mine"), ("NCCL_SOCKET_IFNAME", "ib0"))
-    # All machines on this host (loopback): nothing to choose, nothing set.
+    # All machines on this host (loopback): their process groups stay on loopback.
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    assert choose("127.0.0.1", {}).variables == ()
+    chosen = choose("127.0.0.1", {})
+    assert chosen.variables == (("GLOO_SOCKET_IFNAME", "lo"), ("NCCL_SOCKET_IFNAME", "lo"))
+    assert network_text(chosen).endswith("only machines on this host can take part; its "
+                                         "workers stay on lo")
 
 
 def test_three_machines_train_to_the_single_machine_parameters(
@@ -245,3 +251,51 @@ def test_a_machine_killed_or_cut_off_mid_training_leaves_the_others_to_finish(
         output = network.output(joined[1])
         assert "elastic-magic join: lost the head at" in output and "no heartbeat for 3s" \
             in output, output
+
+
+# A standalone job in a machine whose hostname resolves to its own address (as on many
+# servers): without an interface named, gloo listens there and other machines reach it.
+STANDALONE = """
+import json, sys
+import elastic_magic as em
+cell, log_dir = sys.argv[1], sys.argv[2]
+found = {}
+for name, env in (("default", []), ("user's", ["GLOO_SOCKET_IFNAME=eth0"])):
+    found[name] = em.launch(cell, nproc=3, env=env, log_dir=log_dir,
+                            render=lambda events: None).values
+print(json.dumps(found), flush=True)
+"""
+# Every TCP socket of the machine (its own network namespace) while the group is up: the
+# agent's stores and every rank's gloo connections and listeners.
+SOCKETS = """
+import os, socket
+import psutil
+import torch, torch.distributed as dist
+dist.all_reduce(torch.ones(1))
+dist.barrier()
+sockets = {(c.laddr.ip, c.status) for c in psutil.net_connections("tcp")}
+dist.barrier()  # no rank leaves while another looks
+dict(sockets=sorted(sockets), hostname_address=socket.gethostbyname(socket.gethostname()),
+     master=os.environ["MASTER_ADDR"], gloo=os.environ.get("GLOO_SOCKET_IFNAME"),
+     nccl=os.environ.get("NCCL_SOCKET_IFNAME"))
+"""
+
+
+def test_a_standalone_jobs_process_groups_stay_on_loopback(tmp_path, monkeypatch):
+    """Its ranks listen and connect on loopback only, unless the user names an interface."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    with network_of(1, tmp_path, hostnames="own") as net:
+        proc = net.popen(1, [sys.executable, "-c", STANDALONE, SOCKETS, str(tmp_path / "logs")])
+        assert proc.wait(timeout=240) == 0, net.output(proc)
+        found = json.loads(net.output(proc).splitlines()[-1])
+    own = net.address(1)
+    assert sorted(found["default"]) == sorted(found["user's"]) == ["0", "1", "2"]
+    for seen in found["default"].values():
+        assert seen["hostname_address"] == own  # gloo's pick, without an interface named
+        assert seen["sockets"] and all(is_loopback(ip) for ip, _ in seen["sockets"]), seen
+        assert seen["master"] == "127.0.0.1"
+        assert (seen["gloo"], seen["nccl"]) == ("lo", "lo")
+    for seen in found["user's"].values():  # the user's setting wins
+        assert (seen["gloo"], seen["nccl"]) == ("eth0", "lo")
+        assert [own, "LISTEN"] in seen["sockets"], seen

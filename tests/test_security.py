@@ -7,9 +7,11 @@ thread or worker behind. Real jobs, real `elastic-magic join` processes, on loop
 from __future__ import annotations
 
 import base64
+import json
 import os
 import pickle
 import pty
+import shutil
 import socket
 import struct
 import subprocess
@@ -410,3 +412,67 @@ def test_a_worker_store_address_replayed_from_an_earlier_round_is_refused(monkey
         assert rendezvous.next_round(1).round_id != first.round_id  # unreplayed: it goes on
     finally:
         rendezvous.close()
+
+
+# -- what the folder a job starts from holds never runs before the cell (issue 18) ----------
+
+# Each writes the marker when imported: a module of these names in the folder a job was
+# started from (a shared folder, say) must never be imported by our processes.
+PLANTED = ("cloudpickle", "torch", "numpy", "elastic_magic")
+PLANT = "open({marker!r}, 'a').write(__name__ + ' imported from ' + __file__ + '\\n')\n"
+# The kernel: a script from elsewhere, run in the planted folder, with a copy of
+# elastic_magic of its own. Its own imports done, the current directory goes first on its
+# path, as in a Jupyter kernel and `elastic-magic join`.
+KERNEL = """
+import json, sys
+log_dir, users, copy, pool = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "pool"
+sys.path.insert(0, copy)
+import cloudpickle, numpy, torch
+import elastic_magic as em
+sys.path[:0] = ["", users]
+result = em.launch(CELL, nproc=2, backend="gloo", pool=pool, log_dir=log_dir,
+                   render=lambda events: None)
+print(json.dumps({"kernel": em.__file__, "ranks": result.values}), flush=True)
+"""
+CELL = """
+import os
+import cloudpickle, numpy, torch
+import elastic_magic
+import from_the_kernels_cwd, from_the_kernels_path
+dict(cwd=os.getcwd(), modules=[from_the_kernels_cwd.VALUE, from_the_kernels_path.VALUE],
+     package=elastic_magic.__file__, torch=torch.__file__)
+"""
+
+
+@pytest.mark.parametrize("pool", ["pool", "no-pool"])
+def test_modules_planted_in_the_start_folder_never_run(pool, tmp_path, log_dir):
+    """`python -m` puts the current directory first on sys.path: a `cloudpickle.py` in the
+    folder a job started from ran as its user in the zygote or worker. Our interpreters
+    import only from their own path, and elastic_magic from where the kernel has it (not
+    the copy their path finds); the cell still gets the kernel's cwd and sys.path, and
+    imports the user's modules from both."""
+    shared, users, scripts = tmp_path / "shared", tmp_path / "users", tmp_path / "scripts"
+    for folder in (shared, users, scripts):
+        folder.mkdir()
+    copy = tmp_path / "copy"
+    shutil.copytree(Path(em.__file__).parent, copy / "elastic_magic",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    marker = tmp_path / "marker"
+    for name in PLANTED:
+        (shared / f"{name}.py").write_text(PLANT.format(marker=str(marker)))
+    (shared / "from_the_kernels_cwd.py").write_text("VALUE = 'cwd'\n")
+    (users / "from_the_kernels_path.py").write_text("VALUE = 'path'\n")
+    script = scripts / "kernel.py"
+    script.write_text(KERNEL.replace("CELL", repr(CELL)))
+    done = subprocess.run([sys.executable, str(script), str(log_dir), str(users), str(copy),
+                           pool], cwd=shared, capture_output=True, text=True, timeout=240)
+    assert not marker.exists(), marker.read_text()
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["kernel"] == str(copy / "elastic_magic" / "__init__.py")
+    assert sorted(found["ranks"]) == ["0", "1"]
+    for rank in found["ranks"].values():
+        assert rank["cwd"] == str(shared)
+        assert rank["modules"] == ["cwd", "path"]
+        assert rank["package"] == found["kernel"]  # the kernel's copy, not another one
+        assert not rank["torch"].startswith(str(shared))

@@ -14,7 +14,6 @@ machines' results): they are never lost while the engine waits.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -29,7 +28,7 @@ from ..events import (
     StateChanged,
     WorkersStarted,
 )
-from ..logs import is_default, open_run, prune, rank_dir
+from ..logs import RunFolder, is_default, prune
 from ..messages import Action, NodeRequest, Result, ScaleCommand, StopCommand
 from ..payload import Payload
 from ..protocol import new_secret
@@ -72,7 +71,7 @@ class Engine:
         self.switchboard = Switchboard(inbox, self._dispatch, self._check_store)
         self.key = new_secret()
         self.log_root = spec.log_dir / run_id
-        self.run_lock: int | None = None  # held while the job runs: see logs.open_run
+        self.run_folder: RunFolder | None = None  # held while the job runs (logs.RunFolder)
         self.stack_requests = StackRequests(role)
         self.hangs = HangWatch(spec, emit, self.stack_requests)  # stalls, early exits
         self.elastic_state = StateKeeper(spec, role, board, emit, self._leave_at_commit)
@@ -90,9 +89,11 @@ class Engine:
     # -- a group's life -------------------------------------------------------------------
 
     def open(self) -> None:
-        """What a job holds before its first round: its run's lock (first, so no prune
-        takes this run), the checkpoint it resumes from, the rendezvous."""
-        self.run_lock = open_run(self.log_root)
+        """What a job holds before its first round: its run's log folder (first, so no
+        prune takes this run; the head or a machine alone makes it, a joined machine's may
+        have been made by another agent of the job on this host), the checkpoint it resumes
+        from, the rendezvous."""
+        self.run_folder = RunFolder.open(self.log_root, fresh=self.role.hosts_rendezvous)
         if is_default(self.spec.log_dir):
             prune(self.spec.log_dir)
         self.elastic_state.resume()
@@ -137,15 +138,17 @@ class Engine:
         self.set_state(JobState.STARTING)
         nproc, slots = self.membership.nproc, self.membership.slots
         group = self.group = self.new_group(self.attempt, info.base_rank, nproc)
+        run_folder = self.run_folder
+        assert run_folder is not None  # open() came first
 
         def env_for(worker: Worker) -> dict[str, str]:
-            error_file = rank_dir(self.log_root, self.attempt, worker.global_rank) / "error.json"
+            error_file = run_folder.error_file(self.attempt, worker.global_rank)
             return torchrun_env(worker, info, self.spec, nproc=nproc, run_id=self.run_id,
                                 restart_count=self.restarts, error_file=error_file,
                                 network=self.role.network, slots=slots)
 
         group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
-                    log_root=self.log_root, inbox=self.inbox,
+                    run_folder=run_folder, inbox=self.inbox,
                     emit=self.hangs.noting_output(self.emit), pool=self.spec.pool)
         self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
@@ -185,8 +188,7 @@ class Engine:
     # -- the inbox ------------------------------------------------------------------------
 
     def _check_store(self) -> None:
-        """Raises when the rendezvous store held something this job did not write (torch's
-        heartbeat thread may have been the one to read it)."""
+        """Raises if the rendezvous store held a forgery (whichever thread read it)."""
         if self.rendezvous is not None:
             self.rendezvous.check()
 
@@ -239,8 +241,7 @@ class Engine:
         return leave
 
     def nodes_waiting(self) -> bool:
-        return self.spec.multi_node and self.rendezvous is not None \
-            and self.role.nodes_waiting(self.rendezvous)
+        return self.rendezvous is not None and self.role.nodes_waiting(self.rendezvous)
 
     # -- the end --------------------------------------------------------------------------
 
@@ -274,7 +275,7 @@ class Engine:
                 errors.append(exc)
 
         attempt(self.close_group)
-        attempt(self._release_run_lock)
+        attempt(self._release_run_folder)
         attempt(lambda: self.role.close_rendezvous(self.rendezvous))
         result: JobResult | None = None
         try:
@@ -295,7 +296,8 @@ class Engine:
             raise errors[0]
         return result
 
-    def _release_run_lock(self) -> None:
-        if self.run_lock is not None:
-            os.close(self.run_lock)
-            self.run_lock = None
+    def _release_run_folder(self) -> None:
+        if self.run_folder is not None:
+            self.log_root = self.run_folder.where()  # the result points at the job's logs
+            self.run_folder.close()
+            self.run_folder = None

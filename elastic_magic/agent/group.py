@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import cloudpickle
 
@@ -39,6 +39,9 @@ from .workers import (
     wait_for_exit,
 )
 
+if TYPE_CHECKING:
+    from ..logs import RunFolder
+
 # A worker that exited without its report pipe closing (a forked grandchild holds it) is
 # judged on its exit code after this long.
 _CHANNEL_CLOSE_GRACE = 1.0
@@ -70,7 +73,7 @@ class WorkerGroup:
         return {w.global_rank: w.pid for w in self.workers if not w.reaped()}
 
     def start(self, payload: Payload, env_for: Callable[[Worker], dict[str, str]], *,
-              cwd: str, key: bytes, log_root: Path, inbox: Inbox, emit: EventSink,
+              cwd: str, key: bytes, run_folder: RunFolder, inbox: Inbox, emit: EventSink,
               pool: bool = True) -> None:
         """Spawn every worker (``env_for(worker)`` gives its environment), from the warm
         pool unless ``pool`` is off, and send it the payload."""
@@ -82,11 +85,11 @@ class WorkerGroup:
                 zygote = warm_pool().zygote_for(envs[0], cwd, payload.sys_path)
         for worker, env in zip(self.workers, envs, strict=True):
             try:
-                spawn(worker, env=env, cwd=cwd, key=key, log_root=log_root, inbox=inbox,
+                spawn(worker, env=env, cwd=cwd, key=key, run_folder=run_folder, inbox=inbox,
                       emit=emit, zygote=zygote)
             except PoolError:
                 zygote = None  # it stopped answering: the rest start fresh
-                spawn(worker, env=env, cwd=cwd, key=key, log_root=log_root, inbox=inbox,
+                spawn(worker, env=env, cwd=cwd, key=key, run_folder=run_folder, inbox=inbox,
                       emit=emit)
             worker.send(Run(payload))
 

@@ -36,6 +36,16 @@ def new_run_id() -> str:
     return f"em-{uuid.uuid4().hex[:12]}"
 
 
+def agent_error(what: str, error: BaseException) -> AgentError:
+    """The agent's own failure as the notebook shows it: a refused folder says what to do,
+    anything else is a bug of ours, shown with its type."""
+    from ..folders import NotPrivate
+
+    if isinstance(error, NotPrivate):
+        return AgentError(f"{what}: {error}")
+    return AgentError(f"{what} failed: {error!r}")
+
+
 class AgentError(RuntimeError):
     """The agent itself failed (not the user's code); workers were stopped."""
 
@@ -125,7 +135,11 @@ class AgentThread:
 
     @property
     def log_dir(self) -> Path:
-        """Its ranks' logs: ``group_<n>/rank_<r>/{stdout,stderr}.log``."""
+        """Its ranks' logs: ``group_<n>/rank_<r>/{stdout,stderr}.log``. Once ended, where
+        the run's folder really is (someone may have renamed it in a shared --log-dir and
+        planted another at its name: the job kept writing into its own)."""
+        if self.result is not None:
+            return self.result.log_dir
         return self.spec.log_dir / self.run_id
 
     def status(self) -> dict[str, Any]:

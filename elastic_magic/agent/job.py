@@ -20,6 +20,7 @@ from .handle import (
     AgentError,
     AgentThread,
     Renderer,
+    agent_error,
     new_run_id,
     next_batch,
     pause_after,
@@ -160,7 +161,7 @@ class Job(AgentThread):
         interrupted = wait_through_interrupts(step, lambda: self.stop("interrupted"))
         self._thread.join()
         if self.error is not None:
-            raise AgentError(f"the elastic agent failed: {self.error!r}") from self.error
+            raise agent_error("the elastic agent", self.error) from self.error
         if interrupted:
             raise KeyboardInterrupt
         assert self.result is not None

@@ -1,4 +1,5 @@
-"""Which network interface this machine's workers talk to the other machines through.
+"""Which network interface this machine's workers talk to the other machines through, and
+to each other.
 
 gloo (and NCCL's bootstrap) pick their own address from the machine's hostname unless
 ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name an interface. On a stock Debian or Ubuntu
@@ -8,6 +9,9 @@ remote=[127.0.1.1]"). Every agent of a multi-node job knows the address by which
 reach it (the head: its ``--rdzv-endpoint``; a joined machine: its end of the link to the
 head), so it names the interface that carries that address for its own workers. The
 interface is chosen per machine, never forwarded: machines name their interfaces differently.
+A standalone job, and machines that all reach each other on loopback, name the loopback
+interface: where the hostname resolves to the machine's own address (as on many servers),
+gloo would otherwise listen there, where other machines reach it.
 The user's own setting (``--env``, or the kernel's or agent's environment) wins.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import ipaddress
 import os
 import socket
@@ -24,24 +29,46 @@ from ..events import NetworkChosen
 
 # Set for the workers, each unless the user set it; both name the interface to use.
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+LOOPBACK = "127.0.0.1"
 
 
 def choose(address: str, user_env: Mapping[str, str]) -> NetworkChosen:
     """The interface carrying ``address`` (this machine's address as the others reach it),
     the variables to set for the workers, and what the hostname resolves to. Variables the
     user set in ``user_env`` (the job's ``--env``) or in this process's environment are
-    kept; on loopback nothing is set (every machine is on this host)."""
+    kept. On loopback (every machine on this host) that is the loopback interface."""
     local = local_address(address)
     interface = interface_of(local)
     hostname = socket.gethostname()
-    kept = tuple((name, user_env.get(name, os.environ.get(name, "")))
-                 for name in INTERFACE_VARIABLES if name in user_env or name in os.environ)
+    kept = _users(user_env)
     variables: tuple[tuple[str, str], ...] = ()
-    if interface is not None and not is_loopback(local):
+    if interface is not None:
         variables = tuple((name, interface) for name in INTERFACE_VARIABLES
                           if name not in dict(kept))
     return NetworkChosen(machine=local, interface=interface, variables=variables, kept=kept,
                          hostname=hostname, hostname_address=resolve(hostname))
+
+
+def on_loopback(user_env: Mapping[str, str]) -> dict[str, str]:
+    """A standalone job's variables: its ranks' process groups listen and connect on the
+    loopback interface only, each variable unless the user set it (``user_env``, the job's
+    ``--env``, or this process's environment). gloo and NCCL then bind to that
+    interface's address instead of the one the hostname resolves to."""
+    kept = dict(_users(user_env))
+    return {name: loopback_interface() for name in INTERFACE_VARIABLES if name not in kept}
+
+
+def _users(user_env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The interface variables the user set: the job's ``--env`` wins over this process's
+    environment."""
+    return tuple((name, user_env.get(name, os.environ.get(name, "")))
+                 for name in INTERFACE_VARIABLES if name in user_env or name in os.environ)
+
+
+@functools.cache
+def loopback_interface() -> str:
+    """The interface that carries 127.0.0.1 ("lo" on Linux)."""
+    return interface_of(LOOPBACK) or "lo"
 
 
 def local_address(host: str) -> str:
@@ -70,10 +97,13 @@ def resolve(hostname: str) -> str | None:
 
 
 def is_loopback(address: str | None) -> bool:
+    """127.0.0.0/8 and ::1, also as an IPv4-mapped IPv6 address (::ffff:127.0.0.1)."""
     try:
-        return address is not None and ipaddress.ip_address(address.split("%")[0]).is_loopback
+        ip = ipaddress.ip_address((address or "").split("%")[0])
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
 def interface_of(address: str) -> str | None:

@@ -5,25 +5,24 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from pathlib import Path
 
 from ..events import EventSink, Output
-from ..logs import private_file
 
 TAIL_LINES = 200
 _CHUNK = 1 << 16
 
 
 class StreamPump(threading.Thread):
-    """Reads one worker stream until EOF: every byte to the log, whole lines to events."""
+    """Reads one worker stream until EOF: every byte to the log (``log``, a descriptor it
+    then owns: see ``logs.RunFolder.create_logs``), whole lines to events."""
 
     def __init__(
-        self, fd: int, log_path: Path, *, rank: int, stream: str, attempt: int,
+        self, fd: int, log: int, *, rank: int, stream: str, attempt: int,
         emit: EventSink, tail: deque[str],
     ) -> None:
         super().__init__(name=f"elastic-{stream}-rank{rank}", daemon=True)
         self.fd = fd
-        self.log_path = log_path
+        self.log = log
         self.rank = rank
         self.stream = stream
         self.attempt = attempt
@@ -34,7 +33,7 @@ class StreamPump(threading.Thread):
         pending = b""  # the unfinished line, kept short: a progress bar rewrites it with \r
         rewriting = False  # it was rewritten with \r: publish it as it shows, while it lasts
         shown = b""  # what of it was last published as a partial line
-        with open(self.log_path, "wb", opener=private_file) as log:
+        with open(self.log, "wb") as log:
             while True:
                 try:
                     chunk = os.read(self.fd, _CHUNK)

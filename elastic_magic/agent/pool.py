@@ -30,6 +30,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from . import interpreter
+
 # Variables a round gives each rank (workers/torchrun_env): they differ between workers
 # of one zygote, and nothing it imports reads them.
 _PER_ROUND = frozenset({
@@ -117,8 +119,8 @@ class Zygote:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "elastic_magic.worker.zygote", str(theirs.fileno()),
-                 str(os.getpid())],
+                interpreter.command("elastic_magic.worker.zygote", str(theirs.fileno()),
+                                    str(os.getpid())),
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, env=zygote_env(env), cwd=cwd,
                 start_new_session=True,

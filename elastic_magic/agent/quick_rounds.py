@@ -1,5 +1,6 @@
 """Rounds without idle waits: what torch's rendezvous handler sleeps that a job here does
-not need. Imported by ``rendezvous.py``, before any handler runs.
+not need. Imported by ``rendezvous.py``, before any handler runs; the hooks into torch are
+``torch_internals.pace_rendezvous_polls``.
 
 - torch sleeps a random 0-0.3 s before a run id's first round (``_delay`` with a range), to
   spread the first requests of many nodes. Every job here is a new run id on a few
@@ -17,13 +18,11 @@ import threading
 import time
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from .. import torch_internals
 
 FIRST_POLL = 0.01
 LONGEST_POLL = 0.25
 
-_torch_delay = dynamic_rendezvous._delay
-_torch_run = dynamic_rendezvous._DistributedRendezvousOpExecutor.run
 _polling = threading.local()  # the operation this thread runs: its executor and next poll
 
 
@@ -40,7 +39,7 @@ def _delay(seconds: float | tuple[float, float]) -> None:
     if executor is None:
         _torch_delay(seconds)
         return
-    seen = _signature(executor._state)
+    seen = _signature(torch_internals.operation_state(executor))
     if seen != _polling.seen:
         _polling.seen, _polling.interval = seen, FIRST_POLL
     time.sleep(min(_polling.interval, seconds))
@@ -55,5 +54,5 @@ def _run(self: Any, *args: Any, **kwargs: Any) -> None:
         _polling.executor = None
 
 
-dynamic_rendezvous._delay = _delay
-dynamic_rendezvous._DistributedRendezvousOpExecutor.run = _run  # type: ignore[method-assign]
+# torch's own two: outside an operation, torch's pace; an operation runs as torch runs it.
+_torch_delay, _torch_run = torch_internals.pace_rendezvous_polls(_delay, _run)

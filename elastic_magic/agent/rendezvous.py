@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import Store, TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
-    _remove_participant_epilogue,
 )
 
+from .. import torch_internals
 from . import quick_rounds  # noqa: F401  (torch's first-round sleep, skipped)
 from .signed import (
     RendezvousRejected,
@@ -44,13 +43,6 @@ __all__ = ["Rendezvous", "RendezvousRejected", "RoundInfo", "SignedBackend", "ge
 
 _WORKER_STORE_KEY = "elastic_magic/worker_store"
 _LOCAL_SIZE_PREFIX = "elastic_magic/local_world_size/"
-
-
-def torch_round(handler: DynamicRendezvousHandler) -> int:
-    """The number of the round ``handler`` last joined: torch prefixes that round's store
-    with it, and keeps it only in its private state holder. It changes only when a new
-    round completes, which this machine must join first."""
-    return int(handler._state_holder.state.round)
 
 
 def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
@@ -70,33 +62,6 @@ def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
     # The store owns the descriptor from here on and closes it when it is destroyed.
     return TCPStore(host, bound_port, is_master=True, wait_for_workers=False,
                     timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
-
-
-class _Handler(DynamicRendezvousHandler):
-    """torch's handler, except that the store it hosts on node rank 0 each round is the
-    round's worker store (on our host only), and it can be released without closing the
-    run id."""
-
-    worker_store: TCPStore | None = None
-
-    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> TCPStore:
-        self.worker_store = hosted_store(master_addr, master_port)
-        return self.worker_store
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        # torch publishes that store's address in a round's store only in the first round
-        # it hosts it, so a machine joining a later round waits for it forever. A fresh
-        # store every round: torch publishes it every round.
-        self._bootstrap_store_info = None
-        self._shared_tcp_store_server = None
-        self.worker_store = None
-        return super().next_rendezvous()
-
-    def release(self) -> None:
-        """Stop the heartbeat thread and let go of the round's worker store."""
-        self._stop_heartbeats()
-        self._shared_tcp_store_server = None
-        self.worker_store = None
 
 
 @dataclass(frozen=True)
@@ -152,24 +117,25 @@ class Rendezvous:
         store_host, _, store_port = self._where.rpartition(":")
         self.store: TCPStore | None = TCPStore(store_host.strip("[]"), int(store_port),
                                                is_master=False, timeout=timedelta(seconds=60))
-        self.handler: _Handler | None = self._new_handler(self.store)
+        self.handler: DynamicRendezvousHandler | None = self._new_handler(self.store)
         self.rounds = 0
         self.sizes: list[int] = []  # every node's local world size in the last round
         self._worker_store: TCPStore | None = None
 
-    def _new_handler(self, store: TCPStore) -> _Handler:
+    def _new_handler(self, store: TCPStore) -> DynamicRendezvousHandler:
+        """torch's handler, hosting each round's worker store on our host only (on node
+        rank 0), a fresh one every round."""
         backend = SignedBackend(store, self.run_id, self.key, self._where, self._note)
-        handler = _Handler.from_backend(
-            run_id=self.run_id, store=store, backend=backend, min_nodes=self._nodes[0],
-            max_nodes=self._nodes[1], local_addr=self.host, timeout=self._timeout)
-        assert isinstance(handler, _Handler)
-        return handler
+        return torch_internals.rendezvous_handler(
+            hosted_store, run_id=self.run_id, store=store, backend=backend,
+            min_nodes=self._nodes[0], max_nodes=self._nodes[1], local_addr=self.host,
+            timeout=self._timeout)
 
     def _note(self, error: RendezvousRejected) -> None:
         if self.rejected is None:  # a copy: the one raised will carry frames that hold stores
             self.rejected = RendezvousRejected(str(error))
 
-    def _live(self) -> tuple[TCPStore, _Handler]:
+    def _live(self) -> tuple[TCPStore, DynamicRendezvousHandler]:
         if self.store is None or self.handler is None:
             raise RuntimeError("the rendezvous is closed")
         return self.store, self.handler
@@ -202,10 +168,11 @@ class Rendezvous:
         node_rank, nnodes = info.rank, info.world_size
         # Signed for this round of this run: a value copied from an earlier round (an old
         # store's address, on a port someone else may hold now) is refused.
-        scope = f"{self.run_id}/{torch_round(handler)}"
+        scope = f"{self.run_id}/{torch_internals.rendezvous_round(handler)}"
         if node_rank == 0:
             # torch hosted it for this round (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
-            self._worker_store = handler.worker_store or hosted_store(self.host)
+            self._worker_store = (torch_internals.round_worker_store(handler)
+                                  or hosted_store(self.host))
             put_signed(round_store, self.key, _WORKER_STORE_KEY,
                        f"{uuid.uuid4().hex} {self.host}:{self._worker_store.port}",
                        scope=scope)
@@ -274,30 +241,10 @@ class Rendezvous:
         state holder (handlers are not thread-safe), compare-and-set until it holds."""
         store, _ = self._live()
         other = self._new_handler(store)
-        rank: int | None = None
         try:
-            holder, settings = other._state_holder, other.settings
-            while True:
-                holder.sync()
-                state = holder.state
-                gone = {node for node in (*state.participants, *state.wait_list,
-                                          *state.redundancy_list, *state.last_heartbeats)
-                        if node.addr == addr and node.pid == pid}
-                if not gone:
-                    return rank
-                for node in gone:
-                    if node in state.participants and state.complete:
-                        rank = state.participants[node]
-                    state.participants.pop(node, None)
-                    state.wait_list.discard(node)
-                    state.redundancy_list.discard(node)
-                    state.last_heartbeats.pop(node, None)
-                _remove_participant_epilogue(state, settings)
-                holder.mark_dirty()
-                if holder.sync():
-                    return rank
+            return torch_internals.remove_rendezvous_node(other, addr, pid)
         finally:
-            other.release()
+            torch_internals.release_handler(other)
 
     def cancel(self) -> None:
         """Close the run id from a second handler: a next_round() blocked on another thread
@@ -308,7 +255,7 @@ class Rendezvous:
         try:
             other.shutdown()
         finally:
-            other.release()
+            torch_internals.release_handler(other)
 
     def close(self, shutdown: bool = True) -> None:
         """Stop hosting stores; with ``shutdown``, close the run id for every machine. Each
@@ -321,7 +268,7 @@ class Rendezvous:
                     if shutdown:
                         handler.shutdown()
                 finally:
-                    handler.release()
+                    torch_internals.release_handler(handler)
         finally:
             self._worker_store = None
             self.store = None

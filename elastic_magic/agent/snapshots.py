@@ -6,6 +6,12 @@ A commit is answered once the snapshot is kept in memory; the checkpoint is writ
 it on a thread (``CheckpointWriter``), which writes the newest snapshot it has not written
 yet, so a slow disk delays the checkpoint, never the training. The job's end waits for it.
 
+Loading a checkpoint unpickles it (in the workers): one that another user planted would run
+their code. So the folder is opened once, checked on its descriptor (the user's, no one
+else may write to it), and the files are read only if they are the user's too (not links,
+no one else may write them); they are written new (``O_EXCL | O_NOFOLLOW``) relative to
+that descriptor, then renamed into place.
+
 In memory, a snapshot is either bytes (from the pipe, another machine or a checkpoint) or
 a descriptor of the anonymous memory file the committing worker wrote it into: the agent
 keeps that file open instead of copying it, and workers read it back through /proc.
@@ -15,9 +21,11 @@ keeps that file open instead of copying it, and workers read it back through /pr
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
-import tempfile
+import secrets
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..events import Committed
+from ..folders import READ_FILE, NotPrivate, describe, new_file, own_folder
 from ..messages import Commit, CommitReply, Handoff, Reply, StateGet, StateReply, StateRequest
 
 _DATA = "snapshot.pt"
@@ -40,6 +49,7 @@ class SnapshotStore:
     _fd: int | None = None  # an anonymous memory file this store owns
     size: int = 0
     _writer: CheckpointWriter | None = field(default=None, repr=False)
+    _folder_fd: int | None = None  # the checkpoint folder, checked
 
     @property
     def blob(self) -> bytes | None:
@@ -54,12 +64,50 @@ class SnapshotStore:
         return self._fd
 
     def load_checkpoint(self) -> bool:
-        """Take the snapshot a previous run left in the directory, if any."""
-        if self.directory is None or not (self.directory / _META).exists():
+        """Take the snapshot a previous run left in the directory, if any. Raises
+        NotPrivate, loading nothing, where the folder or a file is not safely the user's."""
+        if self.directory is None:
             return False
-        self.meta = json.loads((self.directory / _META).read_text())
-        self._replace(data=(self.directory / _DATA).read_bytes())
+        folder = self._folder()
+        try:
+            meta = self._read(folder, _META)
+        except FileNotFoundError:
+            return False
+        data = self._read(folder, _DATA)
+        self.meta = json.loads(meta)
+        self._replace(data=data)
         return True
+
+    def _folder(self) -> int:
+        if self._folder_fd is None:
+            assert self.directory is not None
+            try:
+                self._folder_fd = own_folder(self.directory, private=False)
+            except NotPrivate as exc:
+                raise NotPrivate(f"--checkpoint-dir {exc}: nothing is loaded from it or "
+                                 "written to it. Give a folder that only you can write.") \
+                    from None
+        return self._folder_fd
+
+    def _read(self, folder: int, name: str) -> bytes:
+        """A file of the checkpoint, if it is the user's own and no one else may write it."""
+        path = self.directory / name if self.directory else Path(name)
+        try:
+            fd = os.open(name, READ_FILE, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise NotPrivate(f"the checkpoint {path} is a symbolic link: it is not "
+                                 "loaded. Remove it if you did not put it there.") from None
+            raise
+        with open(fd, "rb") as file:
+            info = os.fstat(fd)
+            problem = describe(info, path, private=False) if stat.S_ISREG(info.st_mode) \
+                else f"{path} is not a file"
+            if problem:
+                raise NotPrivate(f"the checkpoint is not loaded: {problem}. Someone else may "
+                                 "have planted it to run code in your job: remove it, or give "
+                                 "another --checkpoint-dir.")
+            return file.read()
 
     def commit(self, meta: dict[str, Any], *, data: bytes | None = None,
                fd: int | None = None) -> None:
@@ -69,7 +117,7 @@ class SnapshotStore:
         self.commit_id += 1
         if self.directory is not None:
             if self._writer is None:
-                self._writer = CheckpointWriter(self.directory)
+                self._writer = CheckpointWriter(self._folder())
             self._writer.submit(meta, data if fd is None else os.dup(fd), self.size)
 
     def close(self) -> None:
@@ -80,6 +128,9 @@ class SnapshotStore:
                 writer.close()
         finally:
             self._replace()
+            if self._folder_fd is not None:
+                os.close(self._folder_fd)
+                self._folder_fd = None
 
     def _replace(self, data: bytes | None = None, fd: int | None = None) -> None:
         if self._fd is not None:
@@ -88,14 +139,14 @@ class SnapshotStore:
         self.size = os.fstat(fd).st_size if fd is not None else len(data or b"")
 
 
-def _write_atomically(path: Path, source: bytes | int | None, size: int = 0) -> None:
-    """Write ``source`` (bytes, or ``size`` bytes of a file descriptor) to a temporary file
-    beside ``path``, fsync it, then rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+def _write_atomically(folder: int, name: str, source: bytes | int | None,
+                      size: int = 0) -> None:
+    """Write ``source`` (bytes, or ``size`` bytes of a file descriptor) to a new temporary
+    file in ``folder`` (a descriptor), fsync it, then rename it over ``name``."""
+    tmp = f".{name}.{secrets.token_hex(8)}"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(new_file(folder, tmp), "wb") as f:
             if isinstance(source, int):
-                f.flush()
                 offset = 0
                 while offset < size:  # kernel to kernel: no copy through Python
                     sent = os.sendfile(f.fileno(), source, offset, size - offset)
@@ -106,10 +157,10 @@ def _write_atomically(path: Path, source: bytes | int | None, size: int = 0) -> 
                 f.write(source or b"")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            Path(tmp).unlink()
+            os.unlink(tmp, dir_fd=folder)
         raise
 
 
@@ -118,8 +169,8 @@ class CheckpointWriter:
     one that is superseded before its turn is skipped. An error is raised by the next
     ``submit`` or by ``close``."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, folder: int) -> None:
+        self.folder = folder  # the checkpoint folder's descriptor (the store's)
         self._cond = threading.Condition()
         self._pending: tuple[dict[str, Any], bytes | int | None, int] | None = None
         self._closing = False
@@ -161,8 +212,8 @@ class CheckpointWriter:
                     return
                 (meta, source, size), self._pending = self._pending, None
             try:
-                _write_atomically(self.directory / _DATA, source, size)
-                _write_atomically(self.directory / _META, json.dumps(meta).encode())
+                _write_atomically(self.folder, _DATA, source, size)
+                _write_atomically(self.folder, _META, json.dumps(meta).encode())
             except BaseException as exc:
                 with self._cond:
                     self._error = exc

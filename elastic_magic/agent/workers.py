@@ -15,7 +15,6 @@ import importlib.metadata
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from ..events import EventSink, NetworkChosen
-from ..logs import make_rank_dir
 from ..messages import (
     Commit,
     CommitReply,
@@ -42,10 +40,13 @@ from ..result import RankFailure
 from ..worker.shepherd import END_ALL
 
 if TYPE_CHECKING:
+    from ..logs import RunFolder
     from ..spec import JobSpec
     from .rendezvous import RoundInfo
 
+from . import interpreter
 from .inbox import Inbox, WorkerReport
+from .network import on_loopback
 from .output import StreamPump, new_tail
 from .pool import PooledProcess, Zygote
 
@@ -172,8 +173,8 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
                  slots: list[int] | None = None) -> dict[str, str]:
     """The kernel's environment plus every variable torchrun sets, with its meaning, for
     ``worker`` of this machine's ``nproc`` in round ``info``; the interface chosen for this
-    machine (``network``, a multi-node job); its worker slots (``slots``, see
-    ``policy.Membership``); then the job's ``--env``."""
+    machine (``network``, a multi-node job; loopback for a standalone one); its worker
+    slots (``slots``, see ``policy.Membership``); then the job's ``--env``."""
     world_size = info.world_size
     env = inherited_env(nproc)
     env.update({
@@ -198,6 +199,8 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
     })
     if network is not None:
         env.update(network.variables)
+    elif not spec.multi_node:  # one machine: its process groups on loopback, never the network
+        env.update(on_loopback(spec.env))
     slots = slots or list(range(nproc))
     env["ELASTIC_MAGIC_SLOT"] = str(slots[worker.local_rank])
     visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",") \
@@ -211,10 +214,11 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
 
 
 def spawn(
-    worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, log_root: Path,
+    worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, run_folder: RunFolder,
     inbox: Inbox, emit: EventSink, zygote: Zygote | None = None,
 ) -> None:
-    """Start ``python -m elastic_magic.worker`` in its own session, or fork it from the
+    """Start the worker (``python -m elastic_magic.worker``, without the current directory on
+    its path: see ``interpreter``) in its own session, or fork it from the
     ``zygote`` of the warm pool; then its pumps and reader."""
     control_r, control_w = os.pipe()
     report_r, report_w = os.pipe()
@@ -232,8 +236,8 @@ def spawn(
                 zygote, zygote.fork(env, cwd, (control_r, report_w, out_w, err_w)))
         else:
             worker.proc = subprocess.Popen(
-                [sys.executable, "-m", "elastic_magic.worker", str(control_r),
-                 str(report_w), str(os.getpid())],
+                interpreter.command("elastic_magic.worker.__main__", str(control_r),
+                                    str(report_w), str(os.getpid())),
                 pass_fds=(control_r, report_w),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
                 env=env, cwd=cwd,
@@ -248,10 +252,16 @@ def spawn(
             os.close(fd)
     worker.state = WorkerState.HEALTHY
     worker.control = Channel(control_w, key)
-    worker.log_dir = make_rank_dir(log_root, worker.attempt, worker.global_rank)
+    worker.log_dir = run_folder.rank_dir(worker.attempt, worker.global_rank)
+    try:
+        logs = run_folder.create_logs(worker.attempt, worker.global_rank)
+    except BaseException:  # the worker is the group's to stop; these are ours to close
+        for fd in (report_r, out_r, err_r):
+            os.close(fd)
+        raise
     for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
         worker.threads.append(StreamPump(
-            fd, worker.log_dir / f"{stream}.log", rank=worker.global_rank, stream=stream,
+            fd, logs[stream], rank=worker.global_rank, stream=stream,
             attempt=worker.attempt, emit=emit, tail=worker.tail,
         ))
     worker.threads.append(threading.Thread(

@@ -94,16 +94,21 @@ def network_text(chosen: NetworkChosen) -> str:
     """Which interface a machine's workers use, and why it matters when its hostname
     resolves to loopback."""
     machine = f"machine {chosen.machine}"
+    if chosen.machine_is_loopback:  # every machine on this host: no hostname to warn about
+        text = f"{machine}: loopback, so only machines on this host can take part"
+        if chosen.variables:
+            text += f"; its workers stay on {chosen.interface}"
+        if chosen.kept:
+            text += "; kept your " + ", ".join(f"{name}={value}" for name, value in chosen.kept)
+        return text
     if chosen.variables:
         names = " and ".join(name for name, _ in chosen.variables)
         text = f"{machine}: its workers reach the others through {chosen.interface} ({names})"
     elif chosen.kept:
         text = f"{machine}: its workers use the network you chose"
-    elif chosen.interface is None:
+    else:  # no interface of this machine carries that address
         text = (f"{machine}: no interface of this machine carries that address; set "
                 "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) with --env, or on each machine")
-    else:  # every machine is on this host: nothing to choose, nothing to warn about
-        return f"{machine}: loopback, so only machines on this host can take part"
     if chosen.kept:
         text += "; kept your " + ", ".join(f"{name}={value}" for name, value in chosen.kept)
     address = chosen.hostname_address

@@ -10,11 +10,13 @@ Two kinds of cells must both run with the default flags:
 
 So the worker makes no group before the cell runs; it *arms* one (:func:`arm`):
 
-- Every use of the default group in torch goes through ``distributed_c10d._get_default_group``
-  (get_rank, get_world_size, collectives, DDP, new_group, barrier, object collectives),
-  which first calls ``is_initialized`` from its own module, ``distributed_c10d``. That name
-  is pointed at :func:`ensure`, which makes the armed group (job's backend and timeout) and
-  then answers. Every rank must use the group for all of them to get past that first use.
+- Every use of the default group in torch goes through torch's private default-group
+  lookup (get_rank, get_world_size, collectives, DDP, new_group, barrier, object
+  collectives), which first calls ``is_initialized`` from its own module,
+  ``distributed_c10d``. That name is pointed at :func:`ensure`
+  (``torch_internals.route_default_group_checks``), which makes the armed group (job's
+  backend and timeout) and then answers. Every rank must use the group for all of them to
+  get past that first use.
 - The public ``torch.distributed.is_initialized`` is left as torch's: it stays False until
   something uses the group, so code that initialises "if not initialised yet" does, with its
   own settings.
@@ -41,8 +43,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed import device_mesh
 from torch.distributed import distributed_c10d as c10d
+
+from .. import torch_internals
 
 _lock = threading.RLock()  # re-entered by the thread making the group (torch checks again)
 _settings: dict[str, Any] | None = None  # armed: how to make the group
@@ -81,7 +84,7 @@ def _explain(exc: Exception, settings: dict[str, Any]) -> None:
 def arm(backend: str, timeout: float) -> None:
     """Make the default group with these settings when the cell first uses it."""
     global _settings, _busy
-    c10d.is_initialized = device_mesh.is_initialized = ensure
+    torch_internals.route_default_group_checks(ensure)
     c10d.init_process_group = dist.init_process_group = init_process_group
     with _lock:
         if c10d.GroupMember.WORLD is None:

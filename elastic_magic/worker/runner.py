@@ -55,7 +55,15 @@ def run_payload(payload: Payload, report: AgentClient) -> None:
 
 
 def _prepare(payload: Payload) -> dict[str, Any]:
-    """torchrun's contract: kernel's cwd and sys.path, cell as __main__, device, group."""
+    """torchrun's contract: device, group, then the kernel's cwd and sys.path, cell as
+    __main__."""
+    # The worker's own imports (torch, here in a --no-pool worker) come from its own path:
+    # the kernel's path may start with its cwd (a Jupyter kernel's, `elastic-magic join`'s).
+    _set_device()
+    if payload.init_process_group:  # made when the cell first uses it, unless it makes its own
+        from elastic_magic.worker import default_group
+
+        default_group.arm(payload.backend, payload.timeout)
     os.chdir(payload.cwd)
     sys.path[:] = payload.sys_path
     sys.argv = list(payload.argv)
@@ -66,11 +74,6 @@ def _prepare(payload: Payload) -> dict[str, Any]:
         module.__dict__["__builtins__"] = builtins
         sys.modules["__main__"] = module
         namespace = module.__dict__
-    _set_device()
-    if payload.init_process_group:  # made when the cell first uses it, unless it makes its own
-        from elastic_magic.worker import default_group
-
-        default_group.arm(payload.backend, payload.timeout)
     for name, module_name in payload.modules.items():
         namespace[name] = importlib.import_module(module_name)
     for name, blob in payload.globals.items():

@@ -68,12 +68,12 @@ def _no_operator_cleanup_at_exit() -> None:
     """torch.library unregisters each of its ~130 operator libraries when the interpreter
     exits (a weakref finalizer each): 40-100 ms of every worker's exit, for a process that
     is ending anyway. A worker's own finalizers, and libraries it makes, still run."""
-    from torch import library
+    from elastic_magic import torch_internals
 
     registry = getattr(weakref.finalize, "_registry", {})
     for finalizer in list(registry):
         held = finalizer.peek()
-        if held is not None and held[1] is library._del_library:
+        if held is not None and torch_internals.is_library_cleanup(held[1]):
             finalizer.atexit = False
 
 

@@ -1,0 +1,45 @@
+"""The command line of the interpreters we start: the warm pool's zygote and ``--no-pool``
+workers.
+
+``python -m`` puts the current directory first on ``sys.path``: a ``cloudpickle.py`` or
+``torch.py`` in the folder a job was started from (a shared folder, say) would run as the
+user in every worker, before any cell. Neither ``python script.py`` nor a console script
+does that, and neither may we. So our interpreters start with ``-c`` and a small runner that
+removes the current directory ``-c`` puts first (before anything is imported; the same on
+every Python version, where ``-P`` exists only from 3.11), imports elastic_magic from the
+folder the kernel imported it from (so workers always run the kernel's copy, whatever their
+path finds first), then calls the module's ``main()``. The module's name stays a word of
+the command line, as with ``-m``. The cell gets the kernel's cwd and ``sys.path`` only when
+it runs, after the worker's own imports (``worker/runner.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import elastic_magic
+
+# The folder of the kernel's elastic_magic, as the kernel found it.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(elastic_magic.__file__))
+
+# argv: PACKAGE_DIR MODULE ARGS...; the module's main() sees sys.argv[1:] == ARGS.
+RUNNER = """\
+import sys
+if sys.path[:1] == [""]:
+    del sys.path[0]
+import importlib.util
+package, module = sys.argv[1:3]
+del sys.argv[1:3]
+spec = importlib.util.spec_from_file_location(
+    "elastic_magic", package + "/__init__.py", submodule_search_locations=[package])
+sys.modules["elastic_magic"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sys.modules["elastic_magic"])
+importlib.import_module(module).main()
+"""
+
+
+def command(module: str, *args: str) -> list[str]:
+    """``python -m module args...``, without the current directory on the path and with
+    this process's elastic_magic. ``module`` has a ``main()``."""
+    return [sys.executable, "-c", RUNNER, PACKAGE_DIR, module, *args]
