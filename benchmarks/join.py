@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_magic.agent.job import Job
+from elastic_magic.agent.handles.job import Job
 from elastic_magic.events import Output, WorkersStarted
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec

@@ -24,7 +24,7 @@ import time
 
 import psutil
 
-from elastic_magic.agent.job import Job
+from elastic_magic.agent.handles.job import Job
 from elastic_magic.events import Excluded, Output, WorkersStarted
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec

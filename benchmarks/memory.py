@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from elastic_magic.agent.pool import warm_pool
+from elastic_magic.agent.local.pool import warm_pool
 
 from .common import launch, scratch, stamps, torchrun
 

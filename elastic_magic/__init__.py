@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .agent.job import AgentError, Job
+    from .agent.handles.job import AgentError, Job
     from .api import launch
     from .data import DataLoader, ElasticSampler
     from .events import JobState
@@ -76,8 +76,8 @@ def load_ipython_extension(ipython: Any) -> None:
     import os
     import sys
 
-    from .agent.pool import prewarm
-    from .agent.workers import inherited_env
+    from .agent.local.pool import prewarm
+    from .agent.local.workers import inherited_env
 
     # The warm pool's zygote imports torch while the kernel imports the magics: the first
     # cell finds it ready. Made for several workers per machine (OMP_NUM_THREADS=1), the
@@ -90,7 +90,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Stop this kernel's running jobs, end the warm pool and remove both magics."""
-    from .agent.pool import shutdown_pool
+    from .agent.local.pool import shutdown_pool
 
     magics = ipython.magics_manager.registry.pop("ElasticMagics", None)
     if magics is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .agent.job import Job, Renderer
+from .agent.handles.job import Job, Renderer
 from .events import JobState
 from .payload import build_payload
 from .result import JobFailedError, JobResult

@@ -135,12 +135,12 @@ def _token_from_file(path: Path) -> str:
 
 
 def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
-    from .agent.hub import HubError, connect
-    from .agent.job import AgentError, Job
-    from .agent.joined import JoinedJob
-    from .agent.pool import prewarm
-    from .agent.rendezvous import rendezvous_key
-    from .agent.workers import inherited_env
+    from .agent.handles.job import AgentError, Job
+    from .agent.local.pool import prewarm
+    from .agent.local.workers import inherited_env
+    from .agent.machines.hub import HubError, connect
+    from .agent.machines.joined import JoinedJob
+    from .agent.machines.rendezvous import rendezvous_key
     from .messages import Forward, Hello
     from .ui.text import TextRenderer
 
@@ -193,7 +193,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
 
 def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
                   forward: Any, host: str, nproc: int) -> int:
-    from .agent.assemble import join_session
+    from .agent.loop.assemble import join_session
     from .messages import Hello
 
     joined.link.send(Hello(host, nproc, os.getpid()))

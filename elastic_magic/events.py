@@ -181,7 +181,7 @@ class SessionReformed:
 @dataclass(frozen=True)
 class NetworkChosen:
     """A multi-node job: the interface this machine's workers reach the other machines
-    through (see agent/network.py), and whether its hostname resolves to loopback."""
+    through (see agent/local/network.py), and whether its hostname resolves to loopback."""
 
     machine: str  # this machine's address as the others reach it
     interface: str | None  # the interface carrying it; None: none found

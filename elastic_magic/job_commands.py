@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from IPython.core.error import UsageError
 
-from .agent.job import Job
+from .agent.handles.job import Job
 from .comm import JobsChannel
 from .logs import rank_log
 from .magic_common import parse_scale, print_stacks

@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .agent.job import Job, Renderer
+from .agent.handles.job import Job, Renderer
 from .comm import JobsChannel, current_cell_id
 from .events import JobState
 from .job_commands import USAGE as JOB_USAGE

@@ -28,9 +28,7 @@ from typing import Any
 
 import cloudpickle
 
-from .agent.assemble import session_agent
-from .agent.cells import SessionEndedError, session_payload
-from .agent.handle import (
+from .agent.handles.handle import (
     AgentThread,
     Renderer,
     agent_error,
@@ -39,6 +37,8 @@ from .agent.handle import (
     wait_through_interrupts,
 )
 from .agent.inbox import CellRequest, InboxItem, InterruptCommand
+from .agent.loop.assemble import session_agent
+from .agent.loop.cells import SessionEndedError, session_payload
 from .agent.status import JobStatus
 from .events import Event, JobFinished
 from .messages import ScaleCommand, StopCommand

@@ -15,7 +15,7 @@ torch pickles them. A snapshot written by ``torch.save`` (an older checkpoint) s
 Snapshots travel between one job's own processes and the checkpoint folder the user gave:
 they are trusted as ``torch.load(weights_only=False)`` trusts its file, so the agent loads
 a checkpoint only from a folder and a file of the user's that no one else can write
-(``agent/snapshots.py``).
+(``agent/local/snapshots.py``).
 """
 
 from __future__ import annotations

@@ -198,7 +198,7 @@ def check_all() -> None:
         check(need)
 
 
-# Rounds without idle waits (agent/quick_rounds.py) -------------------------------------
+# Rounds without idle waits (agent/machines/quick_rounds.py) -------------------------------------
 
 _poll_hooks: tuple[Callable[..., None], Callable[..., None]] | None = None
 
@@ -240,7 +240,7 @@ def operation_state(executor: Any) -> Any:
     return executor._state
 
 
-# Rendezvous handlers with per-round worker stores (agent/rendezvous.py) ----------------
+# Rendezvous handlers with per-round worker stores (agent/machines/rendezvous.py) ----------------
 
 @functools.cache
 def _round_store_handler() -> type[DynamicRendezvousHandler]:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from elastic_magic.agent.job import Job
+from elastic_magic.agent.handles.job import Job
 from elastic_magic.payload import build_payload
 from elastic_magic.result import JobFailedError
 from elastic_magic.spec import JobSpec

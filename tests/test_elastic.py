@@ -13,7 +13,7 @@ import torch
 
 import elastic_magic as em
 from elastic_magic import snapshot_format
-from elastic_magic.agent.job import Job
+from elastic_magic.agent.handles.job import Job
 from elastic_magic.events import Committed, Excluded, MembershipChanged, ResizeRequested
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec, SpecError

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import elastic_magic as em
-from elastic_magic.agent.job import Job
+from elastic_magic.agent.handles.job import Job
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec, SpecError
 

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from elastic_magic.agent.job import Job
+from elastic_magic.agent.handles.job import Job
 from elastic_magic.events import Committed, MembershipChanged
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec

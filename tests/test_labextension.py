@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_magic.agent.job import Job
+from elastic_magic.agent.handles.job import Job
 from elastic_magic.comm import JobsChannel
 from elastic_magic.payload import build_payload
 from elastic_magic.session import Session

@@ -19,7 +19,7 @@ import pytest
 
 import elastic_magic as em
 from elastic_magic import logs, snapshot_format
-from elastic_magic.agent.job import AgentError
+from elastic_magic.agent.handles.job import AgentError
 from elastic_magic.events import JobState
 from elastic_magic.payload import build_payload
 

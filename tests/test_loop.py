@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from elastic_magic.agent.cells import CellEvents
-from elastic_magic.agent.engine import Engine
-from elastic_magic.agent.group import WorkerGroup
 from elastic_magic.agent.inbox import CellRequest, Inbox, WorkerReport
-from elastic_magic.agent.job_loop import JobLoop
-from elastic_magic.agent.rendezvous import RoundInfo
-from elastic_magic.agent.roles import SingleMachine
-from elastic_magic.agent.session_loop import SessionLoop
+from elastic_magic.agent.local.group import WorkerGroup
+from elastic_magic.agent.local.workers import Worker, WorkerState
+from elastic_magic.agent.loop.cells import CellEvents
+from elastic_magic.agent.loop.engine import Engine
+from elastic_magic.agent.loop.job_loop import JobLoop
+from elastic_magic.agent.loop.session_loop import SessionLoop
+from elastic_magic.agent.machines.roles import SingleMachine
+from elastic_magic.agent.rounds import RoundInfo
 from elastic_magic.agent.status import StatusBoard
-from elastic_magic.agent.workers import Worker, WorkerState
 from elastic_magic.events import (
     Excluded,
     Output,

@@ -24,7 +24,7 @@ from test_multinode import machines as machines  # the fixture
 from test_multinode import run_head
 
 import elastic_magic as em
-from elastic_magic.agent.hub import Link, read_into
+from elastic_magic.agent.machines.hub import Link, read_into
 from elastic_magic.events import Excluded, RendezvousCompleted, WorkerFailed
 from elastic_magic.protocol import new_secret
 from elastic_magic.ui.describe import describe

@@ -22,7 +22,7 @@ from test_elastic import STEPS, TRAIN, assert_same_parameters, committed_steps, 
 from test_elastic import baseline as baseline  # the module-scoped fixture
 
 import elastic_magic as em
-from elastic_magic.agent.job import Job
+from elastic_magic.agent.handles.job import Job
 from elastic_magic.events import AcceptingNodes, NodeConnected, RendezvousCompleted
 from elastic_magic.payload import build_payload
 from elastic_magic.ui.state import DashboardState

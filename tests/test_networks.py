@@ -18,8 +18,8 @@ from test_elastic import STEPS, TRAIN, assert_same_parameters, committed_steps, 
 from test_elastic import baseline as baseline  # the module-scoped fixture
 
 import elastic_magic as em
-from elastic_magic.agent.job import Job
-from elastic_magic.agent.network import choose, is_loopback
+from elastic_magic.agent.handles.job import Job
+from elastic_magic.agent.local.network import choose, is_loopback
 from elastic_magic.events import (
     AcceptingNodes,
     Excluded,

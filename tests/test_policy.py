@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from elastic_magic.agent.local.workers import Worker, torchrun_env
 from elastic_magic.agent.policy import (
     CellStatus,
     CellStep,
@@ -26,9 +27,8 @@ from elastic_magic.agent.policy import (
     own_failure,
     what_ended,
 )
-from elastic_magic.agent.rendezvous import RoundInfo
+from elastic_magic.agent.rounds import RoundInfo
 from elastic_magic.agent.status import StatusBoard
-from elastic_magic.agent.workers import Worker, torchrun_env
 from elastic_magic.messages import Action
 from elastic_magic.result import JobState, RankFailure
 from elastic_magic.spec import JobSpec

@@ -1,4 +1,4 @@
-"""torch's rendezvous polls, as ``agent/quick_rounds.py`` paces them: fast while the state
+"""torch's rendezvous polls, as ``agent/machines/quick_rounds.py`` paces them: fast while the state
 changes, backing off to a quarter second while it does not, torch's own pace outside an
 operation. (The multi-node tests run these polls for real; this checks the pacing.)"""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-from elastic_magic.agent import quick_rounds
+from elastic_magic.agent.machines import quick_rounds
 
 
 def _state(participants=("a",), round_=1):

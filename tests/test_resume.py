@@ -19,7 +19,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import IterableDataset, TensorDataset
 
 import elastic_magic as em
-from elastic_magic.agent.job import Job
+from elastic_magic.agent.handles.job import Job
 from elastic_magic.events import Committed, MembershipChanged
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec

@@ -28,8 +28,8 @@ from test_multinode import Machines, run_head
 from torch.distributed import TCPStore
 
 import elastic_magic as em
-from elastic_magic.agent.hub import connect
-from elastic_magic.agent.job import AgentError, Job
+from elastic_magic.agent.handles.job import AgentError, Job
+from elastic_magic.agent.machines.hub import connect
 from elastic_magic.events import AcceptingNodes, NodeConnected, Output, RendezvousCompleted
 from elastic_magic.messages import Hello
 from elastic_magic.payload import build_payload
@@ -380,7 +380,7 @@ def test_machines_join_with_a_token_file_or_at_a_prompt(tmp_path, log_dir, recor
 
 
 def test_the_join_command_the_notebook_shows_keeps_the_token_off_the_command_line():
-    from elastic_magic.agent.roles import join_command
+    from elastic_magic.agent.machines.roles import join_command
 
     command = join_command("10.0.0.5:29400", "3f1c")
     assert command == "ELASTIC_MAGIC_TOKEN=3f1c elastic-magic join 10.0.0.5:29400"
@@ -390,7 +390,7 @@ def test_a_worker_store_address_replayed_from_an_earlier_round_is_refused(monkey
     """The head signs each round's worker-store address for that round only: someone who
     copies round 0's signed value (an old store's port, which another user may hold by now)
     into round 1's key gets the job ended, not its workers."""
-    from elastic_magic.agent import rendezvous as rdzv
+    from elastic_magic.agent.machines import rendezvous as rdzv
     from elastic_magic.protocol import new_secret
 
     rendezvous = rdzv.Rendezvous(f"em-replay-{os.getpid()}", key=new_secret())

@@ -435,8 +435,8 @@ def test_in_a_real_kernel_ctrl_c_leaves_the_session_alive_and_it_ends_with_the_k
 
 
 def test_end_of_cell_marks_leave_the_cells_own_lines_whole():
-    from elastic_magic.agent.cells import take_end_marks
     from elastic_magic.agent.inbox import OutputEnded
+    from elastic_magic.agent.loop.cells import take_end_marks
     from elastic_magic.worker.session import CELL_END_MARK
 
     ended: list = []

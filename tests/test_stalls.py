@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_magic.agent.stalls import (
+from elastic_magic.agent.diagnosis.stalls import (
     Kind,
     RankView,
     Verdict,

@@ -28,7 +28,7 @@ def test_every_private_name_elastic_magic_relies_on_is_there_in_the_installed_to
 
 
 def test_the_checks_see_torchs_own_functions_through_the_poll_hooks_installed():
-    from elastic_magic.agent import quick_rounds
+    from elastic_magic.agent.machines import quick_rounds
 
     assert dynamic_rendezvous._delay is quick_rounds._delay
     assert ti.check(ti.DELAY) is quick_rounds._delay  # the signature seen is torch's

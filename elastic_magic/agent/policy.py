@@ -222,7 +222,7 @@ class RegroupClock:
 
 @dataclass(frozen=True)
 class CellStatus:
-    """Where a session's cell stands on this machine (``agent/cell_runner.py``)."""
+    """Where a session's cell stands on this machine (``agent/loop/cell_runner.py``)."""
 
     died: bool = False  # a worker process ended: the group cannot run the next cell
     reported: bool = False  # every rank reported its value or its error, output included

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 # Ends each cell's output on stdout and stderr, so that the agent knows a cell's lines have
-# all arrived before it reports the cell (the agent strips it; see agent/cells.py).
+# all arrived before it reports the cell (the agent strips it; see agent/loop/cells.py).
 CELL_END_MARK = "\x00elastic-magic-cell-end\x00"
 
 _module: types.ModuleType | None = None

@@ -6,7 +6,7 @@ import os
 import threading
 from collections import deque
 
-from ..events import EventSink, Output
+from ...events import EventSink, Output
 
 TAIL_LINES = 200
 _CHUNK = 1 << 16

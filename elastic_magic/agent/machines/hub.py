@@ -31,9 +31,9 @@ import struct
 import threading
 from datetime import timedelta
 
-from ..messages import Heartbeat, JobOffer, LinkMessage
-from ..protocol import Channel
-from .inbox import FromLink, Inbox
+from ...messages import Heartbeat, JobOffer, LinkMessage
+from ...protocol import Channel
+from ..inbox import FromLink, Inbox
 
 HUB_KEY = "elastic_magic/hub"  # in the rendezvous store: "host:port" of the hub
 _NONCE_BYTES = 32

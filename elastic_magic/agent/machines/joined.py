@@ -9,8 +9,8 @@ import os
 import threading
 import time
 
-from ..events import EventSink
-from ..messages import (
+from ...events import EventSink
+from ...messages import (
     Action,
     Commit,
     EndJob,
@@ -23,17 +23,18 @@ from ..messages import (
     Regroup,
     StateRequest,
 )
-from ..result import JobState, RankFailure
-from ..spec import JobSpec
-from .group import WorkerGroup
+from ...result import JobState, RankFailure
+from ...spec import JobSpec
+from ..inbox import FromLink, Inbox
+from ..local.group import WorkerGroup
+from ..local.network import choose
+from ..local.snapshots import StateServer
+from ..local.workers import Worker, take_memory_file
+from ..policy import Step
+from ..rounds import RoundInfo
 from .hub import Link, read_into
-from .inbox import FromLink, Inbox
-from .network import choose
-from .policy import Step
-from .rendezvous import Rendezvous, RoundInfo
+from .rendezvous import Rendezvous
 from .roles import NextAction, SingleMachine
-from .snapshots import StateServer
-from .workers import Worker, take_memory_file
 
 
 @dataclasses.dataclass(frozen=True)

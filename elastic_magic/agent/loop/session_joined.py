@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..messages import Action, CellReport, InterruptCell, SessionCell
-from ..payload import Payload
-from ..result import JobResult, JobState, RankFailure
+from ...messages import Action, CellReport, InterruptCell, SessionCell
+from ...payload import Payload
+from ...result import JobResult, JobState, RankFailure
+from ..inbox import FromLink, InboxItem
+from ..policy import CellStep
 from .cell_runner import CellRunner
 from .engine import Engine
-from .inbox import FromLink, InboxItem
-from .policy import CellStep
 
 
 class JoinedSessionLoop:

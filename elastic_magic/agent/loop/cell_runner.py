@@ -17,15 +17,15 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from ..events import WorkerFailed
-from ..messages import CellReport, Exit, Interrupt, Leaving, Run
-from ..payload import Payload
-from ..result import JobState, RankFailure, root_cause_order, what_happened
+from ...events import WorkerFailed
+from ...messages import CellReport, Exit, Interrupt, Leaving, Run
+from ...payload import Payload
+from ...result import JobState, RankFailure, root_cause_order, what_happened
+from ..inbox import FromLink, InboxItem, OutputEnded
+from ..local.workers import WorkerState, wait_for_exit
+from ..policy import CellStatus, CellStep, during_cell
 from .cells import OtherMachines
 from .engine import Engine
-from .inbox import FromLink, InboxItem, OutputEnded
-from .policy import CellStatus, CellStep, during_cell
-from .workers import WorkerState, wait_for_exit
 
 # Ranks still in the cell this long after an interrupt are stuck (a collective, C code).
 INTERRUPT_GRACE = 5.0

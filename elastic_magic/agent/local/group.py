@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import cloudpickle
 
-from ..events import EventSink
-from ..messages import (
+from ...events import EventSink
+from ...messages import (
     Commit,
     Exit,
     Failed,
@@ -21,10 +21,10 @@ from ..messages import (
     StateGet,
     StateRequest,
 )
-from ..payload import Payload
-from ..result import RankFailure, root_cause_order
-from .inbox import Inbox
-from .policy import GroupStatus
+from ...payload import Payload
+from ...result import RankFailure, root_cause_order
+from ..inbox import Inbox
+from ..policy import GroupStatus
 from .pool import PoolError, warm_pool
 from .workers import (
     INTERRUPT_ESCALATION,
@@ -40,7 +40,7 @@ from .workers import (
 )
 
 if TYPE_CHECKING:
-    from ..logs import RunFolder
+    from ...logs import RunFolder
 
 # A worker that exited without its report pipe closing (a forked grandchild holds it) is
 # judged on its exit code after this long.

@@ -25,7 +25,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-from ..events import NetworkChosen
+from ...events import NetworkChosen
 
 # Set for the workers, each unless the user set it; both name the interface to use.
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

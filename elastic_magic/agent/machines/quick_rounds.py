@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from .. import torch_internals
+from ... import torch_internals
 
 FIRST_POLL = 0.01
 LONGEST_POLL = 0.25

@@ -19,7 +19,6 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import Store, TCPStore
@@ -28,7 +27,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from .. import torch_internals
+from ... import torch_internals
+from ..rounds import RoundInfo
 from . import quick_rounds  # noqa: F401  (torch's first-round sleep, skipped)
 from .signed import (
     RendezvousRejected,
@@ -38,7 +38,7 @@ from .signed import (
     rendezvous_key,
 )
 
-__all__ = ["Rendezvous", "RendezvousRejected", "RoundInfo", "SignedBackend", "get_signed",
+__all__ = ["Rendezvous", "RendezvousRejected", "SignedBackend", "get_signed",
            "hosted_store", "put_signed", "rendezvous_key"]
 
 _WORKER_STORE_KEY = "elastic_magic/worker_store"
@@ -62,20 +62,6 @@ def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
     # The store owns the descriptor from here on and closes it when it is destroyed.
     return TCPStore(host, bound_port, is_master=True, wait_for_workers=False,
                     timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
-
-
-@dataclass(frozen=True)
-class RoundInfo:
-    """This node's place in one completed rendezvous round."""
-
-    round: int
-    round_id: str  # the same on every node of this round
-    node_rank: int
-    nnodes: int
-    base_rank: int  # global rank of this node's local rank 0
-    world_size: int
-    master_addr: str
-    master_port: int
 
 
 class Rendezvous:

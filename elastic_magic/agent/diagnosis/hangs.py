@@ -14,14 +14,15 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..events import Event, EventSink, Output, RanksFinished
-from ..messages import Commit, Progress, Result, Running, StateGet
-from ..result import RankFailure, is_consequence, root_cause_order
-from ..spec import JobSpec
-from ..stacks import place_of
-from .group import WorkerGroup
-from .inbox import WorkerReport
-from .policy import GroupStatus
+from ...events import Event, EventSink, Output, RanksFinished
+from ...messages import Commit, Progress, Result, Running, StateGet
+from ...result import RankFailure, is_consequence, root_cause_order
+from ...spec import JobSpec
+from ...stacks import place_of
+from ..inbox import WorkerReport
+from ..local.group import WorkerGroup
+from ..local.workers import WorkerState
+from ..policy import GroupStatus
 from .stack_requests import NOT_ANSWERING, Gathering, StackRequests
 from .stalls import (
     Kind,
@@ -33,7 +34,6 @@ from .stalls import (
     quiet_ranks,
     waiting_reason,
 )
-from .workers import WorkerState
 
 FINISHED_NOTICE = 1.0  # a rank done this long before the others is news
 

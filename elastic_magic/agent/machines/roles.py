@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..events import AcceptingNodes, EventSink, Excluded, NetworkChosen, NodeConnected, Output
-from ..messages import (
+from ...events import AcceptingNodes, EventSink, Excluded, NetworkChosen, NodeConnected, Output
+from ...messages import (
     Action,
     Commit,
     EndJob,
@@ -31,20 +31,21 @@ from ..messages import (
     StacksRequest,
     StateRequest,
 )
-from ..protocol import new_secret
-from ..result import JobState, RankFailure
-from ..spec import JobSpec
-from .group import WorkerGroup
+from ...protocol import new_secret
+from ...result import JobState, RankFailure
+from ...spec import JobSpec
+from ..inbox import FromLink, Inbox
+from ..local.group import WorkerGroup
+from ..local.network import choose
+from ..local.snapshots import StateServer
+from ..local.workers import Worker, take_memory_file
+from ..policy import Step
+from ..rounds import RoundInfo
 from .hub import HUB_KEY, Hub, join_command
-from .inbox import FromLink, Inbox
-from .network import choose
-from .policy import Step
-from .rendezvous import Rendezvous, RoundInfo, rendezvous_key
-from .snapshots import StateServer
-from .workers import Worker, take_memory_file
+from .rendezvous import Rendezvous, rendezvous_key
 
 if TYPE_CHECKING:
-    from ..payload import Payload
+    from ...payload import Payload
 
 # Waits for the next incoming message up to a timeout, handles it, and says what the loop
 # must do about it (None: nothing).

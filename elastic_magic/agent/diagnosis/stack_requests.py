@@ -12,13 +12,23 @@ import time
 from collections.abc import Callable
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from ..messages import DumpStacks, NodeStacks, Stacks, StacksCommand, StacksRequest
-from ..stacks import RankStacks
-from .group import WorkerGroup
-from .inbox import FromLink, InboxItem, WorkerReport
-from .roles import SingleMachine
-from .workers import Worker, WorkerState
+from ...messages import DumpStacks, NodeStacks, Stacks, StacksCommand, StacksRequest
+from ...stacks import RankStacks
+from ..inbox import FromLink, InboxItem, WorkerReport
+from ..local.group import WorkerGroup
+from ..local.workers import Worker, WorkerState
+
+
+class StackPeers(Protocol):
+    """The other machines whose ranks' stacks this machine asks for: the role answers
+    (the head has its joined machines; others have none)."""
+
+    def peers_for_stacks(self) -> set[int]: ...
+
+    def ask_peers_for_stacks(self, request_id: int) -> None: ...
+
 
 STACKS_DEADLINE = 2.0  # a rank that has not sent its stacks by then is reported as silent
 REMOTE_DEADLINE = 4.0  # other machines first gather their own ranks' stacks
@@ -71,7 +81,7 @@ def _ask(worker: Worker, message: DumpStacks) -> bool:
 class StackRequests:
     """The gatherings under way on this machine, on the agent thread."""
 
-    def __init__(self, role: SingleMachine) -> None:
+    def __init__(self, role: StackPeers) -> None:
         self.role = role  # which other machines to ask, and how
         self._ids = itertools.count(1)
         self.gatherings: dict[int, Gathering] = {}

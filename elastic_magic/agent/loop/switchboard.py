@@ -7,9 +7,9 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 
-from ..messages import Action
-from .inbox import Inbox, InboxItem
-from .policy import most_urgent
+from ...messages import Action
+from ..inbox import Inbox, InboxItem
+from ..policy import most_urgent
 
 
 class Switchboard:

@@ -10,16 +10,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..events import Event, Output
-from ..messages import CellReport, InterruptCell, Result, SessionCell
-from ..payload import Payload
-from ..result import RankFailure
-from ..worker.session import CELL_END_MARK
-from .inbox import CellRequest, Inbox, OutputEnded
+from ...events import Event, Output
+from ...messages import CellReport, InterruptCell, Result, SessionCell
+from ...payload import Payload
+from ...result import RankFailure
+from ...worker.session import CELL_END_MARK
+from ..inbox import CellRequest, Inbox, OutputEnded
 
 if TYPE_CHECKING:
-    from .rendezvous import RoundInfo
-    from .roles import SingleMachine
+    from ..machines.roles import SingleMachine
+    from ..rounds import RoundInfo
 
 # Events that happen between cells (a rank dying), shown by the next cell; older ones go.
 IDLE_EVENTS = 200

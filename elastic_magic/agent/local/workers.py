@@ -23,8 +23,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from ..events import EventSink, NetworkChosen
-from ..messages import (
+from ...events import EventSink, NetworkChosen
+from ...messages import (
     Commit,
     CommitReply,
     ErrorInfo,
@@ -35,17 +35,17 @@ from ..messages import (
     Run,
     StateRequest,
 )
-from ..protocol import Channel, ProtocolError, widen_pipe
-from ..result import RankFailure
-from ..worker.shepherd import END_ALL
+from ...protocol import Channel, ProtocolError, widen_pipe
+from ...result import RankFailure
+from ...worker.shepherd import END_ALL
 
 if TYPE_CHECKING:
-    from ..logs import RunFolder
-    from ..spec import JobSpec
-    from .rendezvous import RoundInfo
+    from ...logs import RunFolder
+    from ...spec import JobSpec
+    from ..rounds import RoundInfo
 
+from ..inbox import Inbox, WorkerReport
 from . import interpreter
-from .inbox import Inbox, WorkerReport
 from .network import on_loopback
 from .output import StreamPump, new_tail
 from .pool import PooledProcess, Zygote

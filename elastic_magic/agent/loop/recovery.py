@@ -5,12 +5,12 @@ without. The rule itself is ``policy.after_group``; this keeps the count and the
 
 from __future__ import annotations
 
-from ..events import EventSink, Excluded, MembershipChanged
-from ..result import RankFailure
-from ..spec import JobSpec
-from .policy import Membership, Next, Step, after_group, own_failure
-from .roles import SingleMachine
-from .status import StatusBoard
+from ...events import EventSink, Excluded, MembershipChanged
+from ...result import RankFailure
+from ...spec import JobSpec
+from ..machines.roles import SingleMachine
+from ..policy import Membership, Next, Step, after_group, own_failure
+from ..status import StatusBoard
 
 
 class Recovery:

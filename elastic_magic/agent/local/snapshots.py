@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..events import Committed
-from ..folders import READ_FILE, NotPrivate, describe, new_file, own_folder
-from ..messages import Commit, CommitReply, Handoff, Reply, StateGet, StateReply, StateRequest
+from ...events import Committed
+from ...folders import READ_FILE, NotPrivate, describe, new_file, own_folder
+from ...messages import Commit, CommitReply, Handoff, Reply, StateGet, StateReply, StateRequest
 
 _DATA = "snapshot.pt"
 _META = "snapshot.json"

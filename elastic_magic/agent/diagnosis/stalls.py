@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from ..stacks import Place, Where
+from ...stacks import Place, Where
 
 # Below this, a rank outside a collective was still busy (it lagged) rather than stalled.
 STILL_BUSY = 2.0

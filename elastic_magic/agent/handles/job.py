@@ -9,12 +9,14 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from ..events import Event
-from ..messages import ScaleCommand, StopCommand
-from ..payload import Payload
-from ..result import JobResult, JobState
-from ..spec import JobSpec
-from .assemble import job_agent
+from ...events import Event
+from ...messages import ScaleCommand, StopCommand
+from ...payload import Payload
+from ...result import JobResult, JobState
+from ...spec import JobSpec
+from ..loop.assemble import job_agent
+from ..machines.joined import JoinedJob
+from ..status import JobStatus
 from .handle import (
     RENDER_INTERVAL,
     AgentError,
@@ -26,8 +28,6 @@ from .handle import (
     pause_after,
     wait_through_interrupts,
 )
-from .joined import JoinedJob
-from .status import JobStatus
 
 __all__ = ["RENDER_INTERVAL", "AgentError", "Job", "Renderer", "new_run_id"]
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ..events import CellStarted, SessionBroken, SessionReformed
-from ..messages import Action, StopCommand
-from ..payload import Payload
-from ..result import JobResult, JobState, RankFailure
+from ...events import CellStarted, SessionBroken, SessionReformed
+from ...messages import Action, StopCommand
+from ...payload import Payload
+from ...result import JobResult, JobState, RankFailure
+from ..inbox import CellRequest, InboxItem, InterruptCommand
+from ..policy import CellStep, Next, Step, cell_state
 from .cell_runner import CellOutcome, CellRunner, not_back
 from .cells import CellEvents, SessionEndedError
 from .engine import Engine
-from .inbox import CellRequest, InboxItem, InterruptCommand
-from .policy import CellStep, Next, Step, cell_state
 
 
 class SessionLoop:

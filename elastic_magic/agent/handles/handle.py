@@ -17,13 +17,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..events import Event
-from ..messages import StacksCommand
-from ..result import JobResult, JobState
-from ..spec import JobSpec
-from .hub import new_token
-from .inbox import Inbox, InboxItem
-from .status import JobStatus, StatusBoard
+from ...events import Event
+from ...messages import StacksCommand
+from ...result import JobResult, JobState
+from ...spec import JobSpec
+from ..inbox import Inbox, InboxItem
+from ..machines.hub import new_token
+from ..status import JobStatus, StatusBoard
 
 # Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
 # about 1000 messages/s, and each update may resend a widget's whole state.
@@ -39,7 +39,7 @@ def new_run_id() -> str:
 def agent_error(what: str, error: BaseException) -> AgentError:
     """The agent's own failure as the notebook shows it: a refused folder says what to do,
     anything else is a bug of ours, shown with its type."""
-    from ..folders import NotPrivate
+    from ...folders import NotPrivate
 
     if isinstance(error, NotPrivate):
         return AgentError(f"{what}: {error}")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from ..events import (
+from ...events import (
     EventSink,
     JobFinished,
     MembershipChanged,
@@ -28,25 +28,26 @@ from ..events import (
     StateChanged,
     WorkersStarted,
 )
-from ..logs import RunFolder, is_default, prune
-from ..messages import Action, NodeRequest, Result, ScaleCommand, StopCommand
-from ..payload import Payload
-from ..protocol import new_secret
-from ..result import JobResult, JobState, RankFailure, assemble_result
-from ..spec import JobSpec
+from ...logs import RunFolder, is_default, prune
+from ...messages import Action, NodeRequest, Result, ScaleCommand, StopCommand
+from ...payload import Payload
+from ...protocol import new_secret
+from ...result import JobResult, JobState, RankFailure, assemble_result
+from ...spec import JobSpec
+from ..diagnosis.hangs import HangWatch
+from ..diagnosis.stack_requests import StackRequests
+from ..inbox import FromLink, Inbox, InboxItem, WorkerReport
+from ..local.group import WorkerGroup
+from ..local.workers import Worker, torchrun_env
+from ..machines.rendezvous import Rendezvous
+from ..machines.roles import SingleMachine
+from ..policy import Membership, Next, Resize, Step
+from ..rounds import RoundInfo
+from ..status import StatusBoard
 from .cells import without_end_marks
-from .group import WorkerGroup
-from .hangs import HangWatch
-from .inbox import FromLink, Inbox, InboxItem, WorkerReport
-from .policy import Membership, Next, Resize, Step
 from .recovery import Recovery
-from .rendezvous import Rendezvous, RoundInfo
-from .roles import SingleMachine
-from .stack_requests import StackRequests
 from .state_keeper import StateKeeper
-from .status import StatusBoard
 from .switchboard import Switchboard
-from .workers import Worker, torchrun_env
 
 # Makes one attempt's workers on this machine: (attempt, base rank, nproc). Tests give a
 # scripted group here, as torch tests its rendezvous with a fake state holder.

@@ -10,21 +10,21 @@ import signal
 import threading
 from collections.abc import Callable
 
-from ..events import Event, EventSink
-from ..messages import StopCommand
-from ..payload import Payload, build_payload
-from ..result import JobState
-from ..spec import JobSpec
-from ..worker import session as worker_session
+from ...events import Event, EventSink
+from ...messages import StopCommand
+from ...payload import Payload, build_payload
+from ...result import JobState
+from ...spec import JobSpec
+from ...worker import session as worker_session
+from ..inbox import Inbox
+from ..machines.joined import JoinedJob, JoinedMachine
+from ..machines.roles import Head, SingleMachine
+from ..status import StatusBoard
 from .cells import CellEvents, session_payload
 from .engine import Engine
-from .inbox import Inbox
 from .job_loop import JobLoop
-from .joined import JoinedJob, JoinedMachine
-from .roles import Head, SingleMachine
 from .session_joined import JoinedSessionLoop
 from .session_loop import SessionLoop
-from .status import StatusBoard
 
 
 def role_for(spec: JobSpec, run_id: str, emit: EventSink, inbox: Inbox,

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..events import Committed, EventSink
-from ..messages import StateRequest
-from ..spec import JobSpec
-from .roles import SingleMachine
-from .snapshots import SnapshotStore, StateServer
-from .status import StatusBoard
-from .workers import Worker
+from ...events import Committed, EventSink
+from ...messages import StateRequest
+from ...spec import JobSpec
+from ..local.snapshots import SnapshotStore, StateServer
+from ..local.workers import Worker
+from ..machines.roles import SingleMachine
+from ..status import StatusBoard
 
 
 class StateKeeper:

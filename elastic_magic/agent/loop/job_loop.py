@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from ..events import Restarting, WorkerFailed
-from ..messages import Action
-from ..result import JobResult, JobState, is_consequence, root_cause_order
+from ...events import Restarting, WorkerFailed
+from ...messages import Action
+from ...result import JobResult, JobState, is_consequence, root_cause_order
+from ..policy import Next, RegroupClock, Step, during_group, final_state, what_ended
+from ..rounds import RoundInfo
 from .engine import Engine
-from .policy import Next, RegroupClock, Step, during_group, final_state, what_ended
-from .rendezvous import RoundInfo
 
 
 class JobLoop:
