@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AgentError": ".agent.job",
-    "Job": ".agent.job",
+    "AgentError": ".agent.handles.job",
+    "Job": ".agent.handles.job",
     "JobFailedError": ".result",
     "JobResult": ".result",
     "JobSpec": ".spec",

@@ -201,3 +201,12 @@ def test_the_layer_rule_sees_each_kind_of_wrong_import():
            "elastic_magic.messages -> elastic_magic.session",
            f"elastic_magic.worker.runner -> {agent}.local.pool",
            "elastic_magic.worker.runner -> elastic_magic.ui.text"]
+
+
+def test_every_public_name_resolves():
+    """The package imports its public names on first use (a worker does not pay for the
+    agent): each must still be found where ``__init__`` says it is."""
+    import elastic_magic
+
+    assert [name for name in elastic_magic.__all__
+            if getattr(elastic_magic, name, None) is None] == []
