@@ -429,3 +429,30 @@ def test_ctrl_c_meant_for_the_kernel_cannot_kill_workers_being_spawned(log_dir):
                           text=True, timeout=240, start_new_session=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['succeeded', 'succeeded', 'succeeded']", done.stdout
+
+
+def test_a_finished_job_or_session_leaves_nothing_for_the_garbage_collector(log_dir):
+    """The kernel keeps finished jobs' handles (`%elastic jobs`); what the agent held (its
+    engine, loop, payload: a cell's globals) must go when it ends, not when the collector
+    next runs a full pass (a notebook's RSS grew by a payload every few cells)."""
+    import collections
+    import gc
+
+    spec = em.JobSpec.create(1, log_dir=log_dir)
+    gc.collect()
+    gc.disable()
+    try:
+        job = em.Job(spec, build_payload("len(big)", spec, namespace={"big": b"x" * 1024})).start()
+        assert job.wait(lambda events: None).ok
+        session = em.Session(1, log_dir=log_dir, render=lambda events: None)
+        session.run("x = 1")
+        session.stop()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        ours = collections.Counter(type(o).__qualname__ for o in gc.garbage
+                                   if type(o).__module__.startswith("elastic_magic.agent"))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert job.result is not None and not ours, ours

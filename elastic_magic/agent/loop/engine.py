@@ -293,6 +293,7 @@ class Engine:
             if result is not None:
                 attempt(lambda: self.emit(JobFinished(result)))
             self.rendezvous = self.group = None  # their stores and pipes go now
+            self.switchboard.close()  # a finished job holds no cycle through its methods
         if errors:
             raise errors[0]
         return result

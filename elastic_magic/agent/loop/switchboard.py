@@ -26,6 +26,14 @@ class Switchboard:
         # holds for the rest of the job; a regroup (a membership change) for one group.
         self.heard: Action | None = None
 
+    def close(self) -> None:
+        """The job has ended: let go of the engine's and the loop's methods, which would
+        otherwise hold them (and the payload they keep) in a cycle that only the garbage
+        collector frees."""
+        self.dispatch = _nothing
+        self.check = _ignore
+        self.loop_items = lambda item: item
+
     def next_action(self, timeout: float) -> Action | None:
         """Handle what arrives within ``timeout`` (then whatever else is queued); the most
         urgent action asked for, latched ones included."""
@@ -62,3 +70,11 @@ class Switchboard:
         """A regroup heard was for the group before."""
         if self.heard is Action.REGROUP:
             self.heard = None
+
+
+def _nothing(item: InboxItem) -> Action | None:
+    return None
+
+
+def _ignore() -> None:
+    pass
