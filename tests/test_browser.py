@@ -32,9 +32,9 @@ EXTENSION = ROOT / "elastic_magic" / "labextension"
 CELLS = [
     "%load_ext elastic_magic",
     "%%elastic --nproc 2\nimport torch.distributed as dist\n"
-    "print(f'hello from rank {dist.get_rank()}')",
+    "print(f'\\x1b[32mhello\\x1b[0m from rank {dist.get_rank()}')",  # as FORCE_COLOR prints
     "%%elastic --nproc 2 --max-nproc 3\nimport sys, time, torch.distributed as dist\n"
-    "print(f'long job rank {dist.get_rank()} ready', flush=True)\n"
+    "print(f'\\x1b[2K\\x1b[1;35mlong job\\x1b[0m rank {dist.get_rank()} ready', flush=True)\n"
     "print(f'a warning on rank {dist.get_rank()}', file=sys.stderr, flush=True)\n"
     "time.sleep(600)",
 ]
@@ -204,6 +204,10 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
         expect(record).to_contain_text("world size 2")
         expect(record).to_contain_text("hello from rank 0")
         expect(record).to_contain_text("hello from rank 1")
+        # Colours as Jupyter shows a plain cell's, no escape codes as text.
+        expect(record.locator("span[style*='color']").filter(has_text="hello").first
+               ).to_have_text("hello")
+        expect(record).not_to_contain_text("[32m")
 
         run_cell(page, 2)
         dash = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".em-dash")
@@ -214,6 +218,8 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
         lines = dash.locator("[data-em=lines]")
         expect(lines).to_contain_text("long job rank 0 ready", timeout=30_000)
         expect(lines).to_contain_text("long job rank 1 ready")
+        expect(lines.locator("span[style*='font-weight: bold']").first).to_have_text("long job")
+        expect(lines).not_to_contain_text("[2K")
         dash.locator("[data-em=tab-1]").click()
         expect(lines).to_contain_text("long job rank 1 ready")
         expect(lines.locator(".em-stderr")).to_contain_text("a warning on rank 1")

@@ -80,7 +80,7 @@ def test_widget_state_follows_a_job_with_a_restart(log_dir):
     assert first["why"].startswith("ended by a failure: rank 1: ValueError: first attempt")
     assert ["stdout", "rank 0 attempt 0 line 399"] in first["lines"]["0"]
     record = record_bundle(view.state)
-    assert "succeeded · world size 2 · 1 node · restarts 1/1" in record["text/plain"]
+    assert "succeeded · world size 2 · 1 machine · restarts 1/1" in record["text/plain"]
     assert "[rank 1] warning from 1" in record["text/plain"]
     assert "[rank 0] rank 0 attempt 0 line 399" in record["text/plain"]
     html = record["text/html"]
@@ -368,3 +368,52 @@ def test_text_failure_shows_its_traceback_once_and_a_bg_handle_says_it_is_live(
                         r"show it again, or %elastic status, for its state now>", repr(job))
     assert job.wait_done(timeout=120)
     assert repr(job) == f"<elastic Job {job.run_id}: succeeded>"
+
+
+COLOURED = r"""
+import sys
+print('\x1b[2K\x1b[1;35mepoch 1\x1b[0m <b>&', flush=True)
+print('\x1b[?25l\x1b[31mred\x1b[0m\x1b[?25h', flush=True)
+print('\x1b[33mwarn', file=sys.stderr, flush=True)
+"""
+
+
+def test_colours_are_rendered_cursor_codes_dropped_and_logs_kept_byte_for_byte(log_dir):
+    """What ranks print under ipykernel's FORCE_COLOR (rich, Lightning): the widget gets
+    plain text and styled runs, the record coloured spans, --text the colours (reset at each
+    line's end) without cursor codes; the log keeps every byte."""
+    spec = JobSpec.create(1, log_dir=log_dir)
+    job = Job(spec, build_payload(COLOURED, spec)).start()
+    view = LiveView(job)
+    out, err = io.StringIO(), io.StringIO()
+    text = TextRenderer(stdout=out, stderr=err, status=False)
+
+    def render(events):
+        view(events)
+        text(events)
+
+    try:
+        job.wait(render)
+    finally:
+        view.finish()
+    magenta = "color: #d160c4; font-weight: bold"
+    # stdout and stderr are separate pipes: order within each stream only
+    assert sorted(view.widget.lines["0"], key=lambda line: line[0] == "stderr") == [
+        ["stdout", "epoch 1 <b>&", [[magenta, "epoch 1"], ["", " <b>&"]]],
+        ["stdout", "red", [["color: #e75c58", "red"]]],
+        ["stderr", "warn", [["color: #ddb62b", "warn"]]],
+    ]
+    assert [0, "stdout", "red", [["color: #e75c58", "red"]]] in view.widget.merged
+    record = record_bundle(view.state)
+    html, plain = record["text/html"], record["text/plain"]
+    assert f'<span style="{magenta}">epoch 1</span> &lt;b&gt;&amp;' in html
+    assert '<span style="color: #ddb62b">warn</span>' in html
+    assert "\x1b" not in html and "\x1b" not in plain
+    assert "[rank 0] epoch 1 <b>&\n[rank 0] red" in plain
+    assert out.getvalue() == ("[rank 0] \x1b[1;35mepoch 1\x1b[0m <b>&\n"
+                              "[rank 0] \x1b[31mred\x1b[0m\n")
+    assert err.getvalue() == "[rank 0] \x1b[33mwarn\x1b[0m\n"
+    rank_logs = job.log_dir / "group_0" / "rank_0"
+    assert (rank_logs / "stdout.log").read_bytes() == (
+        b"\x1b[2K\x1b[1;35mepoch 1\x1b[0m <b>&\n\x1b[?25l\x1b[31mred\x1b[0m\x1b[?25h\n")
+    assert (rank_logs / "stderr.log").read_bytes() == b"\x1b[33mwarn\n"

@@ -163,8 +163,8 @@ def test_resize_on_the_head_makes_every_machine_re_rendezvous(
     assert machines.procs[0].wait(timeout=30) == 0, machines.output(0)
     node_log = machines.output(0)
     # The other machine left its group and joined round 2 with the head: world 2 -> 3.
-    assert "rendezvous round 1: world size 2 on 2 nodes" in node_log, node_log
-    assert "rendezvous round 2: world size 3 on 2 nodes" in node_log, node_log
+    assert "rendezvous round 1: world size 2 on 2 machines" in node_log, node_log
+    assert "rendezvous round 2: world size 3 on 2 machines" in node_log, node_log
     # A membership change on both machines, not a restart or a failure.
     assert "restarting" not in node_log and "failed" not in node_log, node_log
     assert [(r.world_size, r.nnodes) for r in recorder.of(RendezvousCompleted)] == [

@@ -76,7 +76,7 @@ def test_quickstart_trains_and_recovers(tmp_path):
     assert "loss per epoch:" in text
     assert "rank 1 failed: RuntimeError: simulated crash on rank 1 (cell line 7)" in text
     assert "[rank 1] rank 1 finished in attempt 1" in text
-    assert "succeeded · world size 2 · 1 node · restarts 1/1" in text
+    assert "succeeded · world size 2 · 1 machine · restarts 1/1" in text
     html = [o.data["text/html"] for c in nb.cells for o in c.get("outputs", [])
             if "data" in o and "text/html" in o.data]
     assert len(html) == 2 and all("elastic-record" in h for h in html)
@@ -116,7 +116,7 @@ def test_multi_node_tutorial_joins_resizes_and_leaves(tmp_path):
     assert "restarts: 0" in text and "same parameters as the run on one machine" in text
     # From its own log. Which round: a machine that arrives during a round's last call waits
     # for the next one, so there may be one more.
-    assert re.search(r"rendezvous round \d+: world size 3 on 2 nodes", text), text
+    assert re.search(r"rendezvous round \d+: world size 3 on 2 machines", text), text
 
 
 def test_sessions_tutorial_keeps_state_recovers_and_resizes(tmp_path):

@@ -36,6 +36,11 @@ function elapsed(header) {
   return duration(end - header.started_at);
 }
 
+// A line's text, or where it had colours, its styled runs ([[css, text], ...]) as the
+// kernel parsed them (ui/ansi.py, the one parser): text only ever as text, never as HTML.
+const styled = (text, runs) => (runs ? runs.map(([css, part]) =>
+  (css ? h("span", { style: css }, part) : part)) : [text]);
+
 function render({ model, el }) {
   el.classList.add("em-dash");
   let active = "all";
@@ -99,10 +104,10 @@ function render({ model, el }) {
     const hd = model.get("header");
     badge.textContent = hd.state;
     badge.dataset.state = hd.state;
-    const nodes = `${hd.nnodes} node${hd.nnodes === 1 ? "" : "s"}`;
+    const machines = countOf(hd.nnodes, "machine"); // the Elastic jobs panel's word
     stats.replaceChildren(
       h("span", { "data-em": "world-size" }, `world size ${hd.world_size}`),
-      ` · ${nodes} · `,
+      ` · ${machines} · `,
       h("span", { "data-em": "restarts" }, `restarts ${hd.restarts}/${hd.max_restarts}`),
       ` · round ${hd.round}`,
     );
@@ -158,8 +163,8 @@ function render({ model, el }) {
     earlier.replaceChildren(...(model.get("earlier") || []).map((e) => {
       const ranks = Object.entries(e.lines).flatMap(([rank, lines]) => [
         h("div", { class: "em-stacks-rank" }, `Rank ${rank}`),
-        h("pre", { class: "em-lines" }, ...lines.map(([stream, text]) =>
-          h("span", { class: `em-${stream}` }, text, "\n"))),
+        h("pre", { class: "em-lines" }, ...lines.map(([stream, text, runs]) =>
+          h("span", { class: `em-${stream}` }, ...styled(text, runs), "\n"))),
       ]);
       return h("details", { class: "em-earlier-group", "data-em": "earlier-group" },
                h("summary", {}, `Earlier group (restarts ${e.restart}): ${e.why}`), ...ranks);
@@ -216,13 +221,14 @@ function render({ model, el }) {
     const atBottom = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 24;
     const rows = [];
     if (active === "all") {
-      for (const [rank, stream, text] of model.get("merged")) {
-        rows.push(h("span", { class: `em-${stream}` }, h("span", { class: "em-prefix" }, `[${rank}] `), text, "\n"));
+      for (const [rank, stream, text, runs] of model.get("merged")) {
+        rows.push(h("span", { class: `em-${stream}` }, h("span", { class: "em-prefix" }, `[${rank}] `),
+                    ...styled(text, runs), "\n"));
       }
       note.textContent = "";
     } else {
-      for (const [stream, text] of model.get("lines")[active] || []) {
-        rows.push(h("span", { class: `em-${stream}` }, text, "\n"));
+      for (const [stream, text, runs] of model.get("lines")[active] || []) {
+        rows.push(h("span", { class: `em-${stream}` }, ...styled(text, runs), "\n"));
       }
       const hidden = model.get("hidden")[active] || 0;
       const log = (model.get("logs")[active] || {}).stdout || "";

@@ -38,7 +38,7 @@ def describe(event: Event) -> Note | None:
     match event:
         case RendezvousCompleted(round=round_, world_size=world_size, nnodes=nnodes):
             return Note("rendezvous", f"rendezvous round {round_}: world size {world_size} "
-                                      f"on {count_of(nnodes, 'node')}")
+                                      f"on {count_of(nnodes, 'machine')}")
         case WorkersStarted(restart_count=restarts, ranks=ranks, pids=pids):
             after = f" after restart {restarts}" if restarts else ""
             return Note("start", f"started ranks {_ranks(ranks)}{after} "

@@ -11,7 +11,8 @@ import time
 from html import escape
 from typing import Any
 
-from .describe import clock, duration
+from . import ansi
+from .describe import clock, count_of, duration
 from .state import DashboardState
 
 _STATE_COLORS = {"succeeded": "var(--jp-success-color1, #1a7f37)",
@@ -29,8 +30,8 @@ def _elapsed(header: dict[str, Any]) -> str:
 
 def summary_line(state: DashboardState) -> str:
     h = state.header
-    nodes = f"{h['nnodes']} node{'s' if h['nnodes'] != 1 else ''}"
-    text = (f"{h['state']} · world size {h['world_size']} · {nodes} · restarts "
+    text = (f"{h['state']} · world size {h['world_size']} · "
+            f"{count_of(h['nnodes'], 'machine')} · restarts "
             f"{h['restarts']}/{h['max_restarts']} · round {h['round']} · {_elapsed(h)}")
     commit = h.get("last_commit")
     if commit:
@@ -55,12 +56,12 @@ def record_text(state: DashboardState) -> str:
     for earlier in state.earlier:
         lines.append(f"=== earlier group (restarts {earlier['restart']}): {earlier['why']} ===")
         for rank, rank_lines in earlier["lines"].items():
-            lines += [f"[rank {rank}] {text}" for _, text in rank_lines]
+            lines += [f"[rank {rank}] {ansi.plain(text)}" for _, text in rank_lines]
     for rank, hidden in sorted(state.hidden().items()):
         shown = state.shown_lines(rank)
         more = f", {hidden} earlier lines in the log" if hidden else ""
         lines.append(f"--- rank {rank} (last {len(shown)} lines{more}) ---")
-        lines += [f"[rank {rank}] {text}" for _, text in shown]
+        lines += [f"[rank {rank}] {ansi.plain(text)}" for _, text in shown]
     lines.append("timeline:")
     lines += [f"  {clock(e['time'])} {e['text']}" for e in state.timeline]
     lines.append(f"logs: {state.log_dir}")
@@ -78,8 +79,9 @@ def _stacks_text(state: DashboardState) -> list[str]:
 
 
 def _text(text: str) -> str:
-    """Escaped, and never a blank line: in markdown a blank line would end the HTML."""
-    return escape(text) if text.strip() else "&nbsp;"
+    """Escaped, its colours as styled spans (``ansi``), and never a blank line: in
+    markdown a blank line would end the HTML."""
+    return ansi.to_html(text) if ansi.plain(text).strip() else "&nbsp;"
 
 
 def _pre(lines: list[tuple[str, str]]) -> str:

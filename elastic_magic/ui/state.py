@@ -32,6 +32,7 @@ from ..result import (
     short_message,
     split_consequences,
 )
+from . import ansi
 from .describe import count_of, describe
 
 RANK_LINES = 150  # per rank, in the browser; the full output is in the logs
@@ -179,8 +180,8 @@ class DashboardState:
         lines = list(self.lines.get(rank, ()))
         if self.failure.get("rank") != rank or not self.failure.get("traceback"):
             return lines
-        trace = self.failure["traceback"].rstrip("\n").splitlines()
-        texts = [text for _, text in lines]
+        trace = ansi.plain(self.failure["traceback"]).rstrip("\n").splitlines()
+        texts = [ansi.plain(text) for _, text in lines]
         for start in range(len(texts) - len(trace), -1, -1):
             if texts[start:start + len(trace)] == trace:
                 return [*lines[:start], ("stderr", TRACEBACK_SHOWN),
@@ -206,21 +207,30 @@ class DashboardState:
         return {
             "header": dict(self.header),
             "ranks": sorted(self.lines),
-            "lines": {str(r): [list(x) for x in self.shown_lines(r)]
-                      + [[stream, text] for (rank, stream), text in self.partial.items()
-                         if rank == r] for r in self.lines},
-            "merged": [list(x) for x in self.merged]
-                      + [[r, stream, text] for (r, stream), text in sorted(self.partial.items())],
+            "lines": {str(r): [shown(s, text=t) for s, t in self.shown_lines(r)]
+                      + [shown(stream, text=text) for (rank, stream), text
+                         in self.partial.items() if rank == r] for r in self.lines},
+            "merged": [shown(r, s, text=t) for r, s, t in self.merged]
+                      + [shown(r, s, text=t) for (r, s), t in sorted(self.partial.items())],
             "hidden": {str(r): n for r, n in self.hidden().items()},
             "logs": {str(r): p for r, p in self.log_paths().items()},
             "timeline": list(self.timeline),
             "failure": dict(self.failure),
             "stacks": dict(self.stacks),
-            "earlier": [{**e, "lines": {str(r): [list(x) for x in lines]
+            "earlier": [{**e, "lines": {str(r): [shown(s, text=t) for s, t in lines]
                                         for r, lines in e["lines"].items()},
                          "hidden": {str(r): n for r, n in e["hidden"].items()}}
                         for e in self.earlier],
         }
+
+
+def shown(*head: Any, text: str) -> list[Any]:
+    """A line as the widget gets it: ``[*head, text]`` with the text's escape sequences
+    gone, and where it had any, its styled runs after it (``[[css, text], ...]``, from
+    ``ansi``: the script renders them as given, with no parser of its own)."""
+    if "\x1b" not in text:
+        return [*head, text]
+    return [*head, ansi.plain(text), [list(span) for span in ansi.spans(text)]]
 
 
 def failure_view(root: RankFailure, failures: list[RankFailure]) -> dict[str, Any]:
@@ -228,9 +238,11 @@ def failure_view(root: RankFailure, failures: list[RankFailure]) -> dict[str, An
     others = []
     for failure, ranks in group_failures(independent):
         same = failure.signature == root.signature
-        others.append({"ranks": ranks, "text": "the same error" if same else failure.headline})
+        others.append({"ranks": ranks, "text": "the same error" if same
+                       else ansi.plain(failure.headline)})
     return {
-        "rank": root.rank, "headline": root.headline, "traceback": root.traceback,
+        "rank": root.rank, "headline": ansi.plain(root.headline),
+        "traceback": ansi.plain(root.traceback),
         "cell_line": root.cell_line, "source_line": root.source_line,
         "attempt": root.attempt, "others": others,
         # ranks that failed or waited because of the root cause: one line each

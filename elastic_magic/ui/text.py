@@ -8,6 +8,7 @@ from typing import TextIO
 
 from ..events import Event, Output
 from ..result import JobResult
+from . import ansi
 from .describe import describe
 
 TAIL = 200  # stderr lines kept per rank: where a failure's traceback is looked for
@@ -19,7 +20,11 @@ class TextRenderer:
 
     Lines that ranks rewrite with carriage returns (progress bars) share one last line per
     stream, ``[rank 0] ... · [rank 1] ...``, rewritten in place (``\\r``) as they change;
-    whole lines are written above it."""
+    whole lines are written above it.
+
+    A rank's colours are kept (``ansi.for_terminal``): a terminal shows them, and so does
+    Jupyter, for this text stream as for a plain cell's; cursor moves and erases are dropped,
+    since they would move over other ranks' lines and the ``[rank N]`` prefixes."""
 
     def __init__(self, stdout: TextIO | None = None, stderr: TextIO | None = None,
                  status: bool = True) -> None:
@@ -50,7 +55,7 @@ class TextRenderer:
                         event.lines[:-1] if event.partial else event.lines)
                 bars = self._bars.setdefault(event.stream, {})
                 if event.partial:
-                    bars[event.rank] = event.lines[-1]
+                    bars[event.rank] = ansi.for_terminal(event.lines[-1])
                     changed.add(event.stream)
                 elif bars.pop(event.rank, None) is not None:
                     changed.add(event.stream)
@@ -85,7 +90,7 @@ class TextRenderer:
             out.write("\r" + " " * width + "\r")
         if text:
             out.write(text)
-            self._open[stream] = len(text)
+            self._open[stream] = len(ansi.plain(text))  # what it takes on the screen
         out.flush()
 
     def _stream(self, name: str) -> TextIO:
@@ -97,6 +102,6 @@ class TextRenderer:
         if isinstance(event, Output):
             prefix = f"[rank {event.rank}] "
             lines = event.lines[:-1] if event.partial else event.lines
-            return [(event.stream, [prefix + line for line in lines])]
+            return [(event.stream, [prefix + ansi.for_terminal(line) for line in lines])]
         note = describe(event) if self.status else None
         return [("stdout", [f"[elastic] {note.text}"])] if note else []
