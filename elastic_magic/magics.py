@@ -168,7 +168,7 @@ class ElasticMagics(Magics):
         return self._deliver(result, shown=bool(shown))
 
     @line_magic("elastic")  # type: ignore[arg-type]  # IPython mistypes line_magic(name)
-    def elastic_command(self, line: str) -> None:
+    def elastic_command(self, line: str) -> Any:
         """Manage elastic jobs of this kernel.
 
         %elastic jobs | status [JOB] | stop [JOB] | scale N [JOB] [--now] [--include S,...]
@@ -183,8 +183,8 @@ class ElasticMagics(Magics):
         jobs = self.job_commands
         if command == "session":
             self.sessions.command(rest)
-        elif command in ("push", "pull", "gather"):
-            self.sessions.transfer(command, rest)
+        elif command in ("push", "pull", "gather"):  # IPython returns a line magic's value
+            return self.sessions.transfer(command, rest)
         elif command == "scale" and self.sessions.active:
             self.sessions.scale(rest)
         elif command == "stacks" and self.sessions.active and not rest:

@@ -164,8 +164,10 @@ class SessionCommands:
         assert self.session is not None
         return _CellControls(self.session)
 
-    def transfer(self, command: str, words: list[str]) -> None:
-        """%elastic push/pull/gather."""
+    def transfer(self, command: str, words: list[str]) -> Any:
+        """%elastic push/pull/gather. pull and gather set the kernel's variables of those
+        names and return what they set (one name: its value; several: a tuple), so that
+        ``pids = %elastic gather pid`` is the dict by rank; push returns None."""
         if not self.active:
             raise UsageError(f"%elastic {command}: no session is active; "
                              "`%elastic session start` starts one.")
@@ -188,9 +190,12 @@ class SessionCommands:
                     raise UsageError(f"%elastic push: no kernel variable named "
                                      f"{', '.join(missing)}.")
                 session.push(**{w: user_ns[w] for w in words})
-            elif command == "pull":
-                user_ns.update({w: session.pull(w, rank) for w in words})
+                return None
+            if command == "pull":
+                values = {w: session.pull(w, rank) for w in words}
             else:
-                user_ns.update({w: session.gather(w) for w in words})
+                values = {w: session.gather(w) for w in words}
         except (PayloadError, NameError, ValueError) as exc:
             raise UsageError(f"%elastic {command}: {exc}") from None
+        user_ns.update(values)
+        return values[words[0]] if len(words) == 1 else tuple(values.values())

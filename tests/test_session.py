@@ -363,12 +363,17 @@ def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, l
                                             "w = [dist.get_rank()]\nprint('made w')\n")
     assert "[rank 1] made w" in capsys.readouterr().out
     ip.run_cell("factor = 3")
-    ip.run_line_magic("elastic", "push factor")
+    assert ip.run_line_magic("elastic", "push factor") is None
     result = ip.run_cell_magic("elastic", "-o cell", "w.append(factor)\nw")
     assert result.values == {0: [0, 3], 1: [1, 3]} and ip.user_ns["cell"] is result
-    ip.run_line_magic("elastic", "pull w --rank 1")
+    assert ip.run_line_magic("elastic", "pull w --rank 1") == [1, 3]
     ip.run_line_magic("elastic", "gather factor")
     assert ip.user_ns["w"] == [1, 3] and ip.user_ns["factor"] == {0: 3, 1: 3}
+    # As the README writes it: the value is the magic's, not only the kernel variable's.
+    ip.run_cell("factors = %elastic gather factor\n"
+                "both = %elastic pull w factor").raise_error()
+    assert ip.user_ns["factors"] == {0: 3, 1: 3}
+    assert ip.user_ns["both"] == ([0, 3], 3)
     with pytest.raises(em.JobFailedError):
         ip.run_cell_magic("elastic", "", "w[5]")
     with pytest.raises(UsageError, match="take no job options"):
