@@ -15,6 +15,7 @@ from .magic_common import parse_scale, print_stacks
 from .session import Session
 from .session_magic import SessionCommands
 from .spec import SpecError
+from .ui.ansi import for_terminal
 from .ui.describe import count_of, duration
 
 # Finished jobs that `%elastic jobs` keeps listing; running jobs are always kept.
@@ -33,10 +34,11 @@ logs and stacks: the session, while one is active)."""
 
 
 def visible(line: str) -> str:
-    """A log line as a terminal showed it: after its last carriage return."""
+    """A log line as a terminal showed it: after its last carriage return; its colours
+    kept and its cursor codes dropped, as ``--text`` prints it (``ui.ansi``)."""
     end = "\n" if line.endswith("\n") else ""
     parts = [p for p in line.rstrip("\n").rstrip("\r").split("\r") if p]
-    return (parts[-1] if parts else "") + end
+    return for_terminal(parts[-1] if parts else "") + end
 
 
 class JobCommands:

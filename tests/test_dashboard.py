@@ -341,6 +341,7 @@ def test_log_tails_show_a_rewritten_line_as_it_finally_showed():
 
     assert _visible("\r 10%|#\r 50%|#####\r100%|##########|\n") == "100%|##########|\n"
     assert _visible("plain line\n") == "plain line\n" and _visible("done\r\n") == "done\n"
+    assert _visible("\x1b[2K\x1b[32mok\n") == "\x1b[32mok\x1b[0m\n"  # as --text shows it
 
 
 def test_text_failure_shows_its_traceback_once_and_a_bg_handle_says_it_is_live(
@@ -417,3 +418,14 @@ def test_colours_are_rendered_cursor_codes_dropped_and_logs_kept_byte_for_byte(l
     assert (rank_logs / "stdout.log").read_bytes() == (
         b"\x1b[2K\x1b[1;35mepoch 1\x1b[0m <b>&\n\x1b[?25l\x1b[31mred\x1b[0m\x1b[?25h\n")
     assert (rank_logs / "stderr.log").read_bytes() == b"\x1b[33mwarn\n"
+
+
+def test_text_cell_shows_colours_as_a_plain_cell_does(ip, log_dir, capsys, monkeypatch):
+    """ipykernel's FORCE_COLOR reaches the workers; %%elastic --text prints their colours
+    (a notebook renders them, as a plain cell's) and drops their cursor codes."""
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    ip.run_cell_magic("elastic", f"--nproc 1 --text --log-dir {log_dir}",
+                      "import os\n"
+                      "print(f'\\x1b[31m{os.environ[\"FORCE_COLOR\"]}\\x1b[0m\\x1b[?25h')")
+    out = capsys.readouterr().out
+    assert "[rank 0] \x1b[31m1\x1b[0m\n" in out and "\x1b[?25h" not in out
