@@ -29,7 +29,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from .folders import NotPrivate, make_folders, new_file, own_folder, redirectable, subfolder
+from .folders import (
+    NotPrivate,
+    describe,
+    make_folders,
+    new_file,
+    own_folder,
+    redirectable,
+    subfolder,
+)
 
 KEEP_RUNS = 50
 KEEP_DAYS = 7.0
@@ -206,21 +214,16 @@ def private_folder(path: Path) -> None:
     except FileExistsError:
         pass
     info = os.lstat(path)  # a link planted there is not followed
-    uid = os.getuid()
     instead = "or give a log folder of your own with --log-dir DIR (log_dir=... in Python)"
     if not stat.S_ISDIR(info.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a folder"
         raise NotPrivate(f"the default log folder {path} is {kind}. Remove it if it is yours "
                          f"to remove, {instead}.")
-    if info.st_uid != uid:
-        raise NotPrivate(
-            f"the default log folder {path} belongs to user id {info.st_uid}, not to you "
-            f"(uid {uid}): its owner could read every job's output. Ask them or an "
-            f"administrator to remove it, {instead}.")
-    if info.st_mode & 0o077:
-        raise NotPrivate(
-            f"the default log folder {path} is open to other users (mode "
-            f"{stat.S_IMODE(info.st_mode):o}). Run `chmod 700 {path}`, {instead}.")
+    problem = describe(info, path, private=True)  # whoever can read it reads every job's output
+    if problem:
+        fix = f"Run `chmod 700 {path}`" if info.st_uid == os.geteuid() \
+            else "Ask its owner or an administrator to remove it"
+        raise NotPrivate(f"the default log folder {problem}. {fix}, {instead}.")
 
 
 # -- pruning ------------------------------------------------------------------------------
