@@ -161,7 +161,7 @@ def _median(values: list[float]) -> float:
 def print_table(rows: list[dict[str, object]], opts: argparse.Namespace) -> None:
     print(f"\nmedians of {opts.repeat} (min-max), {opts.nproc} ranks, {os.cpu_count()} CPUs"
           f"{', --quick' if opts.quick else ''}")
-    header = f"{'scenario':20} {'side':30} {'median':>9} {'min-max':>17} {'ratio':>7}  goal"
+    header = f"{'scenario':20} {'side':34} {'median':>9} {'min-max':>17} {'ratio':>7}  goal"
     print(header)
     print("-" * len(header))
     last = None
@@ -173,7 +173,7 @@ def print_table(rows: list[dict[str, object]], opts: argparse.Namespace) -> None
         ratio = "; ".join(f"{r:.2f}x" for r in ratios.values())
         failed = f" ({row['failed']} failed)" if row["failed"] else ""
         goal = row["goal"] if scenario else ""
-        print(f"{scenario!s:20} {row['side']!s:30} {row['median']:9.3g} {spread:>17} "
+        print(f"{scenario!s:20} {row['side']!s:34} {row['median']:9.3g} {spread:>17} "
               f"{ratio:>7}  {goal}{failed}")
 
 
