@@ -23,6 +23,9 @@ from .common import free_port, now, scratch, stamps, torchrun
 STAMP = textwrap.dedent("""
     def stamp(tag):
         import os, time
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
+            raise RuntimeError("this step was not taken in the job's process group")
         with open(os.path.join(OUT, f"{tag}_{os.environ['RANK']}"), "w") as f:
             f.write(repr(time.time()))
 """)
@@ -191,9 +194,17 @@ def run_torchrun(code: str, nproc: int, values: dict[str, int], *torchrun_args: 
     return out, started
 
 
-def first_step(out: Path, started: float, tag: str = "step") -> float:
-    """From ``started`` to the first step done on every rank."""
-    return max(stamps(out, f"{tag}_")) - started
+def every(out: Path, tag: str, nproc: int) -> list[float]:
+    """The ``tag`` stamps of all ``nproc`` ranks (an error if a rank did not write one)."""
+    done = stamps(out, f"{tag}_")
+    if len(done) != nproc:
+        raise RuntimeError(f"{len(done)} of {nproc} ranks stamped {tag!r} in {out}")
+    return done
+
+
+def first_step(out: Path, started: float, nproc: int, tag: str = "step") -> float:
+    """From ``started`` to the first step done on every one of ``nproc`` ranks."""
+    return max(every(out, tag, nproc)) - started
 
 
 # A fresh Python process stands in for a kernel that imported torch and accelerate but never
@@ -222,4 +233,4 @@ def notebook_launcher(code: str, nproc: int, values: dict[str, int]) -> float:
         capture_output=True, text=True, timeout=300, env={**os.environ, **ENV})
     if proc.returncode:
         raise RuntimeError(f"notebook_launcher failed:\n{proc.stderr[-3000:]}")
-    return first_step(out, float(proc.stdout.split()[0]))
+    return first_step(out, float(proc.stdout.split()[0]), nproc)

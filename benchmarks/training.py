@@ -44,7 +44,7 @@ def _ours(code: str, nproc: int, values: dict[str, int], **options: Any) -> floa
     out = scratch()
     started = now()
     launch(cells.STAMP + code, nproc, namespace=cells.namespace(out, values), **options)
-    return cells.first_step(out, started)
+    return cells.first_step(out, started, nproc)
 
 
 def _beside_torchrun(code: str, nproc: int, quick: bool) -> dict[str, float]:
@@ -53,7 +53,7 @@ def _beside_torchrun(code: str, nproc: int, quick: bool) -> dict[str, float]:
     _ours(code, nproc, values)  # the first run of the cell: warms (and teaches) the pool
     out, started = cells.run_torchrun(code, nproc, values)
     return {"elastic_magic": _ours(code, nproc, values),
-            "torchrun": cells.first_step(out, started)}
+            "torchrun": cells.first_step(out, started, nproc)}
 
 
 def train_mlp(nproc: int, quick: bool) -> dict[str, float]:
@@ -61,7 +61,7 @@ def train_mlp(nproc: int, quick: bool) -> dict[str, float]:
     values = cells.params(quick)
     _ours(cells.MLP, nproc, values)
     out, started = cells.run_torchrun(cells.MLP, nproc, values)
-    theirs = cells.first_step(out, started)
+    theirs = cells.first_step(out, started, nproc)
     launcher = cells.notebook_launcher(cells.MLP, nproc, values)
     return {"elastic_magic": _ours(cells.MLP, nproc, values), "torchrun": theirs,
             "notebook_launcher": launcher}
@@ -75,9 +75,9 @@ def train_hf(nproc: int, quick: bool) -> dict[str, float]:
     return _beside_torchrun(cells.HF, nproc, quick)
 
 
-def _recovered(out: Any) -> float:
+def _recovered(out: Any, nproc: int) -> float:
     """From the kill to the restart's first step on every rank."""
-    return max(stamps(out, "step1_")) - stamps(out, "kill_")[0]
+    return max(cells.every(out, "step1", nproc)) - cells.every(out, "kill", 1)[0]
 
 
 def train_recovery(nproc: int, quick: bool) -> dict[str, float]:
@@ -90,7 +90,7 @@ def train_recovery(nproc: int, quick: bool) -> dict[str, float]:
     theirs, _ = cells.run_torchrun(cells.MLP_KILLED, nproc, values, "--max-restarts=1",
                                    "--monitor-interval=0.1",
                                    env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    return {"elastic_magic": _recovered(ours), "torchrun": _recovered(theirs)}
+    return {"elastic_magic": _recovered(ours, nproc), "torchrun": _recovered(theirs, nproc)}
 
 
 def train_resize(nproc: int, quick: bool) -> dict[str, float]:
@@ -140,18 +140,20 @@ def _session(nproc: int, quick: bool) -> tuple[elastic_magic.Session, Any]:
     return session, out
 
 
-def _train_cell(session: elastic_magic.Session, out: Any, cell: int) -> tuple[float, float]:
+def _train_cell(session: elastic_magic.Session, out: Any, cell: int,
+                nproc: int) -> tuple[float, float]:
     """(to the first step on every rank, the whole cell) of the session's ``cell``-th."""
     started = now()
     session.run(SESSION_TRAIN)
     total = now() - started
-    return max(stamps(out, f"c{cell}_")) - started, total
+    return cells.first_step(out, started, nproc, f"c{cell}"), total
 
 
 def session_train(nproc: int, quick: bool) -> dict[str, float]:
     session, out = _session(nproc, quick)
     try:
-        runs = [_train_cell(session, out, cell) for cell in range(1, (3 if quick else 10) + 1)]
+        runs = [_train_cell(session, out, cell, nproc)
+                for cell in range(1, (3 if quick else 10) + 1)]
     finally:
         session.stop()
     timed = sorted(runs[1:])  # the first cell is not timed (its loader's first epoch)
@@ -163,14 +165,14 @@ def session_train(nproc: int, quick: bool) -> dict[str, float]:
 def session_train_reform(nproc: int, quick: bool) -> dict[str, float]:
     session, out = _session(nproc, quick)
     try:
-        _train_cell(session, out, 1)
+        _train_cell(session, out, 1, nproc)
         os.kill(session.pull("pid", rank=nproc - 1), signal.SIGKILL)
         deadline = time.monotonic() + 30
         while session.status()["restarts"].startswith("0/") and time.monotonic() < deadline:
             time.sleep(0.01)
         for path in out.glob("c1_*"):  # the re-formed ranks count their cells from 0 again
             path.unlink()
-        reform, total = _train_cell(session, out, 1)
+        reform, total = _train_cell(session, out, 1, nproc)
     finally:
         session.stop()
     return {"elastic_magic_session": reform, "elastic_magic_session_cell": total}
