@@ -70,8 +70,10 @@ SCENARIOS = (
     Scenario("train_hf", training.train_hf, "s", "torchrun", "<= 0.2x torchrun"),
     Scenario("train_recovery", training.train_recovery, "s", "torchrun", "<= 0.2x torchrun"),
     Scenario("train_resize", training.train_resize, "s", None, "<= 0.5 s"),
-    Scenario("session_train", training.session_train, "s", None, "report"),
-    Scenario("session_train_reform", training.session_train_reform, "s", None, "report"),
+    Scenario("session_train", training.session_train, "s", "ipyparallel_px",
+             "(reported)"),
+    Scenario("session_train_reform", training.session_train_reform, "s", None,
+             "(reported)"),
 )
 
 
@@ -140,7 +142,7 @@ def summarise(scenarios: list[Scenario],
             done = [v for v in values if not math.isnan(v)]
             ratios: dict[str, float] = {}
             for competitor in filter(None, (scenario.competitor, *scenario.also)):
-                base = medians.get(competitor)
+                base = medians.get(_counterpart(side, competitor, medians))
                 if base and not math.isnan(base) and side.startswith("elastic_magic") \
                         and not math.isnan(medians[side]):
                     ratios[competitor] = medians[side] / base
@@ -151,6 +153,17 @@ def summarise(scenarios: list[Scenario],
                          "ratio": ratio, "ratios": ratios,
                          "goal": scenario.goal})
     return rows
+
+
+def _counterpart(side: str, competitor: str, sides: dict[str, float]) -> str:
+    """The competitor's side to compare ``side`` with: the one with the same suffix
+    (``elastic_magic_session_cell`` with ``ipyparallel_px_cell``) where there is one."""
+    words = side.split("_")
+    for start in range(1, len(words)):
+        twin = "_".join([competitor, *words[start:]])
+        if twin in sides:
+            return twin
+    return competitor
 
 
 def _median(values: list[float]) -> float:

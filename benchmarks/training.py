@@ -16,7 +16,8 @@ done on every rank (the latest rank's ``time.time()`` written right after it; ce
 - train_resize: (a) with a State committing every step, ``job.scale(3)``: from the request
   to the first step at world size 3 on every rank;
 - session_train: (a) in a ``Session``: the setup (model, optimizer, loader) once, then
-  training cells; per cell to the first step on every rank, and the whole cell;
+  training cells; per cell to the first step on every rank, and the whole cell; beside
+  ipyparallel's ``%px`` (``view.execute``) running the same cells on as many engines;
   session_train_reform: a rank SIGKILLed between cells, the next training cell (re-formed:
   setup replayed) to its first step on every rank.
 
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import elastic_magic
@@ -37,7 +40,8 @@ from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
 from . import cells
-from .common import launch, now, scratch, stamps
+from .common import free_port, launch, now, scratch, stamps
+from .session import _cluster
 
 
 def _ours(code: str, nproc: int, values: dict[str, int], **options: Any) -> float:
@@ -140,39 +144,63 @@ def _session(nproc: int, quick: bool) -> tuple[elastic_magic.Session, Any]:
     return session, out
 
 
-def _train_cell(session: elastic_magic.Session, out: Any, cell: int,
+def _train_cell(run: Callable[[str], object], out: Any, cell: int,
                 nproc: int) -> tuple[float, float]:
-    """(to the first step on every rank, the whole cell) of the session's ``cell``-th."""
+    """(to the first step on every rank, the whole cell) of the ``cell``-th training cell."""
     started = now()
-    session.run(SESSION_TRAIN)
+    run(SESSION_TRAIN)
     total = now() - started
     return cells.first_step(out, started, nproc, f"c{cell}"), total
 
 
+def _medians(runs: list[tuple[float, float]], side: str) -> dict[str, float]:
+    timed = runs[1:]  # the first training cell is not timed
+    return {side: statistics.median(first for first, _ in timed),
+            f"{side}_cell": statistics.median(total for _, total in timed)}
+
+
+def _px_train(nproc: int, quick: bool, count: int) -> list[tuple[float, float]]:
+    """The same cells through ipyparallel's ``%px`` (``view.execute``) on as many engines,
+    their gloo group made by the setup cell from the variables torchrun would set."""
+    out = scratch()
+    with _cluster(nproc) as client:
+        view = client[:]
+        view.scatter("RANK", [str(rank) for rank in range(nproc)], flatten=True, block=True)
+        view.execute(f"import os\nos.environ.update(RANK=RANK, WORLD_SIZE='{nproc}', "
+                     f"MASTER_ADDR='127.0.0.1', MASTER_PORT='{free_port()}')", block=True)
+        view.push(cells.namespace(out, cells.params(quick, SAMPLES=2400)), block=True)
+        view.execute(cells.STAMP + cells.MLP_SETUP + "cell = 0\n", block=True)
+
+        def run(code: str) -> object:
+            return view.execute(code, block=True)
+
+        runs = [_train_cell(run, out, cell, nproc) for cell in range(1, count + 1)]
+        view.execute("del loader\ndist.destroy_process_group()", block=True)
+    return runs
+
+
 def session_train(nproc: int, quick: bool) -> dict[str, float]:
+    count = 3 if quick else 10
     session, out = _session(nproc, quick)
     try:
-        runs = [_train_cell(session, out, cell, nproc)
-                for cell in range(1, (3 if quick else 10) + 1)]
+        ours = [_train_cell(session.run, out, cell, nproc) for cell in range(1, count + 1)]
     finally:
         session.stop()
-    timed = sorted(runs[1:])  # the first cell is not timed (its loader's first epoch)
-    middle = len(timed) // 2
-    return {"elastic_magic_session": timed[middle][0],
-            "elastic_magic_session_cell": sorted(t for _, t in timed)[middle]}
+    return {**_medians(ours, "elastic_magic_session"),
+            **_medians(_px_train(nproc, quick, count), "ipyparallel_px")}
 
 
 def session_train_reform(nproc: int, quick: bool) -> dict[str, float]:
     session, out = _session(nproc, quick)
     try:
-        _train_cell(session, out, 1, nproc)
+        _train_cell(session.run, out, 1, nproc)
         os.kill(session.pull("pid", rank=nproc - 1), signal.SIGKILL)
         deadline = time.monotonic() + 30
         while session.status()["restarts"].startswith("0/") and time.monotonic() < deadline:
             time.sleep(0.01)
         for path in out.glob("c1_*"):  # the re-formed ranks count their cells from 0 again
             path.unlink()
-        reform, total = _train_cell(session, out, 1, nproc)
+        reform, total = _train_cell(session.run, out, 1, nproc)
     finally:
         session.stop()
     return {"elastic_magic_session": reform, "elastic_magic_session_cell": total}
