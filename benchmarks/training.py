@@ -41,7 +41,7 @@ from elastic_magic.spec import JobSpec
 
 from . import cells
 from .common import free_port, launch, now, scratch, stamps
-from .session import _cluster
+from .session import cluster
 
 
 def _ours(code: str, nproc: int, values: dict[str, int], **options: Any) -> float:
@@ -51,24 +51,21 @@ def _ours(code: str, nproc: int, values: dict[str, int], **options: Any) -> floa
     return cells.first_step(out, started, nproc)
 
 
-def _beside_torchrun(code: str, nproc: int, quick: bool) -> dict[str, float]:
+def _beside_torchrun(code: str, nproc: int, quick: bool,
+                     launcher: bool = False) -> dict[str, float]:
+    """Ours warm, beside torchrun (and with ``launcher``, notebook_launcher)."""
     cells.set_env()
     values = cells.params(quick)
     _ours(code, nproc, values)  # the first run of the cell: warms (and teaches) the pool
     out, started = cells.run_torchrun(code, nproc, values)
-    return {"elastic_magic": _ours(code, nproc, values),
-            "torchrun": cells.first_step(out, started, nproc)}
+    theirs = {"torchrun": cells.first_step(out, started, nproc)}
+    if launcher:
+        theirs["notebook_launcher"] = cells.notebook_launcher(code, nproc, values)
+    return {"elastic_magic": _ours(code, nproc, values), **theirs}
 
 
 def train_mlp(nproc: int, quick: bool) -> dict[str, float]:
-    cells.set_env()
-    values = cells.params(quick)
-    _ours(cells.MLP, nproc, values)
-    out, started = cells.run_torchrun(cells.MLP, nproc, values)
-    theirs = cells.first_step(out, started, nproc)
-    launcher = cells.notebook_launcher(cells.MLP, nproc, values)
-    return {"elastic_magic": _ours(cells.MLP, nproc, values), "torchrun": theirs,
-            "notebook_launcher": launcher}
+    return _beside_torchrun(cells.MLP, nproc, quick, launcher=True)
 
 
 def train_lightning(nproc: int, quick: bool) -> dict[str, float]:
@@ -163,7 +160,7 @@ def _px_train(nproc: int, quick: bool, count: int) -> list[tuple[float, float]]:
     """The same cells through ipyparallel's ``%px`` (``view.execute``) on as many engines,
     their gloo group made by the setup cell from the variables torchrun would set."""
     out = scratch()
-    with _cluster(nproc) as client:
+    with cluster(nproc) as client:
         view = client[:]
         view.scatter("RANK", [str(rank) for rank in range(nproc)], flatten=True, block=True)
         view.execute(f"import os\nos.environ.update(RANK=RANK, WORLD_SIZE='{nproc}', "
