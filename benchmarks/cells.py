@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -226,11 +227,19 @@ LAUNCHER = textwrap.dedent("""
 
 
 def notebook_launcher(code: str, nproc: int, values: dict[str, int]) -> float:
+    """The stand-in kernel in its own session (its forked ranks killed with it on timeout)."""
     out = scratch()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, STAMP + code, str(nproc), str(out),
          str(free_port()), json.dumps(values)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **ENV})
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **ENV}, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     if proc.returncode:
-        raise RuntimeError(f"notebook_launcher failed:\n{proc.stderr[-3000:]}")
-    return first_step(out, float(proc.stdout.split()[0]), nproc)
+        raise RuntimeError(f"notebook_launcher failed:\n{stderr[-3000:]}")
+    return first_step(out, float(stdout.split()[0]), nproc)
