@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import elastic, join, launch, leave, memory, session, throughput, training
+from . import cells, elastic, join, launch, leave, memory, session, throughput, training
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -97,6 +97,7 @@ def main() -> None:
 
     import torch
 
+    cells.set_env()  # before any pool starts: every scenario runs in the same environment
     runs: dict[str, dict[str, list[float]]] = {s.name: {} for s in scenarios}
     errors: dict[str, list[str]] = {}
     for repeat in range(opts.repeat):
