@@ -13,7 +13,7 @@ import pytest
 
 import elastic_magic as em
 from elastic_magic.agent.local import pool as pool_module
-from elastic_magic.agent.local.pool import WarmPool, warm_pool
+from elastic_magic.agent.local.pool import WarmPool
 from elastic_magic.worker import imports
 
 # A cell's view, before its first line of its own: what it already has, and which zygote
