@@ -155,7 +155,8 @@ class WarmPool:
         except PoolError as exc:  # it crashed or hung: never try these modules again
             successor = None
             with self._lock:
-                for name, _ in set(modules) - set(current.modules):
+                added = [] if self._stopping else set(modules) - set(current.modules)
+                for name, _ in added:  # (unless we ended it: the pool is stopping)
                     self.preload.leave_out(name, f"the pool stopped while importing it: {exc}")
         stale = None
         with self._lock:
