@@ -115,7 +115,7 @@ def test_a_module_that_starts_a_thread_is_left_out_and_shown(pool, log_dir, tmp_
     """Forking a process with threads is unsafe: a learned module that starts one when
     imported taints the zygote being built, which is dropped; the pool goes on with the
     one it had, remembers why, and `%elastic status` says so. A module that fails to
-    import (in the zygote only) is left out too."""
+    import, or ends the zygote, when imported there is left out too."""
     packages = tmp_path / "lib" / "site-packages"
     _write(packages, "starts_a_thread", """
         import threading, time
@@ -126,15 +126,23 @@ def test_a_module_that_starts_a_thread_is_left_out_and_shown(pool, log_dir, tmp_
             if comm.read().strip() == "em-zygote":
                 raise RuntimeError("not here")
     """)
+    _write(packages, "ends_the_pool", """
+        import os
+        with open("/proc/self/comm") as comm:
+            if comm.read().strip() == "em-zygote":
+                os._exit(3)
+    """)
     monkeypatch.syspath_prepend(str(packages))
     ip.run_cell_magic("elastic", "--nproc 1 --backend gloo --text",
-                      "import starts_a_thread, fails_in_the_pool")
+                      "import starts_a_thread, fails_in_the_pool, ends_the_pool")
     assert pool.wait_rebuilt(REBUILD_TIMEOUT)
     (served,) = pool.pids
     assert "thread" in pool.preload.left_out["starts_a_thread"]
     assert "RuntimeError: not here" in pool.preload.left_out["fails_in_the_pool"]
-    (value,) = _run(["starts_a_thread", "fails_in_the_pool"], log_dir)
-    assert value["seen"] == {"starts_a_thread": False, "fails_in_the_pool": False}
+    assert "stopped the pool while it imported it" in pool.preload.left_out["ends_the_pool"]
+    (value,) = _run(["starts_a_thread", "fails_in_the_pool", "ends_the_pool"], log_dir)
+    assert value["seen"] == {"starts_a_thread": False, "fails_in_the_pool": False,
+                             "ends_the_pool": False}
     assert pool.pids == [served] and not pool.rebuilding  # nothing more to build
     capsys.readouterr()
     ip.run_line_magic("elastic", "status")

@@ -10,7 +10,9 @@ base imports (``{"op": "preload", "modules": [[name, file or null], ...], "path"
 "more": bool}``, in parts); each module is imported, if trusted (``imports.py``), then
 checked: one that initialised CUDA or started a thread cannot be undone, so the zygote
 answers ``{"tainted": name, "why": ...}`` and exits (the pool rebuilds without it); one
-left out answers ``{"left_out": name, "why": ...}``; then ``{"ready": pid}``. Then requests:
+left out answers ``{"left_out": name, "why": ...}``; ``{"importing": name}`` comes before
+each (the pool leaves out one the zygote dies or hangs on); then ``{"ready": pid}``. Then
+requests:
 
 - ``{"op": "fork", "env": {...}, "cwd": "..."}`` with the worker's descriptors attached
   (control pipe, report pipe, stdout, stderr): answered ``{"pid": shepherd}``;
@@ -88,6 +90,9 @@ def preload(sock: socket.socket) -> None:
             break
     roots, cwd = imports.trusted_roots(sys.path), os.getcwd()
     for name, origin in entries:
+        if name in sys.modules:
+            continue
+        _send(sock, {"importing": name})  # should it crash or hang, the pool knows why
         threads = _threads()
         why = imports.import_trusted(name, origin, roots, cwd)
         if torch.cuda.is_initialized():

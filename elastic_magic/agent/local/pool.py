@@ -78,6 +78,7 @@ class WarmPool:
         self._builder: threading.Thread | None = None  # building a successor
         self._building: Zygote | None = None
         self._stopping = False
+        self._gave_up: set[str] = set()  # fingerprints whose successor could not start
 
     def zygote_for(self, env: dict[str, str], cwd: str, sys_path: Iterable[str],
                    preload: Iterable[str] = ()) -> Zygote:
@@ -129,7 +130,8 @@ class WarmPool:
         part of the preload list (one build at a time; the next follows if need be)."""
         current = self._current
         if self._builder is not None or self._stopping or current is None \
-                or not current.alive() or self.preload.covered_by(current.modules):
+                or not current.alive() or current.key in self._gave_up \
+                or self.preload.covered_by(current.modules):
             return
         self._builder = threading.Thread(target=self._build,
                                          args=(current, self.preload.modules()),
@@ -148,16 +150,15 @@ class WarmPool:
                 if self._stopping:
                     successor.cancel()
             successor.wait_ready()
-        except Tainted as exc:
+        except Tainted as exc:  # a module it must not import, or one it died on
             successor = None
             with self._lock:
                 self.preload.leave_out(exc.module, exc.why)
-        except PoolError as exc:  # it crashed or hung: never try these modules again
+        except PoolError:  # not a module's doing (it could not start): try no more
             successor = None
             with self._lock:
-                added = [] if self._stopping else set(modules) - set(current.modules)
-                for name, _ in added:  # (unless we ended it: the pool is stopping)
-                    self.preload.leave_out(name, f"the pool stopped while importing it: {exc}")
+                if not self._stopping:  # (else we ended it ourselves)
+                    self._gave_up.add(current.key)
         stale = None
         with self._lock:
             self._builder = self._building = None

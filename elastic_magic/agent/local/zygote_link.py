@@ -67,6 +67,7 @@ class Zygote:
         self.modules = modules
         self.left_out: dict[str, str] = {}  # module -> why, as the zygote reported
         self.pid = -1  # once ready
+        self._cancelled = False
         self.retired = False
         self.live: set[int] = set()  # forked, not yet reaped
         self._lock = threading.Lock()
@@ -93,23 +94,34 @@ class Zygote:
 
     def wait_ready(self) -> None:
         """Wait until it has imported everything; raises Tainted (a module it must not
-        have imported) or PoolError. Either way it is then closed."""
+        have imported, or one it crashed or hung on) or PoolError. Either way it is then
+        closed."""
+        importing = None  # the module it said it imports now
         try:
             while True:
                 reply = self._receive(_START_TIMEOUT)  # each module in time, not all
-                if "left_out" in reply:
+                if "importing" in reply:
+                    importing = str(reply["importing"])
+                elif "left_out" in reply:
                     self.left_out[str(reply["left_out"])] = str(reply["why"])
                 elif "tainted" in reply:
                     raise Tainted(str(reply["tainted"]), str(reply["why"]))
                 else:
                     self.pid = int(reply["ready"])
                     return
-        except (PoolError, KeyError, ValueError):
+        except PoolError as exc:
             self.close()  # reaped, and its keeper thread ends
+            if importing is None or self._cancelled or isinstance(exc, Tainted):
+                raise
+            raise Tainted(importing, f"stopped the pool while it imported it ({exc})") \
+                from exc
+        except (KeyError, ValueError):
+            self.close()
             raise
 
     def cancel(self) -> None:
         """End a zygote still importing (``wait_ready`` then raises PoolError)."""
+        self._cancelled = True
         if self._proc is not None and self._proc.returncode is None:
             with contextlib.suppress(OSError):  # not reaped before close(): still ours
                 self._proc.kill()
