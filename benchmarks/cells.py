@@ -27,8 +27,10 @@ STAMP = textwrap.dedent("""
         import torch.distributed as dist
         if not dist.is_initialized() or dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
             raise RuntimeError("this step was not taken in the job's process group")
-        with open(os.path.join(OUT, f"{tag}_{os.environ['RANK']}"), "w") as f:
+        path = os.path.join(OUT, f"{tag}_{os.environ['RANK']}")
+        with open(path + ".tmp", "w") as f:  # renamed: a reader never sees it half written
             f.write(repr(time.time()))
+        os.replace(path + ".tmp", path)
 """)
 
 # (a) a DDP MLP with AdamW, fed by elastic_magic.DataLoader with 2 loader workers.
