@@ -14,6 +14,9 @@ from conftest import KILL_OWN_SHEPHERD, tagged_workers
 import elastic_magic as em
 from elastic_magic.events import Output, SessionBroken, SessionReformed, WorkerFailed
 from elastic_magic.payload import PayloadError
+from elastic_magic.ui.describe import duration
+from elastic_magic.ui.record import summary_line
+from elastic_magic.ui.state import DashboardState
 
 
 class Watcher:
@@ -256,6 +259,23 @@ def _worker_pids(session: em.Session) -> dict[int, int]:
     return session.gather("my_pid")
 
 
+class Board(Watcher):
+    """A watcher that also keeps what the cell's dashboard shows (its ``finish`` makes
+    the session send the cell's JobFinished, as to a LiveView)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = DashboardState("em-test", "/nonexistent", 1)
+
+    def __call__(self, events: list) -> None:
+        for event in events:
+            self.state.apply(event)
+        super().__call__(events)
+
+    def finish(self) -> None:
+        pass
+
+
 def test_a_killed_rank_is_replaced_setup_cells_replayed_and_state_restored(log_dir):
     with em.Session(nproc=2, max_restarts=1, log_dir=log_dir) as s:
         s.run("import os, torch, elastic_magic as em\n"
@@ -271,10 +291,21 @@ def test_a_killed_rank_is_replaced_setup_cells_replayed_and_state_restored(log_d
         deadline = time.monotonic() + 60
         while s.status()["restarts"] != "1/1" and time.monotonic() < deadline:
             time.sleep(0.05)
-        watcher = Watcher()
+        time.sleep(1.0)  # idle after the break: not the next cell's time
+        watcher = Board()
+        submitted = time.time()
         result = s.run("(state.step + offset, 'leftover' in globals())", render=watcher)
         assert result.values == {0: (103, False), 1: (103, False)}
         assert result.restarts == 1
+        # The cell's header, record and timeline give the cell's own time, the same one.
+        header = watcher.state.header
+        assert submitted <= header["started_at"] == result.started
+        assert header["finished_at"] == result.started + result.duration
+        shown = duration(result.duration)
+        assert summary_line(watcher.state).endswith(f" · {shown}")
+        assert f"{result.duration:.1f}s" == shown
+        assert any(shown in e["text"] for e in watcher.state.timeline
+                   if e["kind"] == "succeeded")
         reformed = watcher.of(SessionReformed)
         assert [(r.setup_cells, r.step, r.world_size) for r in reformed] == [(2, 3, 2)]
         after = _worker_pids(s)
