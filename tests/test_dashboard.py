@@ -429,3 +429,40 @@ def test_text_cell_shows_colours_as_a_plain_cell_does(ip, log_dir, capsys, monke
                       "print(f'\\x1b[31m{os.environ[\"FORCE_COLOR\"]}\\x1b[0m\\x1b[?25h')")
     out = capsys.readouterr().out
     assert "[rank 0] \x1b[31m1\x1b[0m\n" in out and "\x1b[?25h" not in out
+
+
+def test_many_dashboard_cells_leave_no_widget_comm_or_result_behind(ip, log_dir, monkeypatch,
+                                                                    capsys):
+    """A notebook day: each finished cell's live widget is closed once its record is shown
+    (the record is what stays), and the kernel keeps a bounded history for %elastic jobs."""
+    import gc
+
+    from ipywidgets.widgets.widget import _instances
+
+    from elastic_magic import job_commands
+    from elastic_magic.result import JobResult
+
+    published: list[dict] = []
+    monkeypatch.setattr(ip, "kernel", object(), raising=False)  # a frontend with widgets
+    monkeypatch.setattr(ip.display_pub, "publish",
+                        lambda data, *args, **kwargs: published.append(data))
+    monkeypatch.setattr(job_commands, "JOB_HISTORY", 10)
+
+    def alive(kind: type) -> int:
+        gc.collect()
+        return sum(isinstance(o, kind) for o in gc.get_objects())
+
+    ip.run_cell_magic("elastic", f"--nproc 1 --log-dir {log_dir}", "print('warm')")
+    widgets, results = len(_instances), alive(JobResult)
+    for i in range(60):
+        published.clear()
+        ip.run_cell_magic("elastic", f"--nproc 1 --log-dir {log_dir}", f"print('cell {i}')")
+        records = [d for d in published if "elastic-record" in d.get("text/html", "")]
+        assert len(records) == 1 and f"cell {i}" in records[0]["text/html"], published
+    assert len(_instances) <= widgets  # each dashboard and its layout closed
+    assert alive(Dashboard) == 0
+    assert alive(JobResult) <= results + 10  # the history's, no more
+    capsys.readouterr()
+    ip.run_line_magic("elastic", "jobs")
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == 10 and all("succeeded" in line for line in listed), listed
