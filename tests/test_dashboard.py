@@ -27,7 +27,6 @@ FLAKY = textwrap.dedent("""
     rank = dist.get_rank()
     for i in range(400):
         print(f"rank {rank} attempt {attempt} line {i}")
-    time.sleep(0.5)  # stdout and stderr are separate pipes: let stdout drain first
     print(f"warning from {rank}", file=sys.stderr)
     dist.barrier()
     if attempt == 0 and rank == 1:
@@ -466,3 +465,97 @@ def test_many_dashboard_cells_leave_no_widget_comm_or_result_behind(ip, log_dir,
     ip.run_line_magic("elastic", "jobs")
     listed = capsys.readouterr().out.splitlines()
     assert len(listed) == 10 and all("succeeded" in line for line in listed), listed
+
+
+ORDERED = textwrap.dedent("""
+    import sys
+    for i in range(400):
+        print(f"out {i}")
+        if i % 40 == 39:
+            print(f"err {i}", file=sys.stderr)
+    raise ValueError("after the lines")
+""")
+
+
+def _ordered_lines() -> list[tuple[str, str]]:
+    lines = []
+    for i in range(400):
+        lines.append(("stdout", f"out {i}"))
+        if i % 40 == 39:
+            lines.append(("stderr", f"err {i}"))
+    return lines
+
+
+def test_a_ranks_lines_keep_their_order_across_stdout_and_stderr(log_dir):
+    """stdout and stderr reach the kernel through two pipes; a rank's lines still show in
+    the order it wrote them (the widget, the record, --text), its traceback after them."""
+    buffer = io.StringIO()
+    text = TextRenderer(stdout=buffer, stderr=buffer, status=False)
+    spec = JobSpec.create(nproc=1, log_dir=log_dir)
+    job = Job(spec, build_payload(ORDERED, spec)).start()
+    view = LiveView(job)
+    try:
+        job.wait(lambda events: (view(events), text(events)))
+    finally:
+        view.finish()
+    expected = _ordered_lines()
+    shown = view.state.shown_lines(0)  # the traceback is in the root cause: one line here
+    assert len(shown) > 100 and shown == [*expected[-(len(shown) - 1):],
+                                          ("stderr", TRACEBACK_SHOWN)]
+    assert [line[1:] for line in view.widget.lines["0"]] == [[t] for _, t in shown]
+    record = record_bundle(view.state)["text/plain"]
+    rank_lines = [line.removeprefix("[rank 0] ") for line in record.splitlines()
+                  if line.startswith("[rank 0] ")]
+    assert rank_lines == [t for _, t in shown]
+    printed = [line.removeprefix("[rank 0] ") for line in buffer.getvalue().splitlines()]
+    trace = printed.index("Traceback (most recent call last):")
+    assert printed[:trace] == [t for _, t in expected]
+    assert printed[-1] == "ValueError: after the lines"
+    # The logs are each stream's bytes, as written: the order marks are not in them.
+    assert job.result.log_path(0).read_text() == "".join(
+        f"{t}\n" for s, t in expected if s == "stdout")
+    stderr = job.result.log_path(0, "stderr").read_text()
+    assert stderr.startswith("".join(f"{t}\n" for s, t in expected if s == "stderr")
+                             + "Traceback (most recent call last):\n")
+    assert "\x00" not in stderr
+
+
+def test_order_marks_are_found_wherever_reads_cut_them():
+    from elastic_magic.agent.local.output import _Marks
+    from elastic_magic.worker.stdout import ORDER_END, ORDER_MARK
+
+    mark, end = ORDER_MARK.encode(), ORDER_END.encode()
+    not_ours = mark + b"x" + end  # the same start, no number: plain bytes
+    data = b"a\n" + mark + b"3" + end + b"b\n" + mark + b"12" + end + b"c\x00" + not_ours + b"d\x00"
+    for size in (1, 2, 7, len(data)):
+        marks, pieces = _Marks(), []
+        for at in range(0, len(data), size):
+            pieces += marks.split(data[at:at + size])
+        pieces.append((marks.order, marks.rest()))
+        joined: dict[int, bytes] = {}
+        for order, piece in pieces:
+            joined[order] = joined.get(order, b"") + piece
+        assert joined == {0: b"a\n", 3: b"b\n", 12: b"c\x00" + not_ours + b"d\x00"}
+
+
+def test_what_a_forked_child_prints_is_kept_unbuffered_and_unmarked(log_dir, recorder):
+    """A child forked by the cell (DataLoader workers) writes without order marks, and its
+    stderr is unbuffered as the rank's is: a child that leaves with os._exit loses none."""
+    cell = textwrap.dedent("""
+        import os, sys
+        print("parent"); print("parent err", file=sys.stderr)
+        if (pid := os.fork()) == 0:
+            print("child"); print("child err", file=sys.stderr)
+            sys.stdout.flush()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("parent again")
+    """)
+    spec = JobSpec.create(nproc=1, log_dir=log_dir)
+    job = Job(spec, build_payload(cell, spec)).start()
+    result = job.wait(recorder)
+    assert result.ok
+    assert recorder.lines(0) == ["parent", "child", "parent again"]
+    assert recorder.lines(0, "stderr") == ["parent err", "child err"]
+    assert result.log_path(0).read_text() == "parent\nchild\nparent again\n"
+    assert result.log_path(0, "stderr").read_text() == "parent err\nchild err\n"

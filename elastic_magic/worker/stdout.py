@@ -1,5 +1,5 @@
-"""A rank's stdout: a line goes out at once, unless lines come faster than one per
-``FLUSH_DELAY``; then they are buffered and flushed within ``FLUSH_DELAY``.
+"""A rank's stdout and stderr: stdout buffered for speed, both kept in the order they were
+written, though they reach the agent through two pipes.
 
 Unbuffered (PYTHONUNBUFFERED, which workers get so that output is never held back), every
 ``print`` is two system calls, and a rank that prints a lot runs at half the speed of one
@@ -9,6 +9,14 @@ flushed at once; a flood is flushed by a thread that sleeps on an event while no
 pending (an idle rank costs nothing). Only the last ``FLUSH_DELAY`` of a flood can be lost
 to a sudden death. stderr stays unbuffered. A fork (user code, DataLoader workers) flushes
 first, so the child does not print the parent's lines again.
+
+The order across the two pipes: the agent reads each pipe as it fills, so it cannot tell
+whether a line of stdout came before a traceback on stderr. Each time the rank turns from
+one stream to the other, the stream it leaves is flushed and the one it turns to gets an
+order mark with the next number of a count the two share (``ORDER_MARK``; the agent strips
+it: ``agent/local/output.py``). By the time the agent reads mark N on one pipe, whatever came
+before N on the other is in that pipe already. What bypasses ``sys.stdout``/``sys.stderr``
+(C code, child processes) carries no marks and keeps only its own stream's order.
 """
 
 from __future__ import annotations
@@ -19,16 +27,51 @@ import os
 import sys
 import threading
 import time
+from typing import TextIO
 
 FLUSH_DELAY = 0.05  # seconds
+# Written into a stream as ORDER_MARK + decimal number + ORDER_END, never into the logs.
+ORDER_MARK = "\x00elastic-magic-order:"
+ORDER_END = "\x00"
 
 
-class _TimedFlush(io.TextIOWrapper):
+class _Turns:
+    """Which stream was written last, and the shared count of turns between them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.last: _Ordered | None = None
+        self.count = 0
+        self.marking = True  # off in a forked child: its count would not be the parent's
+
+
+class _Ordered(io.TextIOWrapper):
+    turns: _Turns
+
+    def write(self, text: str) -> int:
+        if not text:
+            return 0
+        turns = self.turns
+        with turns.lock:
+            last = turns.last
+            if last is not self and turns.marking:
+                if last is not None:
+                    _flush(last)  # before the mark: what came before is in its pipe first
+                    turns.count += 1
+                    super().write(f"{ORDER_MARK}{turns.count}{ORDER_END}")
+                turns.last = self
+            return self._write(text)
+
+    def _write(self, text: str) -> int:
+        return super().write(text)
+
+
+class _TimedFlush(_Ordered):
     pending: threading.Event
     flushed_at = 0.0
 
-    def write(self, text: str) -> int:
-        written = super().write(text)
+    def _write(self, text: str) -> int:
+        written = super()._write(text)
         if "\n" in text and time.monotonic() - self.flushed_at >= FLUSH_DELAY:
             self.flush()  # a quiet stream: the line goes out now
         elif not self.pending.is_set():
@@ -41,17 +84,24 @@ class _TimedFlush(io.TextIOWrapper):
 
 
 def buffer_stdout() -> None:
-    """Replace ``sys.stdout`` (fd 1) with the timed-flush stream and start its thread."""
-    old = sys.stdout
-    if old is None:
+    """Replace ``sys.stdout`` (fd 1) with the timed-flush stream and start its thread, and
+    ``sys.stderr`` (fd 2) with an unbuffered one; both mark their turns."""
+    out, err = sys.stdout, sys.stderr
+    if out is None or err is None:
         return
-    with contextlib.suppress(OSError, ValueError):
-        old.flush()
-    raw = io.FileIO(1, "w", closefd=False)
-    stream = _TimedFlush(io.BufferedWriter(raw, io.DEFAULT_BUFFER_SIZE * 8),
-                         encoding=old.encoding, errors=old.errors, write_through=False)
+    for old in (out, err):
+        _flush(old)
+    turns = _Turns()
+    stream = _TimedFlush(io.BufferedWriter(io.FileIO(1, "w", closefd=False),
+                                           io.DEFAULT_BUFFER_SIZE * 8),
+                         encoding=out.encoding, errors=out.errors, write_through=False)
     stream.pending = threading.Event()
-    sys.stdout = stream
+    stream.turns = turns
+    # Unbuffered, as Python makes it under PYTHONUNBUFFERED: straight to the descriptor.
+    stderr = _Ordered(io.FileIO(2, "w", closefd=False), encoding=err.encoding,
+                      errors=err.errors, write_through=True)
+    stderr.turns = turns
+    sys.stdout, sys.stderr = stream, stderr
 
     def flush_soon() -> None:
         while True:
@@ -60,10 +110,14 @@ def buffer_stdout() -> None:
             stream.pending.clear()  # before the flush: a later write sets it again
             _flush(stream)
 
+    def in_child() -> None:
+        turns.marking = False
+        turns.lock = threading.RLock()  # another thread may have held it at the fork
+
     threading.Thread(target=flush_soon, name="elastic-stdout", daemon=True).start()
-    os.register_at_fork(before=lambda: _flush(stream))
+    os.register_at_fork(before=lambda: _flush(stream), after_in_child=in_child)
 
 
-def _flush(stream: io.TextIOBase) -> None:
+def _flush(stream: TextIO) -> None:
     with contextlib.suppress(OSError, ValueError):  # closed by user code, a broken pipe
         stream.flush()
