@@ -44,25 +44,26 @@ class _Turns:
         self.count = 0
         self.marking = True  # off in a forked child: its count would not be the parent's
 
+    def turn_to(self, stream: _Ordered) -> str:
+        """``stream`` is written after the other one: flush that one, and the mark that
+        goes before the text (none for a rank's first write, or in a forked child)."""
+        with self.lock:
+            last, self.last = self.last, stream
+            if last is None or last is stream or not self.marking:
+                return ""
+            _flush(last)  # before the mark: what came before is in its pipe first
+            self.count += 1
+            return f"{ORDER_MARK}{self.count}{ORDER_END}"
+
 
 class _Ordered(io.TextIOWrapper):
     turns: _Turns
 
     def write(self, text: str) -> int:
-        if not text:
-            return 0
-        turns = self.turns
-        with turns.lock:
-            last = turns.last
-            if last is not self and turns.marking:
-                if last is not None:
-                    _flush(last)  # before the mark: what came before is in its pipe first
-                    turns.count += 1
-                    super().write(f"{ORDER_MARK}{turns.count}{ORDER_END}")
-                turns.last = self
-            return self._write(text)
-
-    def _write(self, text: str) -> int:
+        # The check without the lock: writes from two threads at once have no order.
+        if self.turns.last is not self and text:
+            super().write(self.turns.turn_to(self) + text)  # mark and text in one write
+            return len(text)
         return super().write(text)
 
 
@@ -70,8 +71,8 @@ class _TimedFlush(_Ordered):
     pending: threading.Event
     flushed_at = 0.0
 
-    def _write(self, text: str) -> int:
-        written = super()._write(text)
+    def write(self, text: str) -> int:
+        written = super().write(text)
         if "\n" in text and time.monotonic() - self.flushed_at >= FLUSH_DELAY:
             self.flush()  # a quiet stream: the line goes out now
         elif not self.pending.is_set():

@@ -108,6 +108,12 @@ class _Stream:
     # Every piece of this stream before this order has been read.
     settled: float = 0
     ended: bool = False
+    other: _Stream | None = None  # the rank's other stream
+
+    def read_before(self) -> float:
+        """Every piece of this stream before this order has been read: the last mark read
+        on it, or the other's last mark when this one was last read to its end."""
+        return max(self.settled, self.marks.order)
 
 
 class RankPump(threading.Thread):
@@ -133,6 +139,8 @@ class RankPump(threading.Thread):
         with contextlib.ExitStack() as files:
             streams = {name: _Stream(name, fd, files.enter_context(open(self.logs[name], "wb")))
                        for name, fd in self.fds.items()}
+            out, err = streams.values()
+            out.other, err.other = err, out
             self._pump(streams)
         for stream in streams.values():
             os.close(stream.fd)
@@ -147,17 +155,17 @@ class RankPump(threading.Thread):
         while not all(s.ended for s in streams.values()):
             for fd, _ in poller.poll():
                 stream = by_fd[fd]
-                self._drain(stream, streams)
+                self._drain(stream)
                 if stream.ended:
                     poller.unregister(fd)
             self._settle(streams)
         self._publish(streams, final=True)
 
-    def _drain(self, stream: _Stream, streams: dict[str, _Stream]) -> None:
+    def _drain(self, stream: _Stream) -> None:
         """Read ``stream`` until its pipe is empty: then every piece the rank wrote on it
         before the last mark read on the other stream is here."""
-        other = self._other(stream, streams)
-        before = other.marks.order
+        assert stream.other is not None
+        before = stream.other.marks.order
         while True:
             try:
                 chunk = os.read(stream.fd, _CHUNK)
@@ -183,26 +191,25 @@ class RankPump(threading.Thread):
     def _settle(self, streams: dict[str, _Stream]) -> None:
         """Read a stream again where the other turned to it since (so what came before the
         turn is read), then publish what is settled."""
-        while unsettled := [s for s in streams.values() if not s.ended
-                            and s.settled < self._other(s, streams).marks.order]:
+        while unsettled := [s for s in streams.values() if not s.ended and s.other
+                            and s.settled < s.other.marks.order]:
             for stream in unsettled:
-                self._drain(stream, streams)
+                self._drain(stream)
             self._publish(streams)
         self._publish(streams)
-
-    @staticmethod
-    def _other(stream: _Stream, streams: dict[str, _Stream]) -> _Stream:
-        return next(s for s in streams.values() if s is not stream)
 
     def _publish(self, streams: dict[str, _Stream], final: bool = False) -> None:
         """Events for the pieces read whose place in the order is settled, in order."""
         self.read.sort()
         ready = 0
-        for order, _, name, _ in self.read:
-            other = self._other(streams[name], streams)
-            if not final and order > max(other.settled, other.marks.order):
-                break
-            ready += 1
+        if final:
+            ready = len(self.read)
+        else:
+            bounds = {name: s.other.read_before() for name, s in streams.items() if s.other}
+            for order, _, name, _ in self.read:
+                if order > bounds[name]:
+                    break
+                ready += 1
         pieces, self.read = self.read[:ready], self.read[ready:]
         run: list[bytes] = []
         for i, (_, _, name, data) in enumerate(pieces):
