@@ -141,7 +141,10 @@ class RankPump(threading.Thread):
                        for name, fd in self.fds.items()}
             out, err = streams.values()
             out.other, err.other = err, out
-            self._pump(streams)
+            try:
+                self._pump(streams)
+            finally:
+                out.other = err.other = None  # no cycle left for the collector
         for stream in streams.values():
             os.close(stream.fd)
 
