@@ -482,3 +482,23 @@ def test_end_of_cell_marks_leave_the_cells_own_lines_whole():
     assert ended == [OutputEnded(0, 1, "stdout"), OutputEnded(0, 1, "stderr")]
     plain = Output(0, "stdout", ("x",), 0)
     assert take_end_marks(plain, ended.append) is plain and len(ended) == 2
+
+
+def test_a_session_cells_lines_keep_their_order_across_stdout_and_stderr(log_dir):
+    """In a session too (its traceback is written as the cell fails, and the worker goes
+    on): the lines a rank printed come before its traceback, cell after cell."""
+    cell = ("import sys\nfor i in range(300):\n    print(f'out {i}')\n"
+            "    if i % 100 == 99:\n        print(f'err {i}', file=sys.stderr)\n"
+            "raise ValueError('after the lines')\n")
+    expected = [line for i in range(300)
+                for line in [("stdout", f"out {i}")] + ([("stderr", f"err {i}")]
+                                                        if i % 100 == 99 else [])]
+    with em.Session(nproc=1, log_dir=log_dir) as s:
+        for _ in range(2):
+            watcher = Watcher()
+            with pytest.raises(em.JobFailedError):
+                s.run(cell, render=watcher)
+            shown = [(e.stream, line) for e in watcher.of(Output) for line in e.lines]
+            trace = shown.index(("stderr", "Traceback (most recent call last):"))
+            assert shown[:trace] == expected
+            assert shown[-1] == ("stderr", "ValueError: after the lines")
