@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import elastic, join, launch, leave, memory, session, throughput
+from . import cells, elastic, join, launch, leave, memory, session, throughput, training
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -41,6 +41,7 @@ class Scenario:
     competitor: str | None  # the side elastic_magic's ratio is taken against
     goal: str
     higher_is_better: bool = False
+    also: tuple[str, ...] = ()  # further competitors, each with its own ratio
 
 
 SCENARIOS = (
@@ -63,6 +64,16 @@ SCENARIOS = (
     Scenario("session_start", session.session_start, "s", "ipyparallel_cluster", "report"),
     Scenario("session_reform", session.session_reform, "s", None,
              "<= 0.5 s beyond the setup cell"),
+    Scenario("train_mlp", training.train_mlp, "s", "torchrun",
+             "<= 0.1x torchrun; <= 0.25x notebook_launcher", also=("notebook_launcher",)),
+    Scenario("train_lightning", training.train_lightning, "s", "torchrun", "<= 0.2x torchrun"),
+    Scenario("train_hf", training.train_hf, "s", "torchrun", "<= 0.2x torchrun"),
+    Scenario("train_recovery", training.train_recovery, "s", "torchrun", "<= 0.2x torchrun"),
+    Scenario("train_resize", training.train_resize, "s", None, "<= 0.5 s"),
+    Scenario("session_train", training.session_train, "s", "ipyparallel_px",
+             "(reported)"),
+    Scenario("session_train_reform", training.session_train_reform, "s", None,
+             "(reported)"),
 )
 
 
@@ -86,6 +97,7 @@ def main() -> None:
 
     import torch
 
+    cells.set_env()  # before any pool starts: every scenario runs in the same environment
     runs: dict[str, dict[str, list[float]]] = {s.name: {} for s in scenarios}
     errors: dict[str, list[str]] = {}
     for repeat in range(opts.repeat):
@@ -127,19 +139,32 @@ def summarise(scenarios: list[Scenario],
     for scenario in scenarios:
         sides = runs[scenario.name]
         medians = {side: _median(values) for side, values in sides.items()}
-        base = medians.get(scenario.competitor or "")
         for side, values in sides.items():
             done = [v for v in values if not math.isnan(v)]
-            ratio = None
-            if base and not math.isnan(base) and side.startswith("elastic_magic") \
-                    and not math.isnan(medians[side]):
-                ratio = medians[side] / base
+            ratios: dict[str, float] = {}
+            for competitor in filter(None, (scenario.competitor, *scenario.also)):
+                base = medians.get(_counterpart(side, competitor, medians))
+                if base and not math.isnan(base) and side.startswith("elastic_magic") \
+                        and not math.isnan(medians[side]):
+                    ratios[competitor] = medians[side] / base
+            ratio = ratios.get(scenario.competitor or "")
             rows.append({"scenario": scenario.name, "side": side, "unit": scenario.unit,
                          "median": medians[side], "min": min(done) if done else None,
                          "max": max(done) if done else None, "failed": len(values) - len(done),
-                         "ratio": ratio,
+                         "ratio": ratio, "ratios": ratios,
                          "goal": scenario.goal})
     return rows
+
+
+def _counterpart(side: str, competitor: str, sides: dict[str, float]) -> str:
+    """The competitor's side to compare ``side`` with: the one with the same suffix
+    (``elastic_magic_session_cell`` with ``ipyparallel_px_cell``) where there is one."""
+    words = side.split("_")
+    for start in range(1, len(words)):
+        twin = "_".join([competitor, *words[start:]])
+        if twin in sides:
+            return twin
+    return competitor
 
 
 def _median(values: list[float]) -> float:
@@ -150,7 +175,7 @@ def _median(values: list[float]) -> float:
 def print_table(rows: list[dict[str, object]], opts: argparse.Namespace) -> None:
     print(f"\nmedians of {opts.repeat} (min-max), {opts.nproc} ranks, {os.cpu_count()} CPUs"
           f"{', --quick' if opts.quick else ''}")
-    header = f"{'scenario':12} {'side':30} {'median':>9} {'min-max':>17} {'ratio':>7}  goal"
+    header = f"{'scenario':20} {'side':34} {'median':>9} {'min-max':>17} {'ratio':>7}  goal"
     print(header)
     print("-" * len(header))
     last = None
@@ -158,10 +183,11 @@ def print_table(rows: list[dict[str, object]], opts: argparse.Namespace) -> None
         scenario = row["scenario"] if row["scenario"] != last else ""
         last = row["scenario"]
         spread = f"{row['min']:.3g}-{row['max']:.3g}" if row["min"] is not None else "-"
-        ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else ""
+        ratios: dict[str, float] = row["ratios"]  # type: ignore[assignment]
+        ratio = "; ".join(f"{r:.2f}x" for r in ratios.values())
         failed = f" ({row['failed']} failed)" if row["failed"] else ""
         goal = row["goal"] if scenario else ""
-        print(f"{scenario!s:12} {row['side']!s:30} {row['median']:9.3g} {spread:>17} "
+        print(f"{scenario!s:20} {row['side']!s:34} {row['median']:9.3g} {spread:>17} "
               f"{ratio:>7}  {goal}{failed}")
 
 

@@ -20,7 +20,8 @@ def scratch(prefix: str = "em-bench-") -> Path:
 
 def stamps(folder: Path, prefix: str) -> list[float]:
     """The times ranks wrote into ``folder/<prefix>*``."""
-    return [float(path.read_text()) for path in sorted(folder.glob(f"{prefix}*"))]
+    return [float(path.read_text()) for path in sorted(folder.glob(f"{prefix}*"))
+            if not path.name.endswith(".tmp")]
 
 
 def free_port() -> int:

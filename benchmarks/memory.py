@@ -9,11 +9,15 @@ worker for a rank's own memory.
 - pool_idle_cpu_s: CPU seconds the idle zygote used over 2 s (0 is the goal);
 - worker_rss / worker_uss: a rank forked from the pool (its USS is what it does not share
   with the zygote), a fresh rank (``--no-pool``) and a torchrun rank, each after
-  ``import torch`` and making the gloo group.
+  ``import torch`` and making the gloo group;
+- the same after a training cell (training.py's (a): DDP, AdamW, ``elastic_magic.DataLoader``
+  with 2 loader workers, a few steps), from the pool and under torchrun; the pool's zygote
+  is measured after those cells ran (whatever they taught it to preload).
 """
 
 from __future__ import annotations
 
+import os
 import textwrap
 import threading
 import time
@@ -23,6 +27,7 @@ import psutil
 
 from elastic_magic.agent.local.pool import warm_pool
 
+from . import cells
 from .common import launch, scratch, stamps, torchrun
 
 MB = 1 << 20
@@ -37,6 +42,15 @@ RANK_MEMORY = textwrap.dedent("""
             with open(os.path.join(OUT, name), "w") as f:
                 f.write(repr(value))
     time.sleep(HOLD)
+""")
+# After a training cell: rank 0's own memory, once it has trained (the loader's workers gone).
+TRAINED_MEMORY = cells.STAMP + cells.MLP + textwrap.dedent("""
+    import os, psutil
+    if os.environ["RANK"] == "0":
+        info = psutil.Process().memory_full_info()
+        for name, value in (("rss", info.rss), ("uss", info.uss)):
+            with open(os.path.join(OUT, name), "w") as f:
+                f.write(repr(value))
 """)
 
 
@@ -77,6 +91,13 @@ def memory(nproc: int, quick: bool) -> dict[str, float]:
     script = scratch() / "user_code.py"
     script.write_text("import sys\nOUT = sys.argv[1]\nHOLD = 0.0\n" + RANK_MEMORY)
     torchrun(script, nproc, str(theirs))
+    cells.set_env()
+    values = cells.params(quick)
+    trained, trained_torchrun = scratch(), scratch()
+    for _ in range(1 if quick else 2):  # a cell after the first (quick: the first)
+        launch(TRAINED_MEMORY, nproc, namespace=cells.namespace(trained, values))
+    torchrun(cells.script(TRAINED_MEMORY, values), nproc, str(trained_torchrun),
+             env={**os.environ, **cells.ENV})
     (zygote,) = [psutil.Process(pid) for pid in warm_pool().pids]
     idle = zygote.cpu_times()
     time.sleep(2.0)
@@ -94,4 +115,8 @@ def memory(nproc: int, quick: bool) -> dict[str, float]:
         "worker_uss_mb (--no-pool)": stamps(fresh, "uss")[0] / MB,
         "worker_rss_mb (torchrun)": stamps(theirs, "rss")[0] / MB,
         "worker_uss_mb (torchrun)": stamps(theirs, "uss")[0] / MB,
+        "trained_worker_rss_mb (pool)": stamps(trained, "rss")[0] / MB,
+        "trained_worker_uss_mb (pool)": stamps(trained, "uss")[0] / MB,
+        "trained_worker_rss_mb (torchrun)": stamps(trained_torchrun, "rss")[0] / MB,
+        "trained_worker_uss_mb (torchrun)": stamps(trained_torchrun, "uss")[0] / MB,
     }

@@ -42,7 +42,7 @@ def _session(nproc: int) -> Iterator[elastic_magic.Session]:
 
 
 @contextmanager
-def _cluster(nproc: int) -> Iterator[Any]:
+def cluster(nproc: int) -> Iterator[Any]:
     import ipyparallel as ipp
 
     cluster = ipp.Cluster(n=nproc, log_level=40)
@@ -70,7 +70,7 @@ def session_cell(nproc: int, quick: bool) -> dict[str, float]:
     cells = 20 if quick else 200
     with _session(nproc) as session:
         ours = _median_ms(lambda: session.run(TRIVIAL), cells)
-    with _cluster(nproc) as client:
+    with cluster(nproc) as client:
         view = client[:]
         theirs = _median_ms(lambda: view.execute(TRIVIAL, block=True), cells)
     launch(TRIVIAL, nproc)  # the pool is warm
@@ -85,7 +85,7 @@ def session_allreduce(nproc: int, quick: bool) -> dict[str, float]:
     with _session(nproc) as session:
         session.run("import torch, torch.distributed as dist\ndist.barrier()")
         ours = _median_ms(lambda: session.run(ALL_REDUCE), cells)
-    with _cluster(nproc) as client:
+    with cluster(nproc) as client:
         view = client[:]
         view.scatter("rank", list(range(nproc)), flatten=True, block=True)
         view.execute("import torch, torch.distributed as dist\n"
@@ -103,7 +103,7 @@ def session_start(nproc: int, quick: bool) -> dict[str, float]:
         session.run(TRIVIAL)
         ours = time.perf_counter() - started
     started = time.perf_counter()
-    with _cluster(nproc) as client:
+    with cluster(nproc) as client:
         client[:].execute(TRIVIAL, block=True)
         theirs = time.perf_counter() - started
     return {"elastic_magic_session": ours, "ipyparallel_cluster": theirs}

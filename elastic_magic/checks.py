@@ -220,6 +220,18 @@ def variable_names(label: str, value: Any) -> list[str]:
     return names
 
 
+def module_names(label: str, value: Any) -> tuple[str, ...]:
+    """Dotted module names: a list, or one string separated by commas."""
+    names = value.split(",") if isinstance(value, str) else list(value or ())
+    names = [n.strip() if isinstance(n, str) else n for n in names]
+    for name in names:
+        if not isinstance(name, str) or not all(p.isidentifier() for p in name.split(".")):
+            raise SpecError(f"{label} {name!r}: not a module name; give dotted names "
+                            "separated by commas, for example `--preload transformers,"
+                            "lightning.pytorch`.")
+    return tuple(dict.fromkeys(names))
+
+
 def usable_dir(folder: str | os.PathLike[str], flag: str) -> Path:
     """A folder to write into; the missing part of it created 0700."""
     path = Path(folder).expanduser().resolve()

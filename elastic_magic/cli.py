@@ -162,7 +162,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     payload = dataclasses.replace(offer.payload, cwd=cwd,
                                   sys_path=[cwd, *(p for p in sys.path if p)])
     if spec.pool:  # its zygote imports torch while this machine joins the next round
-        prewarm({**inherited_env(nproc), **spec.env}, cwd, payload.sys_path)
+        prewarm({**inherited_env(nproc), **spec.env}, cwd, payload.sys_path, spec.preload)
 
     def forward(event: Event) -> None:
         if isinstance(event, _FORWARDED):

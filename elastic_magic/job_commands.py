@@ -12,7 +12,7 @@ from .agent.handles.ended import EndedJob
 from .agent.handles.job import Job
 from .comm import JobsChannel
 from .logs import rank_log
-from .magic_common import parse_scale, print_stacks
+from .magic_common import parse_scale, print_pool, print_stacks
 from .session import Session
 from .session_magic import SessionCommands
 from .spec import SpecError
@@ -24,7 +24,8 @@ JOB_HISTORY = 100
 
 USAGE = """\
 %elastic jobs                     list this kernel's jobs
-%elastic status [JOB]             state, world size, restarts, worker PIDs
+%elastic status [JOB]             state, world size, restarts, worker PIDs; the warm
+                                  pool: what it preloads, what it left out and why
 %elastic stop [JOB]               stop a job's workers (SIGINT, SIGTERM, SIGKILL)
 %elastic scale N [JOB] [--now] [--include S,...]   resize to N workers (at the next commit,
                                   or --now); --include brings back worker slots left out
@@ -100,6 +101,7 @@ class JobCommands:
             print(f"{key:>10}: {value}")
         if job.result is not None and job.result.failure is not None:
             print(f"root cause: rank {job.result.failure.rank}: {job.result.failure.headline}")
+        print_pool()
 
     def stop(self, words: list[str]) -> None:
         job = self.job(words)

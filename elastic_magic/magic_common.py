@@ -48,6 +48,15 @@ def parse_scale(words: list[str]) -> tuple[int, list[str], bool, tuple[int, ...]
     return int(words[0]), words[1:], now, include
 
 
+def print_pool() -> None:
+    """The warm pool's lines of ``%elastic status``: what it preloads, and each module it
+    left out and why."""
+    from .agent.local.pool import warm_pool
+
+    for line in warm_pool().describe():
+        print(f"{'pool':>10}: {line}")
+
+
 def print_stacks(stacks: dict[int, str]) -> None:
     for rank, text in stacks.items():
         print(f"==> rank {rank} <==\n{text}\n")

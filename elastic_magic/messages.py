@@ -5,7 +5,8 @@ Three conversations share this vocabulary, each over signed frames (``protocol.p
 - agent -> worker (control pipe): :class:`Run`, :class:`Reply`, :class:`Exit`,
   :class:`DumpStacks`, :class:`Interrupt`;
 - worker -> agent (report pipe): :class:`Running`, :class:`Result`, :class:`Failed`,
-  :class:`Resized`, the State requests :class:`StateGet` and :class:`Commit`, and
+  :class:`Resized`, :class:`Imported` (what the warm pool should preload), the State
+  requests :class:`StateGet` and :class:`Commit`, and
   :class:`Progress` and :class:`Stacks` for hang diagnosis;
 - head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
   :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
@@ -133,6 +134,14 @@ class Resized:
 
 
 @dataclass(frozen=True)
+class Imported:
+    """Modules a pooled worker imported beyond its zygote, as (name, file): the pool
+    preloads them for the next cells (``worker/imports.py``)."""
+
+    modules: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
 class StateGet:
     """Ask for the latest snapshot; ``inline`` asks for bytes rather than a memory file."""
 
@@ -168,7 +177,8 @@ class Stacks:
 
 
 StateRequest = StateGet | Commit
-WorkerMessage = Running | Result | Failed | Resized | StateGet | Commit | Progress | Stacks
+WorkerMessage = (Running | Result | Failed | Resized | StateGet | Commit | Progress | Stacks
+                 | Imported)
 
 
 @dataclass(frozen=True)

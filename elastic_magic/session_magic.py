@@ -10,7 +10,14 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from .comm import JobsChannel, current_cell_id
-from .magic_common import cell_value, parse_flags, parse_scale, print_stacks, require_plain_python
+from .magic_common import (
+    cell_value,
+    parse_flags,
+    parse_scale,
+    print_pool,
+    print_stacks,
+    require_plain_python,
+)
 from .payload import PayloadError
 from .result import JobResult
 from .session import Session, SessionEndedError
@@ -81,6 +88,7 @@ class SessionCommands:
                 return
             for key, value in self.session.status().items():
                 print(f"{key:>10}: {value}")
+            print_pool()
         else:
             raise UsageError(f"%elastic session {action}: unknown.\n{USAGE}")
 

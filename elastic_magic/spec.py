@@ -22,6 +22,7 @@ from .checks import (
     default_log_dir,
     gpu_count,
     interval,
+    module_names,
     optional_count,
     own_dir,
     parse_endpoint,
@@ -87,6 +88,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("pool", "--no-pool", True, "start every worker as a fresh interpreter, not forked "
            "from the warm pool (a process that has imported torch, never CUDA)",
            action="store_false", check=lambda _, v: bool(v), per_machine=True),
+    Option("preload", "--preload", None, "modules the warm pool imports before forking "
+           "workers (comma-separated), beside torch's DDP and data loading and what this "
+           "kernel's earlier cells imported; one that initialises CUDA or starts a thread is "
+           "left out, and the status command says why", "MODULES", module_names),
     Option("timeout", "--timeout", 300.0, "seconds workers wait for each other: rendezvous "
            "and collectives", "S", seconds),
     Option("stall_timeout", "--stall-timeout", None, "a rank without progress for S seconds "
@@ -165,6 +170,7 @@ class JobSpec:
     stall_timeout: float | None
     init_process_group: bool
     pool: bool
+    preload: tuple[str, ...]
     log_dir: Path
     env: dict[str, str]
     argv: list[str]  # the cell's sys.argv[1:]
@@ -223,6 +229,9 @@ class JobSpec:
         if backend == "nccl" and high > gpus:
             raise SpecError(f"--max-nproc {high}: nccl needs a GPU per worker and there are "
                             f"{gpus}. Use --max-nproc {gpus}.")
+        if v["preload"] and not v["pool"]:
+            raise SpecError("--preload names modules for the warm pool, and --no-pool starts "
+                            "every worker without it: drop one of the two.")
         min_nodes, max_nodes = v["nnodes"]
         rdzv_host, rdzv_port = v["rdzv_endpoint"]
         if rdzv_port and max_nodes == 1:

@@ -16,11 +16,11 @@ from typing import Any
 
 import cloudpickle
 
-from elastic_magic.messages import ErrorInfo, Failed, Resized, Result, Running
+from elastic_magic.messages import ErrorInfo, Failed, Imported, Resized, Result, Running
 from elastic_magic.payload import Payload
 from elastic_magic.result import Unpicklable
 from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR
-from elastic_magic.worker import progress, session
+from elastic_magic.worker import imports, progress, session
 from elastic_magic.worker.client import AgentClient, ResizeExit
 
 
@@ -51,7 +51,16 @@ def run_payload(payload: Payload, report: AgentClient) -> None:
     message = _result_message(payload, value, namespace)
     if payload.session:
         session.end_output()
+    report_imports(report)
     report.send(message)
+
+
+def report_imports(report: AgentClient) -> None:
+    """Tell the pool what this cell imported beyond the zygote (a pooled worker only), so
+    the next cells' workers have it already."""
+    with contextlib.suppress(Exception):  # a module in sys.modules may be anything
+        if modules := imports.new_modules():
+            report.send(Imported(tuple(modules)))
 
 
 def _prepare(payload: Payload) -> dict[str, Any]:
@@ -159,6 +168,7 @@ def describe_exception(exc: BaseException, exit_code: int) -> ErrorInfo:
 
 def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool = True) -> None:
     info = describe_exception(exc, exit_code)
+    report_imports(report)
     if not leave:  # a session's cell: report, drop the frames, wait for the next cell
         sys.stderr.write(info.traceback)  # an interrupted cell shows where it was
         progress.running.clear()

@@ -5,7 +5,14 @@ torch again. It is never a fork of the kernel, and never initialises CUDA, so a 
 that has touched CUDA still launches, and forked workers may use it.
 
 argv: SOCKET_FD KERNEL_PID. The socket (SOCK_SEQPACKET, inherited at spawn: nobody else
-holds it) carries JSON requests, never pickles:
+holds it) carries JSON, never pickles. First the pool sends what to preload beyond the
+base imports (``{"op": "preload", "modules": [[name, file or null], ...], "path": [...],
+"more": bool}``, in parts); each module is imported, if trusted (``imports.py``), then
+checked: one that initialised CUDA or started a thread cannot be undone, so the zygote
+answers ``{"tainted": name, "why": ...}`` and exits (the pool rebuilds without it); one
+left out answers ``{"left_out": name, "why": ...}``; ``{"importing": name}`` comes before
+each (the pool leaves out one the zygote dies or hangs on); then ``{"ready": pid}``. Then
+requests:
 
 - ``{"op": "fork", "env": {...}, "cwd": "..."}`` with the worker's descriptors attached
   (control pipe, report pipe, stdout, stderr): answered ``{"pid": shepherd}``;
@@ -43,7 +50,8 @@ def _prctl(option: int, value: int | bytes) -> None:
 
 
 def warm_up() -> None:
-    """Import what every worker imports, never touching CUDA."""
+    """Import what every worker imports, never touching CUDA (what cells need beyond it
+    comes as the preload list: ``preload``)."""
     import cloudpickle  # noqa: F401
     import torch
     import torch.distributed
@@ -57,11 +65,56 @@ def warm_up() -> None:
     with contextlib.suppress(ImportError):
         import numpy  # noqa: F401  (torch's object collectives need it)
     assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def preload(sock: socket.socket) -> None:
+    """Import the preload list the pool sends, checking after each module that the
+    zygote is still safe to fork: no CUDA, no thread. A module that broke that is
+    reported and the zygote exits (an import cannot be undone)."""
+    import torch
+
+    from elastic_magic.worker import imports
+
+    entries: list[list[Any]] = []
+    while True:
+        request = json.loads(sock.recv(MAX_REQUEST) or b"{}")
+        if request.get("op") != "preload":
+            os._exit(1)  # the pool speaks first, or it is gone
+        entries += request["modules"]
+        sys.path.extend(p for p in request["path"] if p not in sys.path)
+        if not request["more"]:
+            break
+    roots, cwd = imports.trusted_roots(sys.path), os.getcwd()
+    for name, origin in entries:
+        if name in sys.modules:
+            continue
+        _send(sock, {"importing": name})  # should it crash or hang, the pool knows why
+        threads = _threads()
+        why = imports.import_trusted(name, origin, roots, cwd)
+        if torch.cuda.is_initialized():
+            _send(sock, {"tainted": name, "why": "initialises CUDA when imported"})
+            os._exit(0)
+        if (started := _threads() - threads) > 0:
+            _send(sock, {"tainted": name, "why": f"starts {started} thread(s) when imported "
+                         "(forking a process with threads is unsafe)"})
+            os._exit(0)
+        if why is not None:
+            _send(sock, {"left_out": name, "why": why})
+    assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
     _no_operator_cleanup_at_exit()
+    imports.BASELINE = frozenset(sys.modules)  # what a forked worker has without importing
     # What is imported now is kept for good: the collector of a forked worker then never
     # walks (and so never copies) the pages it shares with us.
     gc.collect()
     gc.freeze()
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(message).encode())
 
 
 def _no_operator_cleanup_at_exit() -> None:
@@ -88,7 +141,8 @@ def main() -> None:
     _prctl(PR_SET_NAME, NAME.encode())
     sock = socket.socket(fileno=sock_fd)
     warm_up()
-    sock.sendall(json.dumps({"ready": os.getpid()}).encode())
+    preload(sock)
+    _send(sock, {"ready": os.getpid()})
     while True:
         data, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, WORKER_FDS)
         if not data:  # the kernel closed its end (or is gone)

@@ -14,6 +14,7 @@ from ...messages import (
     Commit,
     Exit,
     Failed,
+    Imported,
     Resized,
     Result,
     Run,
@@ -25,7 +26,7 @@ from ...payload import Payload
 from ...result import RankFailure, root_cause_order
 from ..inbox import Inbox
 from ..policy import GroupStatus
-from .pool import PoolError, warm_pool
+from .pool import warm_pool
 from .workers import (
     INTERRUPT_ESCALATION,
     TEARDOWN_ESCALATION,
@@ -38,6 +39,7 @@ from .workers import (
     stop,
     wait_for_exit,
 )
+from .zygote_link import PoolError
 
 if TYPE_CHECKING:
     from ...logs import RunFolder
@@ -74,15 +76,16 @@ class WorkerGroup:
 
     def start(self, payload: Payload, env_for: Callable[[Worker], dict[str, str]], *,
               cwd: str, key: bytes, run_folder: RunFolder, inbox: Inbox, emit: EventSink,
-              pool: bool = True) -> None:
+              pool: bool = True, preload: tuple[str, ...] = ()) -> None:
         """Spawn every worker (``env_for(worker)`` gives its environment), from the warm
-        pool unless ``pool`` is off, and send it the payload."""
+        pool unless ``pool`` is off (``preload``: modules the job names for it), and send
+        it the payload."""
         self.persistent = payload.session
         envs = [env_for(worker) for worker in self.workers]
         zygote = None
         if pool and envs:
             with contextlib.suppress(PoolError):  # then fresh interpreters, as without one
-                zygote = warm_pool().zygote_for(envs[0], cwd, payload.sys_path)
+                zygote = warm_pool().zygote_for(envs[0], cwd, payload.sys_path, preload)
         for worker, env in zip(self.workers, envs, strict=True):
             try:
                 spawn(worker, env=env, cwd=cwd, key=key, run_folder=run_folder, inbox=inbox,
@@ -112,6 +115,8 @@ class WorkerGroup:
             case Resized():
                 worker.resized = True
                 worker.state = WorkerState.STOPPED
+            case Imported(modules):  # the pool preloads them for the next cells
+                warm_pool().learn(modules)
             case StateGet() | Commit() as request:
                 return request
             case other:

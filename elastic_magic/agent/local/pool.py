@@ -6,10 +6,13 @@ inherit stays the same (environment, cwd, sys.path, installed packages: the
 reaped. It dies with this process (PR_SET_PDEATHSIG against the long-lived thread that
 spawned it, and EOF on its socket).
 
-To the agent, a pooled rank is a ``PooledProcess``: like ``subprocess.Popen``, it has a
-``pid`` to signal, ``poll()`` and ``returncode``. The zygote keeps an exited shepherd as a
-zombie until we reap it through the zygote, so the PID is never another process's while
-we may signal it.
+A zygote, and the ranks it forks, are handled through ``zygote_link.py``.
+
+Each zygote also imports the kernel's preload list (``preload.py``): when workers report
+modules it lacks, a successor is built in the background with the longer list; the current
+zygote serves every cell until the successor is ready, then retires as above. A cell never
+waits for a rebuild; only the first zygote, or one for new inherited settings, is built in
+a cell's path (as before).
 """
 
 from __future__ import annotations
@@ -19,32 +22,18 @@ import contextlib
 import hashlib
 import json
 import os
-import select
-import signal
-import socket
-import subprocess
 import sys
 import threading
-import weakref
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from . import interpreter
+from .preload import Entry, PreloadList
+from .zygote_link import PooledProcess, PoolError, Tainted, Zygote, zygote_env
 
-# Variables a round gives each rank (workers/torchrun_env): they differ between workers
-# of one zygote, and nothing it imports reads them.
-_PER_ROUND = frozenset({
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-    "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    # per worker or per machine, read only once the worker runs (torch reads the devices
-    # at CUDA's first use, gloo and NCCL the interface when the group is made)
-    "ELASTIC_MAGIC_SLOT", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-})
+__all__ = ["PoolError", "PooledProcess", "WarmPool", "Zygote", "fingerprint", "prewarm",
+           "shutdown_pool", "warm_pool", "zygote_env"]
+
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
-_START_TIMEOUT = 120.0  # importing torch on a busy machine
-_MAX_REPLY = 1 << 16
 
 
 def _can_watch_others() -> bool:
@@ -57,12 +46,6 @@ def _can_watch_others() -> bool:
 
 
 _SUPPORTED = sys.platform.startswith("linux") and _can_watch_others()
-
-
-def zygote_env(env: dict[str, str]) -> dict[str, str]:
-    """A worker's environment without what is particular to its round and job."""
-    return {k: v for k, v in env.items()
-            if k not in _PER_ROUND and not k.startswith("TORCHELASTIC_")}
 
 
 def fingerprint(env: dict[str, str], cwd: str, sys_path: Iterable[str]) -> str:
@@ -80,169 +63,142 @@ def fingerprint(env: dict[str, str], cwd: str, sys_path: Iterable[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-class PoolError(RuntimeError):
-    """The zygote could not start or stopped answering."""
-
-
-class Zygote:
-    """One zygote process and our end of its socket. Thread-safe."""
-
-    def __init__(self, env: dict[str, str], cwd: str, key: str) -> None:
-        self.key = key
-        self.retired = False
-        self.live: set[int] = set()  # forked, not yet reaped
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._started = threading.Event()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._error: BaseException | None = None
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # PR_SET_PDEATHSIG fires when the spawning *thread* exits: this one lives as long
-        # as the zygote should.
-        self._keeper = threading.Thread(target=self._keep, args=(env, cwd, theirs),
-                                        name="elastic-pool", daemon=True)
-        self._keeper.start()
-        self._started.wait()
-        theirs.close()
-        if self._error is not None:
-            self._sock.close()
-            raise PoolError(f"the worker pool did not start: {self._error}")
-        try:
-            self.pid = int(self._receive(_START_TIMEOUT)["ready"])
-        except (PoolError, KeyError, ValueError):
-            self.close()  # reaped, and its keeper thread ends
-            raise
-
-    def _keep(self, env: dict[str, str], cwd: str, theirs: socket.socket) -> None:
-        # Blocked here, a Ctrl-C meant for the kernel cannot reach the zygote before it
-        # has its own session; it keeps them blocked (see zygote.py).
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            self._proc = subprocess.Popen(
-                interpreter.command("elastic_magic.worker.zygote", str(theirs.fileno()),
-                                    str(os.getpid())),
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, env=zygote_env(env), cwd=cwd,
-                start_new_session=True,
-            )
-        except BaseException as exc:
-            self._error = exc
-        self._started.set()
-        self._closed.wait()
-
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None and not self._closed.is_set()
-
-    def fork(self, env: dict[str, str], cwd: str, fds: tuple[int, int, int, int]) -> int:
-        """Fork a rank's shepherd with these descriptors (control, report, stdout,
-        stderr); its PID. Our copies of ``fds`` stay ours to close."""
-        with self._lock:
-            request = json.dumps({"op": "fork", "env": env, "cwd": cwd}).encode()
-            try:
-                socket.send_fds(self._sock, [request], list(fds))
-                pid = int(self._receive(_START_TIMEOUT)["pid"])
-            except (OSError, KeyError, ValueError) as exc:
-                raise PoolError(f"the worker pool stopped answering: {exc}") from exc
-            self.live.add(pid)
-            return pid
-
-    def reap(self, pid: int) -> int | None:
-        """Reap an exited shepherd; its wait status, or None when the zygote is gone
-        (then so is the shepherd: it died with the zygote)."""
-        with self._lock:
-            try:
-                self._sock.sendall(json.dumps({"op": "reap", "pid": pid}).encode())
-                status: int | None = int(self._receive(10.0)["status"])
-            except (OSError, KeyError, ValueError, PoolError):
-                status = None
-            self.live.discard(pid)
-            idle = self.retired and not self.live
-        if idle:
-            self.close()
-        return status
-
-    def _receive(self, timeout: float) -> dict[str, Any]:
-        if not select.select([self._sock], [], [], timeout)[0]:
-            raise PoolError("no answer from the worker pool")
-        data = self._sock.recv(_MAX_REPLY)
-        if not data:
-            raise PoolError("the worker pool has exited")
-        reply: dict[str, Any] = json.loads(data)
-        return reply
-
-    def close(self) -> None:
-        """End the zygote (EOF, then SIGKILL if need be) and reap it. Its live shepherds
-        end their ranks as it goes."""
-        if self._closed.is_set():
-            return
-        with self._lock:
-            self._sock.close()
-        if self._proc is not None:
-            try:
-                self._proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._closed.set()
-        self._keeper.join(5.0)
-
-
-class PooledProcess:
-    """A rank's shepherd forked by a zygote, as the agent handles a Popen."""
-
-    def __init__(self, zygote: Zygote, pid: int) -> None:
-        self.zygote = zygote
-        self.pid = pid
-        self.returncode: int | None = None
-        self._pidfd = os.pidfd_open(pid)
-        self._finalizer = weakref.finalize(self, os.close, self._pidfd)
-
-    def poll(self) -> int | None:
-        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
-            status = self.zygote.reap(self.pid)
-            self.returncode = -signal.SIGKILL if status is None \
-                else os.waitstatus_to_exitcode(status)
-            self._finalizer()
-        return self.returncode
-
-
 class WarmPool:
-    """This process's zygotes: the current one, and retired ones until their last worker
-    is reaped."""
+    """This process's zygotes: the current one, a successor being built with a longer
+    preload list, and retired ones until their last worker is reaped."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a background build ended
         self._current: Zygote | None = None
         self._retired: list[Zygote] = []
         self._prewarming: threading.Thread | None = None
         self._failed: set[str] = set()  # fingerprints whose zygote could not start
+        self.preload = PreloadList()
+        self._builder: threading.Thread | None = None  # building a successor
+        self._building: Zygote | None = None
+        self._stopping = False
+        self._gave_up: set[str] = set()  # fingerprints whose successor could not start
 
-    def zygote_for(self, env: dict[str, str], cwd: str, sys_path: Iterable[str]) -> Zygote:
+    def zygote_for(self, env: dict[str, str], cwd: str, sys_path: Iterable[str],
+                   preload: Iterable[str] = ()) -> Zygote:
         """The zygote whose workers inherit what these would: the current one, or a new
-        one (the old one retires). Raises PoolError when it cannot start."""
+        one (the old one retires). ``preload``: modules the job names; the current zygote
+        serves meanwhile if it lacks them. Raises PoolError when it cannot start."""
         if not _SUPPORTED:
             raise PoolError("the warm pool needs Linux 5.3 or later (pidfd_open)")
+        sys_path = list(sys_path)
         key = fingerprint(env, cwd, sys_path)
         with self._lock:
+            self.preload.add(((name, None) for name in preload), named=True)
             current = self._current
             if current is not None and current.key == key and current.alive():
+                self._rebuild_if_grown()
                 return current
             if key in self._failed:  # it would fail again: fresh workers say why
                 raise PoolError("the worker pool failed to start with these settings")
             if current is not None:
                 self._retire(current)
                 self._current = None
-            try:
-                self._current = Zygote(env, cwd, key)
-            except PoolError:
-                self._failed.add(key)
-                raise
-            return self._current
+            while True:  # each module that taints a zygote is left out: this ends
+                try:
+                    zygote = Zygote(env, cwd, key, sys_path, self.preload.modules())
+                    zygote.wait_ready()
+                except Tainted as exc:
+                    self.preload.leave_out(exc.module, exc.why)
+                    continue
+                except PoolError:
+                    self._failed.add(key)
+                    raise
+                self._install(zygote)
+                return zygote
 
-    def prewarm(self, env: dict[str, str], cwd: str, sys_path: list[str]) -> None:
+    def learn(self, modules: Iterable[Entry]) -> None:
+        """Modules a pooled worker imported beyond its zygote: the next zygote has them
+        (built now, in the background)."""
+        with self._lock:
+            if self.preload.add(modules):
+                self._rebuild_if_grown()
+
+    def _install(self, zygote: Zygote) -> None:
+        for name, why in zygote.left_out.items():
+            self.preload.leave_out(name, why)
+        self._current = zygote
+
+    def _rebuild_if_grown(self) -> None:
+        """With the lock held: start building a successor when the current zygote lacks
+        part of the preload list (one build at a time; the next follows if need be)."""
+        current = self._current
+        if self._builder is not None or self._stopping or current is None \
+                or not current.alive() or current.key in self._gave_up \
+                or self.preload.covered_by(current.modules):
+            return
+        self._builder = threading.Thread(target=self._build,
+                                         args=(current, self.preload.modules()),
+                                         name="elastic-pool-rebuild", daemon=True)
+        self._builder.start()
+
+    def _build(self, current: Zygote, modules: tuple[Entry, ...]) -> None:
+        """A successor to ``current`` with ``modules``; it takes over once ready, if
+        ``current`` is still the zygote for those settings."""
+        env, cwd, sys_path = current.inputs
+        successor: Zygote | None = None
+        try:
+            successor = Zygote(env, cwd, current.key, sys_path, modules)
+            with self._lock:
+                self._building = successor
+                if self._stopping:
+                    successor.cancel()
+            successor.wait_ready()
+        except Tainted as exc:  # a module it must not import, or one it died on
+            successor = None
+            with self._lock:
+                self.preload.leave_out(exc.module, exc.why)
+        except PoolError:  # not a module's doing (it could not start): try no more
+            successor = None
+            with self._lock:
+                if not self._stopping:  # (else we ended it ourselves)
+                    self._gave_up.add(current.key)
+        stale = None
+        with self._lock:
+            self._builder = self._building = None
+            if successor is not None:
+                if self._current is current and current.alive() and not self._stopping:
+                    self._retire(current)
+                    self._install(successor)
+                else:  # the settings changed meanwhile, or the pool is ending
+                    stale = successor
+            self._rebuild_if_grown()  # the list may have grown meanwhile
+            self._changed.notify_all()
+        if stale is not None:
+            stale.close()
+
+    @property
+    def rebuilding(self) -> bool:
+        """A successor with a longer preload list is being built."""
+        with self._lock:
+            return self._builder is not None
+
+    def wait_rebuilt(self, timeout: float) -> bool:
+        """Wait until no successor is being built (the current zygote has the whole
+        preload list, or what could not be had is left out); False after ``timeout``."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._builder is None, timeout)
+
+    def describe(self) -> list[str]:
+        """What ``%elastic status`` says of the pool."""
+        with self._lock:
+            pid = self._current.pid if self._current is not None else None
+            lines = self.preload.describe()
+            if self._builder is not None:
+                lines.append("a zygote with a longer list is being built")
+        return [f"zygote PID {pid}" if pid else "no zygote running", *lines]
+
+    def prewarm(self, env: dict[str, str], cwd: str, sys_path: list[str],
+                preload: Iterable[str] = ()) -> None:
         def start() -> None:
             with contextlib.suppress(PoolError):
-                self.zygote_for(env, cwd, sys_path)
+                self.zygote_for(env, cwd, sys_path, preload)
 
         self._prewarming = threading.Thread(target=start, name="elastic-pool-prewarm",
                                             daemon=True)
@@ -257,7 +213,7 @@ class WarmPool:
 
     @property
     def pids(self) -> list[int]:
-        """The live zygotes' PIDs."""
+        """The live zygotes' PIDs (a successor still importing is not one yet)."""
         with self._lock:
             zygotes = [z for z in [self._current, *self._retired] if z is not None]
             return [z.pid for z in zygotes if z.alive()]
@@ -267,8 +223,16 @@ class WarmPool:
         if self._prewarming is not None:  # it may be about to start one
             self._prewarming.join()
         with self._lock:
+            self._stopping = True
+            builder, building = self._builder, self._building
+        if building is not None:
+            building.cancel()
+        if builder is not None:
+            builder.join()
+        with self._lock:
             zygotes = [z for z in [self._current, *self._retired] if z is not None]
             self._current, self._retired = None, []
+            self._stopping = False
         for zygote in zygotes:
             zygote.close()
 
@@ -287,10 +251,11 @@ def warm_pool() -> WarmPool:
         return _POOL
 
 
-def prewarm(env: dict[str, str], cwd: str, sys_path: Iterable[str]) -> None:
+def prewarm(env: dict[str, str], cwd: str, sys_path: Iterable[str],
+            preload: Iterable[str] = ()) -> None:
     """Start the zygote for workers that inherit this, on a thread (``%load_ext``: it
     imports torch while the kernel does); a job that needs another rebuilds it."""
-    warm_pool().prewarm(env, cwd, list(sys_path))
+    warm_pool().prewarm(env, cwd, list(sys_path), preload)
 
 
 def shutdown_pool() -> None:

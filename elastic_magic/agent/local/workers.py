@@ -48,7 +48,7 @@ from ..inbox import Inbox, WorkerReport
 from . import interpreter
 from .network import on_loopback
 from .output import RankPump, new_tail
-from .pool import PooledProcess, Zygote
+from .zygote_link import PooledProcess, Zygote
 
 
 def _is_installed() -> bool:

@@ -150,7 +150,8 @@ class Engine:
 
         group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
                     run_folder=run_folder, inbox=self.inbox,
-                    emit=self.hangs.noting_output(self.emit), pool=self.spec.pool)
+                    emit=self.hangs.noting_output(self.emit), pool=self.spec.pool,
+                    preload=self.spec.preload)
         self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
                            restarts=self.restarts, pids=group.live_pids())

@@ -1,0 +1,219 @@
+"""Our end of one zygote (``worker/zygote.py``): the process, its socket, and the ranks'
+shepherds it forks (``PooledProcess``). ``pool.py`` decides which zygote serves a job.
+
+To the agent, a pooled rank is a ``PooledProcess``: like ``subprocess.Popen``, it has a
+``pid`` to signal, ``poll()`` and ``returncode``. The zygote keeps an exited shepherd as a
+zombie until we reap it through the zygote, so the PID is never another process's while
+we may signal it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from . import interpreter, preload
+from .preload import Entry
+
+# Variables a round gives each rank (workers/torchrun_env): they differ between workers
+# of one zygote, and nothing it imports reads them.
+_PER_ROUND = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    # per worker or per machine, read only once the worker runs (torch reads the devices
+    # at CUDA's first use, gloo and NCCL the interface when the group is made)
+    "ELASTIC_MAGIC_SLOT", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+})
+_START_TIMEOUT = 120.0  # importing torch on a busy machine
+_MAX_REPLY = 1 << 16  # the zygote's answers are short; a request may be longer
+
+
+def zygote_env(env: dict[str, str]) -> dict[str, str]:
+    """A worker's environment without what is particular to its round and job."""
+    return {k: v for k, v in env.items()
+            if k not in _PER_ROUND and not k.startswith("TORCHELASTIC_")}
+
+
+class PoolError(RuntimeError):
+    """The zygote could not start or stopped answering."""
+
+
+class Tainted(PoolError):
+    """A preloaded module initialised CUDA or started a thread: the zygote is unusable."""
+
+    def __init__(self, module: str, why: str) -> None:
+        super().__init__(f"{module} {why}")
+        self.module, self.why = module, why
+
+
+class Zygote:
+    """One zygote process and our end of its socket. Thread-safe. Started by the
+    constructor (which sends the preload list ``modules``); usable after ``wait_ready``."""
+
+    def __init__(self, env: dict[str, str], cwd: str, key: str, sys_path: Iterable[str] = (),
+                 modules: tuple[Entry, ...] = ()) -> None:
+        self.key = key
+        self.inputs = (env, cwd, list(sys_path))  # what it was made from: for a successor
+        self.modules = modules
+        self.left_out: dict[str, str] = {}  # module -> why, as the zygote reported
+        self.pid = -1  # once ready
+        self._cancelled = False
+        self.retired = False
+        self.live: set[int] = set()  # forked, not yet reaped
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._started = threading.Event()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._error: BaseException | None = None
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # PR_SET_PDEATHSIG fires when the spawning *thread* exits: this one lives as long
+        # as the zygote should.
+        self._keeper = threading.Thread(target=self._keep, args=(env, cwd, theirs),
+                                        name="elastic-pool", daemon=True)
+        self._keeper.start()
+        self._started.wait()
+        theirs.close()
+        if self._error is not None:
+            self._sock.close()
+            raise PoolError(f"the worker pool did not start: {self._error}")
+        try:
+            preload.send_list(self._sock, modules, self.inputs[2])
+        except OSError as exc:
+            self.close()
+            raise PoolError(f"the worker pool did not start: {exc}") from exc
+
+    def wait_ready(self) -> None:
+        """Wait until it has imported everything; raises Tainted (a module it must not
+        have imported, or one it crashed or hung on) or PoolError. Either way it is then
+        closed."""
+        importing = None  # the module it said it imports now
+        try:
+            while True:
+                reply = self._receive(_START_TIMEOUT)  # each module in time, not all
+                if "importing" in reply:
+                    importing = str(reply["importing"])
+                elif "left_out" in reply:
+                    self.left_out[str(reply["left_out"])] = str(reply["why"])
+                elif "tainted" in reply:
+                    raise Tainted(str(reply["tainted"]), str(reply["why"]))
+                else:
+                    self.pid = int(reply["ready"])
+                    return
+        except PoolError as exc:
+            self.close()  # reaped, and its keeper thread ends
+            if importing is None or self._cancelled or isinstance(exc, Tainted):
+                raise
+            raise Tainted(importing, f"stopped the pool while it imported it ({exc})") \
+                from exc
+        except (KeyError, ValueError):
+            self.close()
+            raise
+
+    def cancel(self) -> None:
+        """End a zygote still importing (``wait_ready`` then raises PoolError)."""
+        self._cancelled = True
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(OSError):  # not reaped before close(): still ours
+                self._proc.kill()
+
+    def _keep(self, env: dict[str, str], cwd: str, theirs: socket.socket) -> None:
+        # Blocked here, a Ctrl-C meant for the kernel cannot reach the zygote before it
+        # has its own session; it keeps them blocked (see zygote.py).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            self._proc = subprocess.Popen(
+                interpreter.command("elastic_magic.worker.zygote", str(theirs.fileno()),
+                                    str(os.getpid())),
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, env=zygote_env(env), cwd=cwd,
+                start_new_session=True,
+            )
+        except BaseException as exc:
+            self._error = exc
+        self._started.set()
+        self._closed.wait()
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and not self._closed.is_set()
+
+    def fork(self, env: dict[str, str], cwd: str, fds: tuple[int, int, int, int]) -> int:
+        """Fork a rank's shepherd with these descriptors (control, report, stdout,
+        stderr); its PID. Our copies of ``fds`` stay ours to close."""
+        with self._lock:
+            request = json.dumps({"op": "fork", "env": env, "cwd": cwd}).encode()
+            try:
+                socket.send_fds(self._sock, [request], list(fds))
+                pid = int(self._receive(_START_TIMEOUT)["pid"])
+            except (OSError, KeyError, ValueError) as exc:
+                raise PoolError(f"the worker pool stopped answering: {exc}") from exc
+            self.live.add(pid)
+            return pid
+
+    def reap(self, pid: int) -> int | None:
+        """Reap an exited shepherd; its wait status, or None when the zygote is gone
+        (then so is the shepherd: it died with the zygote)."""
+        with self._lock:
+            try:
+                self._sock.sendall(json.dumps({"op": "reap", "pid": pid}).encode())
+                status: int | None = int(self._receive(10.0)["status"])
+            except (OSError, KeyError, ValueError, PoolError):
+                status = None
+            self.live.discard(pid)
+            idle = self.retired and not self.live
+        if idle:
+            self.close()
+        return status
+
+    def _receive(self, timeout: float) -> dict[str, Any]:
+        if not select.select([self._sock], [], [], timeout)[0]:
+            raise PoolError("no answer from the worker pool")
+        data = self._sock.recv(_MAX_REPLY)
+        if not data:
+            raise PoolError("the worker pool has exited")
+        reply: dict[str, Any] = json.loads(data)
+        return reply
+
+    def close(self) -> None:
+        """End the zygote (EOF, then SIGKILL if need be) and reap it. Its live shepherds
+        end their ranks as it goes."""
+        if self._closed.is_set():
+            return
+        with self._lock:
+            self._sock.close()
+        if self._proc is not None:
+            try:
+                self._proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._closed.set()
+        self._keeper.join(5.0)
+
+
+class PooledProcess:
+    """A rank's shepherd forked by a zygote, as the agent handles a Popen."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+        self._finalizer = weakref.finalize(self, os.close, self._pidfd)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+            status = self.zygote.reap(self.pid)
+            self.returncode = -signal.SIGKILL if status is None \
+                else os.waitstatus_to_exitcode(status)
+            self._finalizer()
+        return self.returncode
