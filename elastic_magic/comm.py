@@ -180,13 +180,18 @@ class JobsChannel:
                 del self._items[run_id]
         self.track(number, session, cell_id, background=False, kind="session")
 
-    def forget(self, keep: Iterable[str]) -> None:
-        """Drop the jobs the kernel no longer keeps (its bounded history)."""
-        kept = set(keep)
+    def forget(self, keep: Iterable[Any]) -> None:
+        """Drop the jobs the kernel no longer keeps (its bounded history), and list the
+        others as it keeps them (an ended job as its EndedJob)."""
+        kept = {job.run_id: job for job in keep}
         with self._lock:
-            for run_id in [r for r, i in self._items.items()
-                           if i.kind == "job" and r not in kept]:
-                del self._items[run_id]
+            for run_id, item in list(self._items.items()):
+                if item.kind != "job":
+                    continue
+                if run_id in kept:
+                    item.job = kept[run_id]
+                else:
+                    del self._items[run_id]
 
     def message(self) -> dict[str, Any]:
         with self._lock:

@@ -152,6 +152,9 @@ class CellStarted:
     nnodes: int
     round: int
     restart_count: int
+    # When the session took the cell up: a group re-formed for it counts as the cell's time
+    # (its JobResult's ``started``), and events kept from the idle time before do not.
+    began: float = 0.0
     time: float = field(default_factory=_now)
 
 

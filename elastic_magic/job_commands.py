@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 from IPython.core.error import UsageError
 
+from .agent.handles.ended import EndedJob
 from .agent.handles.job import Job
 from .comm import JobsChannel
 from .logs import rank_log
@@ -48,27 +49,30 @@ class JobCommands:
 
     def __init__(self, channel: JobsChannel, numbers: Iterator[int],
                  sessions: SessionCommands) -> None:
-        self.jobs: dict[int, Job] = {}  # the latest finished ones, and every running one
+        self.jobs: dict[int, Job | EndedJob] = {}  # every running one, the latest ended
         self.channel = channel
         self.numbers = numbers
         self.sessions = sessions
 
     def remember(self, job: Job) -> int:
-        """Number the job for %elastic; keep a bounded history of finished jobs (each
-        keeps its result, which may hold a snapshot)."""
+        """Number the job for %elastic; keep a bounded history of finished jobs, each as
+        what %elastic and the panel show of it (not its values, variables or snapshot)."""
         number = next(self.numbers)
         self.jobs[number] = job
         finished = [n for n, j in self.jobs.items() if j.done]
         for old in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:
             del self.jobs[old]
-        self.channel.forget(j.run_id for j in self.jobs.values())
+        for n, kept in self.jobs.items():
+            if isinstance(kept, Job) and kept.done:
+                self.jobs[n] = EndedJob.of(kept)
+        self.channel.forget(self.jobs.values())
         return number
 
     def end_all(self, reason: str) -> None:
         for job in list(self.jobs.values()):
             job.end(reason)
 
-    def job(self, words: list[str]) -> Job:
+    def job(self, words: list[str]) -> Job | EndedJob:
         if not self.jobs:
             raise UsageError("%elastic: no job has run in this kernel yet.")
         if not words:
@@ -156,7 +160,7 @@ class JobCommands:
         rank = int(rest[0])
         session = self.sessions.session
         # The session's own logs, unless a job is named: its cells are not jobs.
-        target: Job | Session = session if session is not None and not rest[1:] \
+        target: Job | EndedJob | Session = session if session is not None and not rest[1:] \
             else self.job(rest[1:])
         path = rank_log(target.log_dir, rank, stream)
         if path is None or not path.exists():

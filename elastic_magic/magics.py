@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from .agent.handles.ended import EndedJob
 from .agent.handles.job import Job, Renderer
 from .comm import JobsChannel, current_cell_id
 from .events import JobState
@@ -73,7 +74,7 @@ class ElasticMagics(Magics):
         self.job_commands = JobCommands(self.channel, numbers, self.sessions)
 
     @property
-    def jobs(self) -> dict[int, Job]:
+    def jobs(self) -> dict[int, Job | EndedJob]:
         return self.job_commands.jobs
 
     @_with_flags

@@ -113,6 +113,9 @@ class JobResult:
     # Machines and worker slots the job lost or gave up on, and why ("machine 10.0.0.2
     # (node 1): no heartbeat for 6s ..."), in order.
     excluded: list[str] = field(default_factory=list)
+    # When it began (epoch seconds): a session's cell, when the session took it up (a
+    # re-formation it waited for included); it ended ``duration`` later.
+    started: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -183,6 +186,7 @@ def assemble_result(
         tails=dict(tails), stop_reason=stop_reason if state is JobState.STOPPED else None,
         resizes=resizes, commit=dict(commit) if commit else None, snapshot=snapshot,
         stacks=dict(stacks or {}) if failed else {}, excluded=list(excluded),
+        started=started,
     )
     if state is JobState.SUCCEEDED:
         for rank in sorted(ranks):

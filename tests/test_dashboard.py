@@ -27,7 +27,6 @@ FLAKY = textwrap.dedent("""
     rank = dist.get_rank()
     for i in range(400):
         print(f"rank {rank} attempt {attempt} line {i}")
-    time.sleep(0.5)  # stdout and stderr are separate pipes: let stdout drain first
     print(f"warning from {rank}", file=sys.stderr)
     dist.barrier()
     if attempt == 0 and rank == 1:
@@ -429,3 +428,146 @@ def test_text_cell_shows_colours_as_a_plain_cell_does(ip, log_dir, capsys, monke
                       "print(f'\\x1b[31m{os.environ[\"FORCE_COLOR\"]}\\x1b[0m\\x1b[?25h')")
     out = capsys.readouterr().out
     assert "[rank 0] \x1b[31m1\x1b[0m\n" in out and "\x1b[?25h" not in out
+
+
+def test_many_dashboard_cells_leave_no_widget_comm_or_result_behind(ip, log_dir, monkeypatch,
+                                                                    capsys):
+    """A notebook day: each finished cell's live widget is closed once its record is shown
+    (the record is what stays), and the kernel keeps a bounded history for %elastic jobs."""
+    import gc
+
+    from ipywidgets.widgets.widget import _instances
+
+    from elastic_magic import job_commands
+    from elastic_magic.result import JobResult
+
+    published: list[dict] = []
+    monkeypatch.setattr(ip, "kernel", object(), raising=False)  # a frontend with widgets
+    monkeypatch.setattr(ip.display_pub, "publish",
+                        lambda data, *args, **kwargs: published.append(data))
+    monkeypatch.setattr(job_commands, "JOB_HISTORY", 10)
+
+    def alive(kind: type) -> list:
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, kind)]
+
+    ip.run_cell_magic("elastic", f"--nproc 1 --log-dir {log_dir}", "print('warm')")
+    widgets, results = len(_instances), len(alive(JobResult))
+    for i in range(60):
+        published.clear()
+        value = ip.run_cell_magic("elastic", f"--nproc 1 --log-dir {log_dir}",
+                                  f"print('cell {i}')\nb'x' * 100_000")
+        records = [d for d in published if "elastic-record" in d.get("text/html", "")]
+        assert len(records) == 1 and f"cell {i}" in records[0]["text/html"], published
+    assert len(_instances) <= widgets  # each dashboard and its layout closed
+    assert not alive(Dashboard)
+    del value
+    kept = alive(JobResult)
+    assert len(kept) <= results + 10  # the history's, no more
+    # The history keeps what %elastic shows, not the values: only the last job, not yet
+    # moved into it, holds its own.
+    assert len([r for r in kept if r.values]) <= 1
+    capsys.readouterr()
+    ip.run_line_magic("elastic", "jobs")
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == 10 and all("succeeded" in line for line in listed), listed
+    number, run_id = listed[0].split()[:2]  # an ended job, as the history keeps it
+    for command in ("status", "stop", "stacks", "logs 0"):
+        ip.run_line_magic("elastic", f"{command} {number}")
+    out = capsys.readouterr().out
+    assert f"run_id: {run_id}" in out and f"{run_id} has already ended (succeeded)" in out
+    assert "it kept no stacks" in out and "cell 50" in out
+
+
+ORDERED = textwrap.dedent("""
+    import sys
+    for i in range(400):
+        print(f"out {i}")
+        if i % 40 == 39:
+            print(f"err {i}", file=sys.stderr)
+    raise ValueError("after the lines")
+""")
+
+
+def _ordered_lines() -> list[tuple[str, str]]:
+    lines = []
+    for i in range(400):
+        lines.append(("stdout", f"out {i}"))
+        if i % 40 == 39:
+            lines.append(("stderr", f"err {i}"))
+    return lines
+
+
+def test_a_ranks_lines_keep_their_order_across_stdout_and_stderr(log_dir):
+    """stdout and stderr reach the kernel through two pipes; a rank's lines still show in
+    the order it wrote them (the widget, the record, --text), its traceback after them."""
+    buffer = io.StringIO()
+    text = TextRenderer(stdout=buffer, stderr=buffer, status=False)
+    spec = JobSpec.create(nproc=1, log_dir=log_dir)
+    job = Job(spec, build_payload(ORDERED, spec)).start()
+    view = LiveView(job)
+    try:
+        job.wait(lambda events: (view(events), text(events)))
+    finally:
+        view.finish()
+    expected = _ordered_lines()
+    shown = view.state.shown_lines(0)  # the traceback is in the root cause: one line here
+    assert len(shown) > 100 and shown == [*expected[-(len(shown) - 1):],
+                                          ("stderr", TRACEBACK_SHOWN)]
+    assert [line[1:] for line in view.widget.lines["0"]] == [[t] for _, t in shown]
+    record = record_bundle(view.state)["text/plain"]
+    rank_lines = [line.removeprefix("[rank 0] ") for line in record.splitlines()
+                  if line.startswith("[rank 0] ")]
+    assert rank_lines == [t for _, t in shown]
+    printed = [line.removeprefix("[rank 0] ") for line in buffer.getvalue().splitlines()]
+    trace = printed.index("Traceback (most recent call last):")
+    assert printed[:trace] == [t for _, t in expected]
+    assert printed[-1] == "ValueError: after the lines"
+    # The logs are each stream's bytes, as written: the order marks are not in them.
+    assert job.result.log_path(0).read_text() == "".join(
+        f"{t}\n" for s, t in expected if s == "stdout")
+    stderr = job.result.log_path(0, "stderr").read_text()
+    assert stderr.startswith("".join(f"{t}\n" for s, t in expected if s == "stderr")
+                             + "Traceback (most recent call last):\n")
+    assert "\x00" not in stderr
+
+
+def test_order_marks_are_found_wherever_reads_cut_them():
+    from elastic_magic.agent.local.output import _Marks
+    from elastic_magic.worker.stdout import ORDER_END, ORDER_MARK
+
+    mark, end = ORDER_MARK.encode(), ORDER_END.encode()
+    not_ours = mark + b"x" + end  # the same start, no number: plain bytes
+    data = b"a\n" + mark + b"3" + end + b"b\n" + mark + b"12" + end + b"c\x00" + not_ours + b"d\x00"
+    for size in (1, 2, 7, len(data)):
+        marks, pieces = _Marks(), []
+        for at in range(0, len(data), size):
+            pieces += marks.split(data[at:at + size])
+        pieces.append((marks.order, marks.rest()))
+        joined: dict[int, bytes] = {}
+        for order, piece in pieces:
+            joined[order] = joined.get(order, b"") + piece
+        assert joined == {0: b"a\n", 3: b"b\n", 12: b"c\x00" + not_ours + b"d\x00"}
+
+
+def test_what_a_forked_child_prints_is_kept_unbuffered_and_unmarked(log_dir, recorder):
+    """A child forked by the cell (DataLoader workers) writes without order marks, and its
+    stderr is unbuffered as the rank's is: a child that leaves with os._exit loses none."""
+    cell = textwrap.dedent("""
+        import os, sys
+        print("parent"); print("parent err", file=sys.stderr)
+        if (pid := os.fork()) == 0:
+            print("child"); print("child err", file=sys.stderr)
+            sys.stdout.flush()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("parent again")
+    """)
+    spec = JobSpec.create(nproc=1, log_dir=log_dir)
+    job = Job(spec, build_payload(cell, spec)).start()
+    result = job.wait(recorder)
+    assert result.ok
+    assert recorder.lines(0) == ["parent", "child", "parent again"]
+    assert recorder.lines(0, "stderr") == ["parent err", "child err"]
+    assert result.log_path(0).read_text() == "parent\nchild\nparent again\n"
+    assert result.log_path(0, "stderr").read_text() == "parent err\nchild err\n"

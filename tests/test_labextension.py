@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_magic.agent.handles.ended import EndedJob
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.comm import JobsChannel
 from elastic_magic.payload import build_payload
@@ -86,6 +87,17 @@ def test_comm_lists_a_job_and_stops_it(log_dir):
     assert len(finished) == 1 and finished[0]["item"]["state"] == "stopped"
     last = [m for m in comm.sent if m["type"] == "items"][-1]["items"][0]
     assert last["done"] and last["elapsed"] == finished[0]["item"]["elapsed"]
+    # The kernel's history keeps the ended job as an EndedJob: the panel lists the same row,
+    # and its buttons answer without a job behind them.
+    channel.forget([EndedJob.of(job)])
+    assert channel.message()["items"] == [last]
+    comm.on_message({"content": {"data": {"action": "scale", "id": job.run_id, "nproc": 3}}})
+    assert comm.sent[-1] == {"type": "error", "id": job.run_id,
+                             "text": f"{job.run_id} has already ended."}
+    comm.on_message({"content": {"data": {"action": "stacks", "id": job.run_id}}})
+    assert comm.sent[-1] == {"type": "stacks", "id": job.run_id, "ranks": {}}
+    channel.forget([])
+    assert channel.message()["items"] == []
 
 
 def test_comm_lists_a_session_and_routes_its_actions(log_dir):

@@ -14,6 +14,9 @@ from conftest import KILL_OWN_SHEPHERD, tagged_workers
 import elastic_magic as em
 from elastic_magic.events import Output, SessionBroken, SessionReformed, WorkerFailed
 from elastic_magic.payload import PayloadError
+from elastic_magic.ui.describe import duration
+from elastic_magic.ui.record import summary_line
+from elastic_magic.ui.state import DashboardState
 
 
 class Watcher:
@@ -256,6 +259,23 @@ def _worker_pids(session: em.Session) -> dict[int, int]:
     return session.gather("my_pid")
 
 
+class Board(Watcher):
+    """A watcher that also keeps what the cell's dashboard shows (its ``finish`` makes
+    the session send the cell's JobFinished, as to a LiveView)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = DashboardState("em-test", "/nonexistent", 1)
+
+    def __call__(self, events: list) -> None:
+        for event in events:
+            self.state.apply(event)
+        super().__call__(events)
+
+    def finish(self) -> None:
+        pass
+
+
 def test_a_killed_rank_is_replaced_setup_cells_replayed_and_state_restored(log_dir):
     with em.Session(nproc=2, max_restarts=1, log_dir=log_dir) as s:
         s.run("import os, torch, elastic_magic as em\n"
@@ -271,10 +291,21 @@ def test_a_killed_rank_is_replaced_setup_cells_replayed_and_state_restored(log_d
         deadline = time.monotonic() + 60
         while s.status()["restarts"] != "1/1" and time.monotonic() < deadline:
             time.sleep(0.05)
-        watcher = Watcher()
+        time.sleep(1.0)  # idle after the break: not the next cell's time
+        watcher = Board()
+        submitted = time.time()
         result = s.run("(state.step + offset, 'leftover' in globals())", render=watcher)
         assert result.values == {0: (103, False), 1: (103, False)}
         assert result.restarts == 1
+        # The cell's header, record and timeline give the cell's own time, the same one.
+        header = watcher.state.header
+        assert submitted <= header["started_at"] == result.started
+        assert header["finished_at"] == result.started + result.duration
+        shown = duration(result.duration)
+        assert summary_line(watcher.state).endswith(f" · {shown}")
+        assert f"{result.duration:.1f}s" == shown
+        assert any(shown in e["text"] for e in watcher.state.timeline
+                   if e["kind"] == "succeeded")
         reformed = watcher.of(SessionReformed)
         assert [(r.setup_cells, r.step, r.world_size) for r in reformed] == [(2, 3, 2)]
         after = _worker_pids(s)
@@ -451,3 +482,23 @@ def test_end_of_cell_marks_leave_the_cells_own_lines_whole():
     assert ended == [OutputEnded(0, 1, "stdout"), OutputEnded(0, 1, "stderr")]
     plain = Output(0, "stdout", ("x",), 0)
     assert take_end_marks(plain, ended.append) is plain and len(ended) == 2
+
+
+def test_a_session_cells_lines_keep_their_order_across_stdout_and_stderr(log_dir):
+    """In a session too (its traceback is written as the cell fails, and the worker goes
+    on): the lines a rank printed come before its traceback, cell after cell."""
+    cell = ("import sys\nfor i in range(300):\n    print(f'out {i}')\n"
+            "    if i % 100 == 99:\n        print(f'err {i}', file=sys.stderr)\n"
+            "raise ValueError('after the lines')\n")
+    expected = [line for i in range(300)
+                for line in [("stdout", f"out {i}")] + ([("stderr", f"err {i}")]
+                                                        if i % 100 == 99 else [])]
+    with em.Session(nproc=1, log_dir=log_dir) as s:
+        for _ in range(2):
+            watcher = Watcher()
+            with pytest.raises(em.JobFailedError):
+                s.run(cell, render=watcher)
+            shown = [(e.stream, line) for e in watcher.of(Output) for line in e.lines]
+            trace = shown.index(("stderr", "Traceback (most recent call last):"))
+            assert shown[:trace] == expected
+            assert shown[-1] == ("stderr", "ValueError: after the lines")

@@ -23,8 +23,11 @@ SYNC_INTERVAL = 0.25
 
 
 class Dashboard(anywidget.AnyWidget):
-    _esm = Path(__file__).with_name("dashboard.js")
-    _css = Path(__file__).with_name("dashboard.css")
+    # Text, not paths: anywidget connects every widget made from a path to that file's
+    # change signal (for hot reload), which would keep every dashboard (and its job's
+    # result) alive for the kernel's life.
+    _esm = Path(__file__).with_name("dashboard.js").read_text()
+    _css = Path(__file__).with_name("dashboard.css").read_text()
 
     header = traitlets.Dict().tag(sync=True)
     ranks = traitlets.List[int]().tag(sync=True)
@@ -37,6 +40,13 @@ class Dashboard(anywidget.AnyWidget):
     stacks = traitlets.Dict().tag(sync=True)  # {"title", "time", "ranks": {"0": text}}
     controls = traitlets.Dict().tag(sync=True)  # which controls are live
     earlier = traitlets.List[dict[str, Any]]().tag(sync=True)  # groups before a restart/resize
+
+    def close(self) -> None:
+        """Close its comm and its layout's (a widget of its own, which ipywidgets leaves
+        open): a finished cell leaves no comm behind."""
+        layout = self.layout
+        super().close()
+        layout.close()
 
 
 def _keep_commands_on_subshells(widget: Dashboard) -> None:

@@ -105,7 +105,8 @@ class DashboardState:
                 if event.attempt != self.attempt or not self.local_ranks:
                     self._new_attempt(event.attempt, event.ranks)
                 self.header.update(world_size=event.world_size, nnodes=event.nnodes,
-                                   round=event.round, restarts=event.restart_count)
+                                   round=event.round, restarts=event.restart_count,
+                                   started_at=event.began, finished_at=None)
             case Committed():
                 self.header["last_commit"] = {"step": event.step, "time": event.time,
                                               "world_size": event.world_size,
@@ -128,6 +129,9 @@ class DashboardState:
                 self.header["state"] = result.state.value  # a session's cell ends idle
                 self.header["restarts"] = result.restarts
                 self.header["pending_resize"] = None
+                if result.started:  # the clock says what the result's duration says
+                    self.header.update(started_at=result.started,
+                                       finished_at=result.started + result.duration)
                 if result.failure is not None:
                     self.failure = failure_view(result.failure, result.failures)
                     self.failure["attempt_label"] = (f"attempt {result.restarts + 1} of "

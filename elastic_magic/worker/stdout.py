@@ -1,5 +1,5 @@
-"""A rank's stdout: a line goes out at once, unless lines come faster than one per
-``FLUSH_DELAY``; then they are buffered and flushed within ``FLUSH_DELAY``.
+"""A rank's stdout and stderr: stdout buffered for speed, both kept in the order they were
+written, though they reach the agent through two pipes.
 
 Unbuffered (PYTHONUNBUFFERED, which workers get so that output is never held back), every
 ``print`` is two system calls, and a rank that prints a lot runs at half the speed of one
@@ -9,6 +9,14 @@ flushed at once; a flood is flushed by a thread that sleeps on an event while no
 pending (an idle rank costs nothing). Only the last ``FLUSH_DELAY`` of a flood can be lost
 to a sudden death. stderr stays unbuffered. A fork (user code, DataLoader workers) flushes
 first, so the child does not print the parent's lines again.
+
+The order across the two pipes: the agent reads each pipe as it fills, so it cannot tell
+whether a line of stdout came before a traceback on stderr. Each time the rank turns from
+one stream to the other, the stream it leaves is flushed and the one it turns to gets an
+order mark with the next number of a count the two share (``ORDER_MARK``; the agent strips
+it: ``agent/local/output.py``). By the time the agent reads mark N on one pipe, whatever came
+before N on the other is in that pipe already. What bypasses ``sys.stdout``/``sys.stderr``
+(C code, child processes) carries no marks and keeps only its own stream's order.
 """
 
 from __future__ import annotations
@@ -19,11 +27,47 @@ import os
 import sys
 import threading
 import time
+from typing import TextIO
 
 FLUSH_DELAY = 0.05  # seconds
+# Written into a stream as ORDER_MARK + decimal number + ORDER_END, never into the logs.
+ORDER_MARK = "\x00elastic-magic-order:"
+ORDER_END = "\x00"
 
 
-class _TimedFlush(io.TextIOWrapper):
+class _Turns:
+    """Which stream was written last, and the shared count of turns between them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.last: _Ordered | None = None
+        self.count = 0
+        self.marking = True  # off in a forked child: its count would not be the parent's
+
+    def turn_to(self, stream: _Ordered) -> str:
+        """``stream`` is written after the other one: flush that one, and the mark that
+        goes before the text (none for a rank's first write, or in a forked child)."""
+        with self.lock:
+            last, self.last = self.last, stream
+            if last is None or last is stream or not self.marking:
+                return ""
+            _flush(last)  # before the mark: what came before is in its pipe first
+            self.count += 1
+            return f"{ORDER_MARK}{self.count}{ORDER_END}"
+
+
+class _Ordered(io.TextIOWrapper):
+    turns: _Turns
+
+    def write(self, text: str) -> int:
+        # The check without the lock: writes from two threads at once have no order.
+        if self.turns.last is not self and text:
+            super().write(self.turns.turn_to(self) + text)  # mark and text in one write
+            return len(text)
+        return super().write(text)
+
+
+class _TimedFlush(_Ordered):
     pending: threading.Event
     flushed_at = 0.0
 
@@ -41,17 +85,24 @@ class _TimedFlush(io.TextIOWrapper):
 
 
 def buffer_stdout() -> None:
-    """Replace ``sys.stdout`` (fd 1) with the timed-flush stream and start its thread."""
-    old = sys.stdout
-    if old is None:
+    """Replace ``sys.stdout`` (fd 1) with the timed-flush stream and start its thread, and
+    ``sys.stderr`` (fd 2) with an unbuffered one; both mark their turns."""
+    out, err = sys.stdout, sys.stderr
+    if out is None or err is None:
         return
-    with contextlib.suppress(OSError, ValueError):
-        old.flush()
-    raw = io.FileIO(1, "w", closefd=False)
-    stream = _TimedFlush(io.BufferedWriter(raw, io.DEFAULT_BUFFER_SIZE * 8),
-                         encoding=old.encoding, errors=old.errors, write_through=False)
+    for old in (out, err):
+        _flush(old)
+    turns = _Turns()
+    stream = _TimedFlush(io.BufferedWriter(io.FileIO(1, "w", closefd=False),
+                                           io.DEFAULT_BUFFER_SIZE * 8),
+                         encoding=out.encoding, errors=out.errors, write_through=False)
     stream.pending = threading.Event()
-    sys.stdout = stream
+    stream.turns = turns
+    # Unbuffered, as Python makes it under PYTHONUNBUFFERED: straight to the descriptor.
+    stderr = _Ordered(io.FileIO(2, "w", closefd=False), encoding=err.encoding,
+                      errors=err.errors, write_through=True)
+    stderr.turns = turns
+    sys.stdout, sys.stderr = stream, stderr
 
     def flush_soon() -> None:
         while True:
@@ -60,10 +111,14 @@ def buffer_stdout() -> None:
             stream.pending.clear()  # before the flush: a later write sets it again
             _flush(stream)
 
+    def in_child() -> None:
+        turns.marking = False
+        turns.lock = threading.RLock()  # another thread may have held it at the fork
+
     threading.Thread(target=flush_soon, name="elastic-stdout", daemon=True).start()
-    os.register_at_fork(before=lambda: _flush(stream))
+    os.register_at_fork(before=lambda: _flush(stream), after_in_child=in_child)
 
 
-def _flush(stream: io.TextIOBase) -> None:
+def _flush(stream: TextIO) -> None:
     with contextlib.suppress(OSError, ValueError):  # closed by user code, a broken pipe
         stream.flush()

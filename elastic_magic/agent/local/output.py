@@ -1,68 +1,240 @@
-"""Per-rank output: pipes read as produced, full logs on disk, bounded tails in memory."""
+"""Per-rank output: pipes read as produced, full logs on disk, bounded tails in memory.
+
+One thread per rank reads its stdout and stderr, so that what the rank printed reaches the
+notebook in the order it was written across the two streams. The rank marks each turn from
+one stream to the other with the next number of a shared count (``worker/stdout.py``):
+once mark N has been read on one pipe, whatever the rank wrote before it on the other is in
+that pipe, so reading that pipe to its end settles every piece before N. Pieces are shown
+in order of their marks; the logs get each stream's bytes as they came, marks taken out.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import threading
 from collections import deque
+from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from ...events import EventSink, Output
+from ...worker.stdout import ORDER_END, ORDER_MARK
 
 TAIL_LINES = 200
 _CHUNK = 1 << 16
+_MARK, _END = ORDER_MARK.encode(), ORDER_END.encode()
+_LONGEST_MARK = len(_MARK) + 20 + len(_END)  # a number of up to 20 digits
+_SETTLED = float("inf")  # a stream that ended: nothing of it is still to come
 
 
-class StreamPump(threading.Thread):
-    """Reads one worker stream until EOF: every byte to the log (``log``, a descriptor it
-    then owns: see ``logs.RunFolder.create_logs``), whole lines to events."""
+class _Lines:
+    """One stream's bytes as lines: whole ones, and a line still being rewritten with \r
+    (a progress bar) as it shows now."""
+
+    def __init__(self) -> None:
+        self.pending = b""  # the unfinished line, kept short: a bar rewrites it with \r
+        self.rewriting = False  # it was rewritten with \r: publish it as it shows
+        self.shown = b""  # what of it was last published as a partial line
+
+    def feed(self, data: bytes) -> tuple[list[bytes], bytes | None] | None:
+        """Lines to publish (None: nothing changed), and the partial line as it shows."""
+        *complete, rest = (self.pending + data).split(b"\n")
+        self.rewriting = (self.rewriting and not complete) or b"\r" in rest
+        self.pending = _latest(rest)
+        now = visible(self.pending) if self.rewriting else b""
+        if not complete and now == self.shown:
+            return None
+        self.shown = now
+        return complete, now or None
+
+    def end(self) -> list[bytes]:
+        """A last line without a newline is still a line."""
+        pending, self.pending = self.pending, b""
+        return [pending] if pending else []
+
+
+class _Marks:
+    """Splits a stream's bytes at the order marks into (order, data) pieces, holding back a
+    mark that a read cut in two."""
+
+    def __init__(self) -> None:
+        self.order = 0  # the last mark read
+        self.held = b""
+
+    def split(self, chunk: bytes) -> list[tuple[int, bytes]]:
+        data, self.held = self.held + chunk, b""
+        pieces: list[tuple[int, bytes]] = []
+        start = search = 0
+        while (at := data.find(_MARK, search)) >= 0:
+            end = data.find(_END, at + len(_MARK))
+            if end < 0 and len(data) - at < _LONGEST_MARK:
+                self.held = data[at:]  # the rest of the mark comes with the next read
+                data = data[:at]
+                break
+            number = data[at + len(_MARK):end] if end >= 0 else b""
+            if not number.isdigit() or len(number) > 20:  # not ours: plain bytes
+                search = at + 1
+                continue
+            pieces.append((self.order, data[start:at]))
+            self.order = int(number)
+            start = search = end + len(_END)
+        else:
+            cut = _cut_mark(data, start)
+            self.held, data = data[cut:], data[:cut]
+        pieces.append((self.order, data[start:]))
+        return [(order, piece) for order, piece in pieces if piece]
+
+    def rest(self) -> bytes:
+        held, self.held = self.held, b""
+        return held
+
+
+def _cut_mark(data: bytes, start: int) -> int:
+    """Where a mark's beginning at the end of ``data`` starts (len(data): none)."""
+    for size in range(min(len(_MARK) - 1, len(data) - start), 0, -1):
+        if data.endswith(_MARK[:size]):
+            return len(data) - size
+    return len(data)
+
+
+@dataclass
+class _Stream:
+    name: str
+    fd: int
+    log: BinaryIO
+    marks: _Marks = field(default_factory=_Marks)
+    lines: _Lines = field(default_factory=_Lines)
+    # Every piece of this stream before this order has been read.
+    settled: float = 0
+    ended: bool = False
+    other: _Stream | None = None  # the rank's other stream
+
+    def read_before(self) -> float:
+        """Every piece of this stream before this order has been read: the last mark read
+        on it, or the other's last mark when this one was last read to its end."""
+        return max(self.settled, self.marks.order)
+
+
+class RankPump(threading.Thread):
+    """Reads a worker's stdout and stderr until both end: every byte to its stream's log
+    (``logs``: descriptors it then owns, see ``logs.RunFolder.create_logs``), whole lines
+    to events in the order the rank wrote them."""
 
     def __init__(
-        self, fd: int, log: int, *, rank: int, stream: str, attempt: int,
+        self, fds: dict[str, int], logs: dict[str, int], *, rank: int, attempt: int,
         emit: EventSink, tail: deque[str],
     ) -> None:
-        super().__init__(name=f"elastic-{stream}-rank{rank}", daemon=True)
-        self.fd = fd
-        self.log = log
+        super().__init__(name=f"elastic-output-rank{rank}", daemon=True)
+        self.fds = fds
+        self.logs = logs
         self.rank = rank
-        self.stream = stream
         self.attempt = attempt
         self.emit = emit
         self.tail = tail
+        self.read: list[tuple[int, int, str, bytes]] = []  # (order, arrival, stream, data)
+        self.arrivals = 0
 
     def run(self) -> None:
-        pending = b""  # the unfinished line, kept short: a progress bar rewrites it with \r
-        rewriting = False  # it was rewritten with \r: publish it as it shows, while it lasts
-        shown = b""  # what of it was last published as a partial line
-        with open(self.log, "wb") as log:
-            while True:
-                try:
-                    chunk = os.read(self.fd, _CHUNK)
-                except OSError:
-                    chunk = b""
-                if not chunk:
-                    break
-                log.write(chunk)
-                log.flush()
-                *complete, rest = (pending + chunk).split(b"\n")
-                rewriting = (rewriting and not complete) or b"\r" in rest
-                pending = _latest(rest)
-                now = visible(pending) if rewriting else b""
-                if complete or now != shown:
-                    self._publish(complete, now or None)
-                    shown = now
-            if pending:  # a last line without a newline is still a line
-                self._publish([pending])
-        os.close(self.fd)
+        with contextlib.ExitStack() as files:
+            streams = {name: _Stream(name, fd, files.enter_context(open(self.logs[name], "wb")))
+                       for name, fd in self.fds.items()}
+            out, err = streams.values()
+            out.other, err.other = err, out
+            try:
+                self._pump(streams)
+            finally:
+                out.other = err.other = None  # no cycle left for the collector
+        for stream in streams.values():
+            os.close(stream.fd)
 
-    def _publish(self, raw_lines: list[bytes], partial: bytes | None = None) -> None:
+    def _pump(self, streams: dict[str, _Stream]) -> None:
+        poller = select.poll()
+        by_fd = {}
+        for stream in streams.values():
+            os.set_blocking(stream.fd, False)
+            poller.register(stream.fd, select.POLLIN)
+            by_fd[stream.fd] = stream
+        while not all(s.ended for s in streams.values()):
+            for fd, _ in poller.poll():
+                stream = by_fd[fd]
+                self._drain(stream)
+                if stream.ended:
+                    poller.unregister(fd)
+            self._settle(streams)
+        self._publish(streams, final=True)
+
+    def _drain(self, stream: _Stream) -> None:
+        """Read ``stream`` until its pipe is empty: then every piece the rank wrote on it
+        before the last mark read on the other stream is here."""
+        assert stream.other is not None
+        before = stream.other.marks.order
+        while True:
+            try:
+                chunk = os.read(stream.fd, _CHUNK)
+            except BlockingIOError:
+                stream.settled = max(stream.settled, before)
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                pieces = [(stream.marks.order, stream.marks.rest())]
+                stream.ended, stream.settled = True, _SETTLED
+            else:
+                pieces = stream.marks.split(chunk)
+            for order, data in pieces:
+                if data:
+                    stream.log.write(data)
+                    self.read.append((order, self.arrivals, stream.name, data))
+                    self.arrivals += 1
+            stream.log.flush()
+            if stream.ended:
+                return
+
+    def _settle(self, streams: dict[str, _Stream]) -> None:
+        """Read a stream again where the other turned to it since (so what came before the
+        turn is read), then publish what is settled."""
+        while unsettled := [s for s in streams.values() if not s.ended and s.other
+                            and s.settled < s.other.marks.order]:
+            for stream in unsettled:
+                self._drain(stream)
+            self._publish(streams)
+        self._publish(streams)
+
+    def _publish(self, streams: dict[str, _Stream], final: bool = False) -> None:
+        """Events for the pieces read whose place in the order is settled, in order."""
+        self.read.sort()
+        ready = 0
+        if final:
+            ready = len(self.read)
+        else:
+            bounds = {name: s.other.read_before() for name, s in streams.items() if s.other}
+            for order, _, name, _ in self.read:
+                if order > bounds[name]:
+                    break
+                ready += 1
+        pieces, self.read = self.read[:ready], self.read[ready:]
+        run: list[bytes] = []
+        for i, (_, _, name, data) in enumerate(pieces):
+            run.append(data)
+            if i + 1 == len(pieces) or pieces[i + 1][2] != name:  # the stream turns
+                self._lines(name, streams[name].lines.feed(b"".join(run)))
+                run = []
+        if final:
+            for stream in streams.values():
+                self._lines(stream.name, (stream.lines.end(), None))
+
+    def _lines(self, stream: str, got: tuple[list[bytes], bytes | None] | None) -> None:
+        if got is None:
+            return
+        raw_lines, partial = got
         lines = tuple(visible(line).decode("utf-8", "replace") for line in raw_lines)
         self.tail.extend(lines)
         if partial is not None:
             lines += (partial.decode("utf-8", "replace"),)
         if not lines:
             return
-        self.emit(Output(self.rank, self.stream, lines, self.attempt,
-                         partial=partial is not None))
+        self.emit(Output(self.rank, stream, lines, self.attempt, partial=partial is not None))
 
 
 def visible(line: bytes) -> bytes:

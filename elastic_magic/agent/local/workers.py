@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 from ..inbox import Inbox, WorkerReport
 from . import interpreter
 from .network import on_loopback
-from .output import StreamPump, new_tail
+from .output import RankPump, new_tail
 from .zygote_link import PooledProcess, Zygote
 
 
@@ -259,11 +259,10 @@ def spawn(
         for fd in (report_r, out_r, err_r):
             os.close(fd)
         raise
-    for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
-        worker.threads.append(StreamPump(
-            fd, logs[stream], rank=worker.global_rank, stream=stream,
-            attempt=worker.attempt, emit=emit, tail=worker.tail,
-        ))
+    worker.threads.append(RankPump(
+        {"stdout": out_r, "stderr": err_r}, logs, rank=worker.global_rank,
+        attempt=worker.attempt, emit=emit, tail=worker.tail,
+    ))
     worker.threads.append(threading.Thread(
         target=_read_reports, args=(worker, Channel(report_r, key), inbox),
         name=f"elastic-reports-rank{worker.global_rank}", daemon=True,

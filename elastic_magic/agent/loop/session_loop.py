@@ -157,7 +157,7 @@ class SessionLoop:
         group, info = engine.group, engine.round
         assert group is not None and info is not None
         engine.emit(CellStarted(group.attempt, group.ranks, info.world_size, info.nnodes,
-                                info.round, engine.restarts))
+                                info.round, engine.restarts, began=self.cell_started))
 
     def _run(self, payload: Payload | None) -> CellOutcome:
         outcome = self.runner.run(payload)
