@@ -12,6 +12,7 @@ import torch
 
 import elastic_magic as em
 from elastic_magic import snapshot_format
+from elastic_magic.agent.local.snapshots import split_checkpoint
 
 
 def test_the_format_round_trips_tensors_of_every_kind_and_reads_torch_save():
@@ -69,11 +70,13 @@ def test_a_rank_that_dies_mid_commit_leaves_the_previous_commit_whole(tmp_path, 
                   render=lambda e: None)
     result = failed.value.result
     assert result.failure.signal == "SIGKILL" and result.commit["step"] == 1
-    for blob in (result.snapshot, (ckpt / "snapshot.pt").read_bytes()):
+    meta, on_disk = split_checkpoint((ckpt / "checkpoint.em").read_bytes())
+    assert meta["step"] == 1
+    for blob in (result.snapshot, on_disk):
         snapshot = snapshot_format.load(io.BytesIO(blob))
         assert snapshot["values"]["step"] == 1
         assert torch.all(snapshot["objects"]["model"]["weight"] == 1)
-    assert not list(ckpt.glob(".snapshot*"))  # no half-written temporary left
+    assert not list(ckpt.glob(".*"))  # no half-written temporary left
 
 
 def test_random_states_cross_ranks_as_a_fixed_layout_never_a_pickle():
