@@ -151,13 +151,17 @@ class StateGet:
 
 @dataclass(frozen=True)
 class Commit:
-    """A new snapshot: in ``snapshot`` (bytes), or in a memory file the worker offers."""
+    """A new snapshot: in ``snapshot`` (bytes), or in a memory file the worker offers.
+    A sharded State's snapshot comes in ``parts`` parts, one per rank: ``part`` 0 comes
+    last and completes the commit."""
 
     request_id: int
     step: Any
     time: float
     snapshot: bytes | None = None
     handoff: Handoff | None = None
+    part: int = 0
+    parts: int = 1
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,7 @@ class StateReply:
 class CommitReply:
     resize: bool = False  # every rank leaves at this commit
     handoff_failed: bool = False  # the agent cannot read the memory file: use the pipe
+    error: str | None = None  # the commit was not kept: why
 
 
 # -- commands into an agent (from any kernel thread) ----------------------------------

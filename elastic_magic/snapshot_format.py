@@ -10,6 +10,11 @@ the file as it lies in memory, in one write per tensor, and comes back with one
           | u64 tree length  | the tree pickled, tensors as persistent ids (an index)
           | each tensor's bytes, in table order
 
+A sharded State's snapshot is one such snapshot per rank (``elastic_magic.sharded``), put
+together by the agent once every rank's is in:
+
+    PARTS | u64 count | u64 size of each | each part, in rank order
+
 Tensors other than plain strided ones (sparse, quantized, ...) are pickled in the tree as
 torch pickles them. A snapshot written by ``torch.save`` (an older checkpoint) still loads.
 Snapshots travel between one job's own processes and the checkpoint folder the user gave:
@@ -26,7 +31,13 @@ import struct
 from typing import Any, BinaryIO
 
 MAGIC = b"EMSNAP01"
+PARTS = b"EMPARTS1"
 _LENGTH = struct.Struct("<Q")
+
+
+def parts_header(sizes: list[int]) -> bytes:
+    """What precedes parts of these sizes in one snapshot."""
+    return PARTS + _LENGTH.pack(len(sizes)) + b"".join(_LENGTH.pack(n) for n in sizes)
 
 
 def save(obj: Any, file: BinaryIO) -> None:
@@ -62,10 +73,24 @@ def save(obj: Any, file: BinaryIO) -> None:
 
 
 def load(file: BinaryIO) -> Any:
-    """Read a snapshot written by ``save`` (or by ``torch.save``), tensors on the CPU."""
+    """Read a snapshot written by ``save`` (or by ``torch.save``), tensors on the CPU; of
+    a snapshot in parts, the first."""
+    return load_parts(file)[0]
+
+
+def load_parts(file: BinaryIO) -> list[Any]:
+    """Every part of a snapshot (one, unless it was put together from several)."""
+    head = file.read(len(MAGIC))
+    if head != PARTS:
+        return [_load(file, head)]
+    count = _LENGTH.unpack(_read(file, _LENGTH.size))[0]
+    _read(file, count * _LENGTH.size)  # the sizes: the parts are read in order
+    return [_load(file, _read(file, len(MAGIC))) for _ in range(count)]
+
+
+def _load(file: BinaryIO, head: bytes) -> Any:
     import torch
 
-    head = file.read(len(MAGIC))
     if head != MAGIC:  # an older snapshot: torch.save's zip
         return torch.load(io.BytesIO(head + file.read()), weights_only=False,
                           map_location="cpu")

@@ -30,7 +30,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from . import rng, snapshot_format
+from . import rng, sharded, snapshot_format
 from .data import DataLoader, ElasticSampler, _dist, rank_and_world
 from .messages import Commit, CommitReply, Handoff, StateGet, StateReply
 from .worker.client import AgentClient, ResizeExit, current
@@ -149,6 +149,7 @@ class State:
             self._objects.pop(name, None)
             self._values[name] = value
         else:
+            sharded.check(name, stateful)  # refuses a layout it cannot restore, now
             self._values.pop(name, None)
             self._objects[name] = stateful
 
@@ -164,27 +165,35 @@ class State:
 
     def snapshot(self) -> bytes:
         buffer = io.BytesIO()
-        self._save(buffer, [rng.current()], 1)
+        tree, split = self._tree([rng.current()], 0)
+        snapshot_format.save({**tree, "chunks": split.chunks} if split.sharded else tree,
+                             buffer)
         return buffer.getvalue()
 
-    def _save(self, file: Any, rngs: list[dict[str, Any]], world_size: int) -> None:
-        snapshot_format.save({
-            "values": dict(self._values), "commits": self._commits,
-            "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
-            "rngs": rngs, "world_size": world_size}, file)
+    def _tree(self, rngs: list[dict[str, Any]], rank: int) -> tuple[dict[str, Any],
+                                                                    sharded.Split]:
+        """What a commit saves, DTensors replaced by where they were (rank 0's part), and
+        this rank's chunks of them."""
+        split = sharded.Split({})
+        objects = {name: sharded.split(obj.state_dict(), rank, (name,), split)
+                   for name, obj in self._objects.items()}
+        values = sharded.split(dict(self._values), rank, ("values",), split)
+        return {"values": values, "commits": self._commits, "objects": objects,
+                "rngs": rngs, "world_size": len(rngs)}, split
 
     def load(self, blob: bytes | Any) -> None:
         """Restore from a snapshot: bytes, or a binary file positioned at its start."""
         source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
-        data = snapshot_format.load(source)
-        self._values.update(data["values"])
+        parts = snapshot_format.load_parts(source)
+        data, chunks = parts[0], sharded.merge(parts)
+        self._values.update(sharded.resolve(data["values"], chunks, None, "values"))
         object.__setattr__(self, "_commits", data["commits"])
         saved = data.get("objects") or {n: data[n] for n in
                                         ("model", "optimizer", "scheduler", "sampler")
                                         if n in data}  # snapshots before objects were general
         for name, obj in self._objects.items():
             if name in saved:
-                obj.load_state_dict(saved[name])
+                obj.load_state_dict(sharded.resolve(saved[name], chunks, obj, name))
         rank, world = rank_and_world()
         rngs = data.get("rngs") or [data["rng"]]
         rng.apply(rngs[rank % len(rngs)])  # a new rank of a larger group: an old one's
@@ -238,18 +247,30 @@ class State:
         object.__setattr__(self, "_last_commit", time.monotonic())
         # every rank's random streams; waits until all finished the step
         rngs = rng.gather(dist) if dist is not None else [rng.current()]
+        rank = dist.get_rank() if dist is not None else 0
+        tree, split = self._tree(rngs, rank)
         resize = False
-        if client is not None and (dist is None or dist.get_rank() == 0):
-            resize = self._send_snapshot(client, rngs, len(rngs))
+        if not split.sharded:  # replicated (DDP) or one rank: rank 0 has it all
+            if client is not None and rank == 0:
+                resize = self._send_snapshot(client, tree)
+        else:  # each rank's chunks; rank 0's part, last, completes the commit
+            if client is not None and rank != 0:
+                self._send_snapshot(client, {"chunks": split.chunks}, rank, len(rngs))
+            if dist is not None:
+                _gather_int(dist, 0)  # every other rank's part is in the agent
+            if client is not None and rank == 0:
+                resize = self._send_snapshot(client, {**tree, "chunks": split.chunks}, 0,
+                                             len(rngs))
         if dist is not None:
             resize = _broadcast_flag(dist, resize)
         if resize:
             raise ResizeExit(self.step)
         return True
 
-    def _send_snapshot(self, client: AgentClient, rngs: list[dict[str, Any]],
-                       world: int) -> bool:
-        """Commit this snapshot in the agent; True when every rank must leave for a resize.
+    def _send_snapshot(self, client: AgentClient, tree: dict[str, Any], part: int = 0,
+                       parts: int = 1) -> bool:
+        """Commit this snapshot (or part ``part`` of ``parts``, one per rank) in the agent;
+        True when every rank must leave for a resize.
 
         A large snapshot is dominated by copies, so it is written once, into an anonymous
         memory file that the agent reads through /proc; where that is not possible, it goes
@@ -261,20 +282,28 @@ class State:
             fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
             try:
                 with os.fdopen(fd, "wb", closefd=False) as file:
-                    self._save(file, rngs, world)
+                    snapshot_format.save(tree, file)
                 offer = Handoff.of(fd)
-                reply = client.request(lambda request_id: Commit(request_id, step, now,
-                                                                 handoff=offer))
+                reply = client.request(lambda request_id: Commit(
+                    request_id, step, now, handoff=offer, part=part, parts=parts))
             finally:
                 os.close(fd)
             if not reply.handoff_failed:
-                return reply.resize
+                return _resize(reply)
             _HANDOFF = False  # the agent cannot read our memory files: use the pipe
         buffer = io.BytesIO()
-        self._save(buffer, rngs, world)
+        snapshot_format.save(tree, buffer)
         blob = buffer.getvalue()
-        reply = client.request(lambda request_id: Commit(request_id, step, now, snapshot=blob))
-        return reply.resize
+        reply = client.request(lambda request_id: Commit(request_id, step, now, snapshot=blob,
+                                                         part=part, parts=parts))
+        return _resize(reply)
+
+
+def _resize(reply: CommitReply) -> bool:
+    """Whether every rank leaves at this commit; raises where the agent did not keep it."""
+    if reply.error:
+        raise RuntimeError(reply.error)
+    return reply.resize
 
 
 _HANDOFF = hasattr(os, "memfd_create")

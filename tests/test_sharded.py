@@ -1,0 +1,179 @@
+"""A sharded State: an FSDP2 model (``fully_shard`` on each Linear, then the model) and its
+Adam optimizer, trained by real gloo workers with commits. Each rank commits its own
+chunks; a rank killed between commits replays to the same parameters bit for bit; resized
+2 -> 3 -> 2 (64 rows over 3 ranks: 22, 22, 20; a 1-row weight: 1, 0, 0) it ends within
+float tolerance of the uninterrupted run, every step once; layouts State cannot restore
+(tensor parallelism, a 2-D mesh) are refused at State(...)."""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import elastic_magic as em
+from elastic_magic import sharded, snapshot_format
+from elastic_magic.agent.handles.job import Job
+from elastic_magic.events import Committed, MembershipChanged
+from elastic_magic.payload import build_payload
+from elastic_magic.spec import JobSpec
+
+TRAIN = textwrap.dedent("""
+    import os, signal, time, torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    import elastic_magic
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 1))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randn(240, 8, generator=g)
+    target = torch.sin(data.sum(1, keepdim=True))
+    sampler = elastic_magic.ElasticSampler(len(data), global_batch_size=12, seed=0)
+    state = elastic_magic.State(model=model, optimizer=opt, sampler=sampler, step=0, epoch=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    print(f"START step {state.step} world {world}", flush=True)
+    for epoch in range(state.epoch, 2):
+        sampler.set_epoch(epoch)
+        for indices in sampler:
+            if (state.step == KILL_AT and rank == 1
+                    and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            noise = 1 + torch.rand(()) / 10  # the loop's RNG, restored with the commit
+            loss = torch.nn.functional.mse_loss(model(data[indices]), target[indices]) * noise
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            state.step += 1
+            if rank == 0:
+                print(f"DONE step {state.step} world {world}", flush=True)
+            time.sleep(PAUSE)
+            state.commit(every=EVERY)
+        state.epoch = epoch + 1
+    full = [p.full_tensor().clone() for p in model.parameters()]
+    moments = [opt.state[p]["exp_avg_sq"].full_tensor().clone() for p in model.parameters()]
+    (full, moments)
+""")
+STEPS = 40  # 2 epochs of 20 global batches
+
+
+def train(log_dir, recorder, *, every, kill_at=-1, resizes=(), **spec_args):
+    spec = JobSpec.create(2, log_dir=log_dir, **spec_args)
+    namespace = {"KILL_AT": kill_at, "EVERY": every, "PAUSE": 0.05 if resizes else 0.0}
+    job = Job(spec, build_payload(TRAIN, spec, namespace=namespace)).start()
+
+    def drive():
+        for at_step, size in resizes:
+            job.wait_for_commit(at_step, timeout=120)
+            job.scale(size)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    result = job.wait(recorder)
+    driver.join(timeout=5)
+    assert result.ok, result
+    return result
+
+
+def done_steps(recorder) -> list[int]:
+    return [int(line.split()[2]) for line in recorder.lines(0) if line.startswith("DONE")]
+
+
+def assert_same(got, want, atol):
+    for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    from conftest import Recorder
+
+    recorder = Recorder()
+    result = train(tmp_path_factory.mktemp("logs"), recorder, every=1)
+    assert done_steps(recorder) == list(range(1, STEPS + 1))
+    assert [e.step for e in recorder.of(Committed)] == list(range(1, STEPS + 1))
+    return result
+
+
+def test_fsdp2_commits_each_ranks_chunks(uninterrupted):
+    """The last commit holds one part per rank, each with its own rows of every tensor."""
+    parts = snapshot_format.load_parts(__import__("io").BytesIO(uninterrupted.snapshot))
+    assert len(parts) == 2 and parts[0]["world_size"] == 2
+    tree = parts[0]["objects"]["model"]
+    marker = tree["0.weight"]
+    assert isinstance(marker, sharded.ShardedTensor) and marker.shape == (64, 8)
+    rows = {i: part["chunks"][("model", "0.weight")] for i, part in enumerate(parts)}
+    assert [(first, tuple(chunk.shape)) for first, chunk in rows.values()] == [
+        (0, (32, 8)), (32, (32, 8))]
+    moment = parts[0]["objects"]["optimizer"]["state"][0]["exp_avg"]
+    assert isinstance(moment, sharded.ShardedTensor) and not moment.replicated
+    # The kernel reads the result into a plain model: whole tensors.
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 1))
+    em.State(model=plain).load(uninterrupted.snapshot)
+    final = uninterrupted.values[0][0]
+    for got, want in zip(plain.parameters(), final, strict=True):
+        assert torch.equal(got.detach(), want)
+
+
+def test_a_rank_killed_between_commits_replays_bit_for_bit(uninterrupted, log_dir, recorder):
+    result = train(log_dir, recorder, every=5, kill_at=12, max_restarts=1)
+    assert "START step 10 world 2" in recorder.lines(0)  # the commit before the kill
+    assert done_steps(recorder) == list(range(1, 13)) + list(range(11, STEPS + 1))
+    assert_same(result.values[0], uninterrupted.values[0], atol=0)
+
+
+@pytest.mark.parametrize("sizes", [((5, 3), (20, 2)), ((5, 1), (15, 3))])
+def test_resized_fsdp2_reshards_and_ends_near_the_uninterrupted_run(uninterrupted, log_dir,
+                                                                    recorder, sizes):
+    result = train(log_dir, recorder, every=5, resizes=sizes, min_nproc=1, max_nproc=3)
+    assert [(m.old_nproc, m.new_nproc) for m in recorder.of(MembershipChanged)] == [
+        (2, sizes[0][1]), (sizes[0][1], sizes[1][1])]
+    assert done_steps(recorder) == list(range(1, STEPS + 1))  # every step once
+    # Other world sizes reduce the gradients in another order: float rounding only.
+    assert_same(result.values[0], uninterrupted.values[0], atol=1e-5)
+
+
+REFUSED = textwrap.dedent("""
+    import torch, elastic_magic
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    if LAYOUT == "tensor parallel":
+        parallelize_module(model, init_device_mesh("cpu", (2,)), {"0": RowwiseParallel()})
+    else:  # HSDP: replicate over 1, shard over 2
+        fully_shard(model, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("r", "s")))
+    elastic_magic.State(model=model, step=0)
+""")
+
+
+@pytest.mark.parametrize("layout,why", [("tensor parallel", "placements (Shard(dim=1),)"),
+                                        ("2-D mesh", "a 2-D device mesh")])
+def test_layouts_state_cannot_restore_are_refused_at_state(log_dir, layout, why):
+    with pytest.raises(em.JobFailedError) as failed:
+        em.launch(REFUSED, nproc=2, log_dir=log_dir, namespace={"LAYOUT": layout},
+                  render=lambda e: None)
+    error = failed.value.result.failure
+    assert error.exc_type == "Unsupported", error
+    assert why in error.message and "State supports DTensors" in error.message
+    assert "1-D device mesh" in error.message and "torch.distributed.checkpoint" in error.message
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 64])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_rows_are_dealt_as_torch_chunk_deals_them(rows, ranks):
+    chunks = torch.arange(rows).chunk(ranks) if rows else ()
+    want = [len(c) for c in chunks] + [0] * (ranks - len(chunks))
+    got = [end - start for start, end in (sharded._rows(rows, r, ranks) for r in range(ranks))]
+    assert got == want
+    assert [sharded._rows(rows, r, ranks)[0] for r in range(ranks)] == sorted(
+        sharded._rows(rows, r, ranks)[0] for r in range(ranks))
