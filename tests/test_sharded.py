@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from test_multinode import Machines, run_head
 
 import elastic_magic as em
 from elastic_magic import sharded, snapshot_format
@@ -64,8 +65,8 @@ TRAIN = textwrap.dedent("""
 STEPS = 40  # 2 epochs of 20 global batches
 
 
-def train(log_dir, recorder, *, every, kill_at=-1, resizes=(), **spec_args):
-    spec = JobSpec.create(2, log_dir=log_dir, **spec_args)
+def train(log_dir, recorder, *, every, nproc=2, kill_at=-1, resizes=(), **spec_args):
+    spec = JobSpec.create(nproc, log_dir=log_dir, **spec_args)
     namespace = {"KILL_AT": kill_at, "EVERY": every, "PAUSE": 0.05 if resizes else 0.0}
     job = Job(spec, build_payload(TRAIN, spec, namespace=namespace)).start()
 
@@ -177,3 +178,44 @@ def test_rows_are_dealt_as_torch_chunk_deals_them(rows, ranks):
     assert got == want
     assert [sharded._rows(rows, r, ranks)[0] for r in range(ranks)] == sorted(
         sharded._rows(rows, r, ranks)[0] for r in range(ranks))
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_three(uninterrupted, tmp_path, log_dir,
+                                                   recorder):
+    """--checkpoint-dir holds every rank's chunks: a job of another size resumes from it,
+    its parameters and moments exactly the committed ones."""
+    from conftest import Recorder
+
+    ckpt = tmp_path / "ckpt"
+    first = train(log_dir, recorder, every=5, checkpoint_dir=ckpt)
+    again = Recorder()
+    second = train(log_dir, again, every=5, checkpoint_dir=ckpt, nproc=3)
+    assert f"START step {STEPS} world 3" in again.lines(0)  # nothing left to train
+    assert_same(second.values[0], first.values[0], atol=0)
+
+
+@pytest.fixture
+def machines(tmp_path):
+    found = Machines(tmp_path)
+    yield found
+    found.reap()
+
+
+def test_chunks_of_ranks_on_another_machine_cross_to_the_head(uninterrupted, machines,
+                                                             log_dir, recorder):
+    """A machine that joined sends its ranks' parts through its agent to the head, which
+    holds the commit; a resize to 3 ranks on 2 machines reshards from them."""
+    spec = JobSpec.create(1, nnodes=2, max_nproc=2, log_dir=log_dir, timeout=120)
+
+    def drive(job):
+        job.wait_for_commit(10, timeout=120)
+        job.scale(2)
+
+    result = run_head(spec, TRAIN, recorder, machines, drive=drive,
+                      namespace={"KILL_AT": -1, "EVERY": 5, "PAUSE": 0.05},
+                      on_open=lambda: machines.join(1))
+    assert result.ok, result
+    assert machines.procs[0].wait(timeout=30) == 0, machines.output(0)
+    assert "rendezvous round 2: world size 3 on 2 machines" in machines.output(0)
+    assert done_steps(recorder) == list(range(1, STEPS + 1))
+    assert_same(result.values[0], uninterrupted.values[0], atol=1e-5)
