@@ -152,8 +152,9 @@ class StateGet:
 @dataclass(frozen=True)
 class Commit:
     """A new snapshot: in ``snapshot`` (bytes), or in a memory file the worker offers.
-    A sharded State's snapshot comes in ``parts`` parts, one per rank: ``part`` 0 comes
-    last and completes the commit."""
+    A sharded State's snapshot comes in ``parts`` parts, one per rank, in any order: the
+    last of the parts with the same ``token`` (rank 0's random number for this commit)
+    completes the commit."""
 
     request_id: int
     step: Any
@@ -162,6 +163,15 @@ class Commit:
     handoff: Handoff | None = None
     part: int = 0
     parts: int = 1
+    token: int = 0
+
+
+@dataclass(frozen=True)
+class CommitIntent:
+    """Rank 0 is about to commit: whether every rank must leave at this commit (a resize,
+    machines waiting); the answer is a CommitReply."""
+
+    request_id: int
 
 
 @dataclass(frozen=True)
@@ -180,9 +190,9 @@ class Stacks:
     threads: tuple[ThreadStack, ...]
 
 
-StateRequest = StateGet | Commit
-WorkerMessage = (Running | Result | Failed | Resized | StateGet | Commit | Progress | Stacks
-                 | Imported)
+StateRequest = StateGet | Commit | CommitIntent
+WorkerMessage = (Running | Result | Failed | Resized | StateGet | Commit | CommitIntent
+                 | Progress | Stacks | Imported)
 
 
 @dataclass(frozen=True)

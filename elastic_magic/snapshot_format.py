@@ -41,6 +41,29 @@ def parts_header(sizes: list[int]) -> bytes:
 
 
 def save(obj: Any, file: BinaryIO) -> None:
+    prepare(obj, copy=False).write(file)
+
+
+class Prepared:
+    """A snapshot ready to write: its tree pickled and its tensors' bytes."""
+
+    def __init__(self, head: list[bytes], flat: list[Any]) -> None:
+        self.head = head
+        self.flat = flat
+
+    def write(self, file: BinaryIO) -> None:
+        import torch
+
+        for part in self.head:
+            file.write(part)
+        for data in self.flat:
+            if data.numel():
+                file.write(data.view(torch.uint8).numpy().data)
+
+
+def prepare(obj: Any, *, copy: bool = True) -> Prepared:
+    """``obj`` pickled now, with its tensors copied to new memory (``copy``: training may
+    change them while the copy is written; from a GPU, the copy to the host)."""
     import torch
 
     tensors: list[Any] = []
@@ -60,16 +83,21 @@ def save(obj: Any, file: BinaryIO) -> None:
     pickler = pickle.Pickler(tree, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.persistent_id = persistent_id  # type: ignore[method-assign]
     pickler.dump(obj)
-    flat = [t.detach().to("cpu").contiguous().reshape(-1) for t in tensors]
+    flat = [_copied(t) if copy else t.detach().to("cpu").contiguous().reshape(-1)
+            for t in tensors]
     table = pickle.dumps([(str(t.dtype).removeprefix("torch."), tuple(t.shape),
                            f.numel() * f.element_size()) for t, f in zip(tensors, flat,
                                                                          strict=True)])
-    for part in (MAGIC, _LENGTH.pack(len(table)), table, _LENGTH.pack(tree.tell()),
-                 tree.getbuffer()):
-        file.write(part)
-    for data in flat:
-        if data.numel():
-            file.write(data.view(torch.uint8).numpy().data)
+    return Prepared([MAGIC, _LENGTH.pack(len(table)), table, _LENGTH.pack(tree.tell()),
+                     tree.getvalue()], flat)
+
+
+def _copied(tensor: Any) -> Any:
+    import torch
+
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    out.copy_(tensor.detach())
+    return out.reshape(-1)
 
 
 def load(file: BinaryIO) -> Any:

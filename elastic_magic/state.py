@@ -22,8 +22,10 @@ a socket) is refused.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
+import secrets
 import socket
 import time
 import types
@@ -32,7 +34,7 @@ from typing import Any
 
 from . import rng, sharded, snapshot_format
 from .data import DataLoader, ElasticSampler, _dist, rank_and_world
-from .messages import Commit, CommitReply, Handoff, StateGet, StateReply
+from .messages import Commit, CommitIntent, CommitReply, Handoff, StateGet, StateReply
 from .worker.client import AgentClient, ResizeExit, current
 
 __all__ = ["DataLoader", "ElasticSampler", "State"]
@@ -206,6 +208,7 @@ class State:
         client = current()
         if client is None:
             return False
+        client.drain()  # a commit still being sent is the latest
         reply: StateReply = client.request(StateGet)
         memory_file = _open_handoff(reply.handoff)
         if reply.handoff and memory_file is None:  # cannot read the agent's file
@@ -245,65 +248,76 @@ class State:
             return False
         object.__setattr__(self, "_since_commit", 0)
         object.__setattr__(self, "_last_commit", time.monotonic())
+        if client is not None:
+            client.drain()  # the commit before is in the agent (or raises why not)
         # every rank's random streams; waits until all finished the step
         rngs = rng.gather(dist) if dist is not None else [rng.current()]
         rank = dist.get_rank() if dist is not None else 0
         tree, split = self._tree(rngs, rank)
-        resize = False
-        if not split.sharded:  # replicated (DDP) or one rank: rank 0 has it all
-            if client is not None and rank == 0:
-                resize = self._send_snapshot(client, tree)
-        else:  # each rank's chunks; rank 0's part, last, completes the commit
-            if client is not None and rank != 0:
-                self._send_snapshot(client, {"chunks": split.chunks}, rank, len(rngs))
+        # Replicated (DDP) or one rank: rank 0 has it all. Sharded: a part from each rank.
+        part: dict[str, Any] | None = tree if rank == 0 else None
+        if split.sharded:
+            part = {**(part or {}), "chunks": split.chunks}
+        # What blocks training: a copy in memory (from a GPU, to the host); the rest is
+        # sent behind it, and the next commit waits for it.
+        prepared = snapshot_format.prepare(part) if client is not None and part else None
+        leave, token = False, 0
+        if client is not None and rank == 0:
+            leave = client.request(CommitIntent).resize
+            token = secrets.randbits(62)
+        if dist is not None:  # every rank leaves, or none; the parts of a commit match
+            flag, token = _broadcast_ints(dist, [int(leave), token])
+            leave = bool(flag)
+        if client is not None and prepared is not None:
+            commit = functools.partial(Commit, step=self.step, time=time.time(), part=rank,
+                                       parts=len(rngs) if split.sharded else 1, token=token)
+            client.behind(functools.partial(_send, client, prepared, commit))
+        if leave:  # the commit must be whole in the agent before any rank leaves
+            if client is not None:
+                client.drain()
             if dist is not None:
-                _gather_int(dist, 0)  # every other rank's part is in the agent
-            if client is not None and rank == 0:
-                resize = self._send_snapshot(client, {**tree, "chunks": split.chunks}, 0,
-                                             len(rngs))
-        if dist is not None:
-            resize = _broadcast_flag(dist, resize)
-        if resize:
+                _gather_int(dist, 0)
             raise ResizeExit(self.step)
         return True
 
-    def _send_snapshot(self, client: AgentClient, tree: dict[str, Any], part: int = 0,
-                       parts: int = 1) -> bool:
-        """Commit this snapshot (or part ``part`` of ``parts``, one per rank) in the agent;
-        True when every rank must leave for a resize.
 
-        A large snapshot is dominated by copies, so it is written once, into an anonymous
-        memory file that the agent reads through /proc; where that is not possible, it goes
-        down the pipe."""
-        global _HANDOFF
-        step, now = self.step, time.time()
-        reply: CommitReply
-        if _HANDOFF:
-            fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
-            try:
-                with os.fdopen(fd, "wb", closefd=False) as file:
-                    snapshot_format.save(tree, file)
-                offer = Handoff.of(fd)
-                reply = client.request(lambda request_id: Commit(
-                    request_id, step, now, handoff=offer, part=part, parts=parts))
-            finally:
-                os.close(fd)
-            if not reply.handoff_failed:
-                return _resize(reply)
-            _HANDOFF = False  # the agent cannot read our memory files: use the pipe
-        buffer = io.BytesIO()
-        snapshot_format.save(tree, buffer)
-        blob = buffer.getvalue()
-        reply = client.request(lambda request_id: Commit(request_id, step, now, snapshot=blob,
-                                                         part=part, parts=parts))
-        return _resize(reply)
+def _send(client: AgentClient, prepared: snapshot_format.Prepared,
+          commit: Callable[..., Commit]) -> None:
+    """Commit a snapshot (or a rank's part of one) in the agent. A large snapshot is
+    dominated by copies, so it is written once, into an anonymous memory file that the
+    agent reads through /proc; where that is not possible, it goes down the pipe."""
+    global _HANDOFF
+    reply: CommitReply
+    if _HANDOFF:
+        fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as file:
+                prepared.write(file)
+            offer = Handoff.of(fd)
+            reply = client.request(lambda request_id: commit(request_id, handoff=offer))
+        finally:
+            os.close(fd)
+        if not reply.handoff_failed:
+            return _check(reply)
+        _HANDOFF = False  # the agent cannot read our memory files: use the pipe
+    buffer = io.BytesIO()
+    prepared.write(buffer)
+    blob = buffer.getvalue()
+    _check(client.request(lambda request_id: commit(request_id, snapshot=blob)))
 
 
-def _resize(reply: CommitReply) -> bool:
-    """Whether every rank leaves at this commit; raises where the agent did not keep it."""
+def _check(reply: CommitReply) -> None:
     if reply.error:
         raise RuntimeError(reply.error)
-    return reply.resize
+
+
+def _broadcast_ints(dist: Any, values: list[int]) -> list[int]:
+    """Rank 0's ``values`` on every rank (a tensor collective: nothing is unpickled)."""
+    import torch
+
+    tensor = torch.tensor(values, dtype=torch.int64, device=rng.collective_device(dist))
+    dist.broadcast(tensor, src=0)
+    return [int(v) for v in tensor.tolist()]
 
 
 _HANDOFF = hasattr(os, "memfd_create")

@@ -44,8 +44,17 @@ from typing import Any
 
 from ...events import Committed
 from ...folders import READ_FILE, NotPrivate, describe, new_file, own_folder
-from ...messages import Commit, CommitReply, Handoff, Reply, StateGet, StateReply, StateRequest
-from ...snapshot_format import parts_header
+from ...messages import (
+    Commit,
+    CommitIntent,
+    CommitReply,
+    Handoff,
+    Reply,
+    StateGet,
+    StateReply,
+    StateRequest,
+)
+from .parts import CommitParts, append
 
 _FILE = "checkpoint.em"
 _MAGIC = b"EMCKPT01"  # then u64 length, the metadata as JSON, then the snapshot
@@ -79,7 +88,7 @@ class SnapshotStore:
     size: int = 0
     _writer: CheckpointWriter | None = field(default=None, repr=False)
     _folder_fd: int | None = None  # the checkpoint folder, checked
-    _parts: dict[int, bytes | int] = field(default_factory=dict)  # a sharded commit's
+    parts: CommitParts = field(default_factory=CommitParts)  # of a sharded commit
 
     @property
     def blob(self) -> bytes | None:
@@ -154,54 +163,9 @@ class SnapshotStore:
                 self._writer = CheckpointWriter(self._folder())
             self._writer.submit(meta, data if fd is None else os.dup(fd), self.size)
 
-    def keep_part(self, part: int, data: bytes | None, fd: int | None) -> None:
-        """Hold part ``part`` (> 0) of the sharded commit to come (the store owns ``fd``);
-        a part kept before, of a commit that never completed, is replaced."""
-        old = self._parts.pop(part, None)
-        if isinstance(old, int):
-            os.close(old)
-        self._parts[part] = fd if fd is not None else (data or b"")
-
-    def join_parts(self, parts: int, data: bytes | None,
-                   fd: int | None) -> tuple[bytes | None, int | None]:
-        """Part 0 (``data`` or ``fd``, now the store's) and the parts kept before, as one
-        snapshot (bytes, or a memory file the store then owns). Raises ValueError where a
-        part is missing (nothing is kept)."""
-        sources: list[bytes | int] = [fd if fd is not None else (data or b"")]
-        try:
-            missing = [part for part in range(1, parts) if part not in self._parts]
-            if missing:
-                raise ValueError(f"the commit lacks the parts of ranks {missing}")
-            sources += [self._parts.pop(part) for part in range(1, parts)]
-            sizes = [os.fstat(s).st_size if isinstance(s, int) else len(s) for s in sources]
-            if not hasattr(os, "memfd_create"):
-                return parts_header(sizes) + b"".join(
-                    os.pread(s, n, 0) if isinstance(s, int) else s
-                    for s, n in zip(sources, sizes, strict=True)), None
-            out = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
-            try:
-                os.write(out, parts_header(sizes))
-                for source, size in zip(sources, sizes, strict=True):
-                    _copy(out, source, size)
-            except BaseException:
-                os.close(out)
-                raise
-            return None, out
-        finally:
-            for source in sources:
-                if isinstance(source, int):
-                    os.close(source)
-            self._drop_parts()
-
-    def _drop_parts(self) -> None:
-        for source in self._parts.values():
-            if isinstance(source, int):
-                os.close(source)
-        self._parts.clear()
-
     def close(self) -> None:
         """Release the snapshot, once the checkpoint (if any) is on disk."""
-        self._drop_parts()
+        self.parts.close()
         writer, self._writer = self._writer, None
         try:
             if writer is not None:
@@ -232,21 +196,6 @@ def _remove_leftovers(folder: int) -> None:
                 os.unlink(name, dir_fd=folder)
 
 
-def _copy(out: int, source: bytes | int, size: int) -> None:
-    """Append ``source`` (bytes, or ``size`` bytes of a descriptor) to the file ``out``."""
-    if isinstance(source, int):
-        offset = 0
-        while offset < size:  # kernel to kernel: no copy through Python
-            sent = os.sendfile(out, source, offset, size - offset)
-            if not sent:
-                raise OSError(f"snapshot ended at {offset} of {size} bytes")
-            offset += sent
-        return
-    view = memoryview(source)
-    while view:
-        view = view[os.write(out, view):]
-
-
 def _write_atomically(folder: int, name: str, head: bytes, source: bytes | int | None,
                       size: int = 0) -> None:
     """Write ``head`` then ``source`` (bytes, or ``size`` bytes of a file descriptor) to a
@@ -257,7 +206,7 @@ def _write_atomically(folder: int, name: str, head: bytes, source: bytes | int |
         with open(new_file(folder, tmp), "wb") as f:
             f.write(head)
             f.flush()
-            _copy(f.fileno(), source or b"", size)
+            append(f.fileno(), source or b"", size)
             os.fsync(f.fileno())
         os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
     except BaseException:
@@ -355,22 +304,20 @@ class StateServer:
         """Keep the snapshot (bytes in the request, or ``memory_file``, which the store
         then owns)."""
         data = request.snapshot
-        if request.parts > 1:  # a sharded State: each rank's part, rank 0's last
-            if request.part:
-                self.store.keep_part(request.part, data, memory_file)
+        if request.parts > 1:  # a sharded State: a part from each rank, in any order
+            if request.parts != world_size:
+                if memory_file is not None:
+                    os.close(memory_file)
+                return CommitReply(error=f"the commit was not kept: {request.parts} parts "
+                                         f"for {world_size} ranks")
+            if not self.store.parts.add(request.part, request.parts, request.token, data,
+                                        memory_file):
                 return CommitReply()
-            try:
-                if request.parts != world_size:
-                    if memory_file is not None:
-                        os.close(memory_file)
-                    raise ValueError(f"{request.parts} parts for {world_size} ranks")
-                data, memory_file = self.store.join_parts(request.parts, data, memory_file)
-            except ValueError as exc:
-                return CommitReply(error=f"the commit was not kept: {exc}")
+            data, memory_file = self.store.parts.join(request.parts)
         meta = {"step": request.step, "time": request.time, "world_size": world_size}
         self.store.commit(meta, data=data, fd=memory_file)
         self.emit(Committed(request.step, world_size, self.store.size))
-        return CommitReply(resize=self.leave_at_commit())
+        return CommitReply()
 
     def serve(self, request: StateRequest, world_size: int, *, inline: bool) -> Reply:
         """A request whose snapshot, if any, came as bytes (another machine's rank)."""
@@ -379,5 +326,7 @@ class StateServer:
                 return Reply(request.request_id, self.get(inline or request.inline))
             case Commit():
                 return Reply(request.request_id, self.commit(request, world_size))
+            case CommitIntent():  # every rank leaves at this commit: a resize, machines wait
+                return Reply(request.request_id, CommitReply(resize=self.leave_at_commit()))
             case other:
                 raise TypeError(f"not a State request: {other!r}")
