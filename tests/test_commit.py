@@ -44,6 +44,29 @@ def test_the_format_round_trips_tensors_of_every_kind_and_reads_torch_save():
         snapshot_format.load(io.BytesIO(whole.getvalue()[:-10]))
 
 
+def test_a_prepared_snapshot_is_a_copy_that_training_cannot_change():
+    """What a commit blocks for: the tree pickled and the tensors copied; the write happens
+    later, while training changes the tensors in place."""
+    model = torch.nn.Linear(16, 8)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    data = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "view": model.weight.t()[2:5]}
+    want = io.BytesIO()
+    snapshot_format.save(data, want)
+    prepared = snapshot_format.prepare(data)
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()  # parameters, moments and the step counter change in place
+    before = snapshot_format.load(io.BytesIO(want.getvalue()))
+    assert not torch.equal(model.weight, before["model"]["weight"])
+    assert optimizer.state_dict()["state"][0]["step"] == 2 != before["optimizer"]["state"][0][
+        "step"]
+    written = io.BytesIO()
+    prepared.write(written)
+    assert written.getvalue() == want.getvalue()
+
+
 CRASH = textwrap.dedent("""
     import os, signal, torch, elastic_magic
 

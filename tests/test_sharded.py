@@ -57,6 +57,9 @@ TRAIN = textwrap.dedent("""
                 print(f"DONE step {state.step} world {world}", flush=True)
             time.sleep(PAUSE)
             state.commit(every=EVERY)
+            if (state.step == KILL_AFTER and rank == 1  # its part of the commit in flight
+                    and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+                os.kill(os.getpid(), signal.SIGKILL)
         state.epoch = epoch + 1
     full = [p.full_tensor().clone() for p in model.parameters()]
     moments = [opt.state[p]["exp_avg_sq"].full_tensor().clone() for p in model.parameters()]
@@ -65,9 +68,11 @@ TRAIN = textwrap.dedent("""
 STEPS = 40  # 2 epochs of 20 global batches
 
 
-def train(log_dir, recorder, *, every, nproc=2, kill_at=-1, resizes=(), **spec_args):
+def train(log_dir, recorder, *, every, nproc=2, kill_at=-1, kill_after=-1, resizes=(),
+          **spec_args):
     spec = JobSpec.create(nproc, log_dir=log_dir, **spec_args)
-    namespace = {"KILL_AT": kill_at, "EVERY": every, "PAUSE": 0.05 if resizes else 0.0}
+    namespace = {"KILL_AT": kill_at, "KILL_AFTER": kill_after, "EVERY": every,
+                 "PAUSE": 0.05 if resizes else 0.0}
     job = Job(spec, build_payload(TRAIN, spec, namespace=namespace)).start()
 
     def drive():
@@ -128,6 +133,18 @@ def test_a_rank_killed_between_commits_replays_bit_for_bit(uninterrupted, log_di
     result = train(log_dir, recorder, every=5, kill_at=12, max_restarts=1)
     assert "START step 10 world 2" in recorder.lines(0)  # the commit before the kill
     assert done_steps(recorder) == list(range(1, 13)) + list(range(11, STEPS + 1))
+    assert_same(result.values[0], uninterrupted.values[0], atol=0)
+
+
+def test_a_rank_killed_while_its_part_is_sent_resumes_from_a_whole_commit(uninterrupted,
+                                                                         log_dir, recorder):
+    """Commits are sent behind the training: a rank killed just after commit() returned
+    leaves the commit whole (its part arrived) or absent (the one before is restored)."""
+    result = train(log_dir, recorder, every=5, kill_after=10, max_restarts=1)
+    resumed = [line for line in recorder.lines(0) if line.startswith("START")][1]
+    step = int(resumed.split()[2])
+    assert step in (5, 10), resumed
+    assert done_steps(recorder) == list(range(1, 11)) + list(range(step + 1, STEPS + 1))
     assert_same(result.values[0], uninterrupted.values[0], atol=0)
 
 
@@ -212,7 +229,8 @@ def test_chunks_of_ranks_on_another_machine_cross_to_the_head(uninterrupted, mac
         job.scale(2)
 
     result = run_head(spec, TRAIN, recorder, machines, drive=drive,
-                      namespace={"KILL_AT": -1, "EVERY": 5, "PAUSE": 0.05},
+                      namespace={"KILL_AT": -1, "KILL_AFTER": -1, "EVERY": 5,
+                                 "PAUSE": 0.05},
                       on_open=lambda: machines.join(1))
     assert result.ok, result
     assert machines.procs[0].wait(timeout=30) == 0, machines.output(0)
