@@ -10,7 +10,12 @@ Snapshots live in the agent (kernel memory, and with ``--checkpoint-dir`` on dis
 restarted or resized group starts from the last commit, whatever its new world size. Rank 0
 builds the snapshot after every rank has finished the step; model and optimizer states are
 identical across ranks under DDP, the sampler's position is global, and the RNG states are
-gathered from every rank.
+gathered from every rank. Sharded tensors (FSDP2, DTensor) are the exception: each rank
+commits its own chunks as its part of the snapshot (``sharded.py``).
+
+A commit blocks training only while it copies the state in memory (from a GPU: to the
+host); the worker writes and sends the copy on a thread, and the next commit, a restore or
+the end of the cell waits for it. A crash meanwhile leaves the commit before whole.
 
 The one rule: an argument with ``state_dict`` and ``load_state_dict`` (a module, optimizer,
 scheduler, GradScaler, AveragedModel, sampler, loader, your own class) or a
