@@ -61,9 +61,11 @@ class Prepared:
                 file.write(data.view(torch.uint8).numpy().data)
 
 
-def prepare(obj: Any, *, copy: bool = True) -> Prepared:
-    """``obj`` pickled now, with its tensors copied to new memory (``copy``: training may
-    change them while the copy is written; from a GPU, the copy to the host)."""
+def prepare(obj: Any, *, copy: bool = True, reuse: Prepared | None = None) -> Prepared:
+    """``obj`` pickled now, with its tensors copied (``copy``: training may change them
+    while the copy is written; from a GPU, the copy to the host, in pinned memory). The
+    copies go into the memory of ``reuse`` (a snapshot written already) where it fits:
+    fresh memory costs a page fault per page, several times the copy itself."""
     import torch
 
     tensors: list[Any] = []
@@ -83,8 +85,13 @@ def prepare(obj: Any, *, copy: bool = True) -> Prepared:
     pickler = pickle.Pickler(tree, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.persistent_id = persistent_id  # type: ignore[method-assign]
     pickler.dump(obj)
-    flat = [_copied(t) if copy else t.detach().to("cpu").contiguous().reshape(-1)
+    spare: dict[tuple[Any, int], list[Any]] = {}
+    for buffer in reuse.flat if reuse is not None else ():
+        spare.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)
+    flat = [_copied(t, spare) if copy else t.detach().to("cpu").contiguous().reshape(-1)
             for t in tensors]
+    if copy and any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()  # the copies to the host are done before they are written
     table = pickle.dumps([(str(t.dtype).removeprefix("torch."), tuple(t.shape),
                            f.numel() * f.element_size()) for t, f in zip(tensors, flat,
                                                                          strict=True)])
@@ -92,12 +99,15 @@ def prepare(obj: Any, *, copy: bool = True) -> Prepared:
                      tree.getvalue()], flat)
 
 
-def _copied(tensor: Any) -> Any:
+def _copied(tensor: Any, spare: dict[tuple[Any, int], list[Any]]) -> Any:
+    """A flat copy of ``tensor`` on the host, in a spare buffer of its size if any."""
     import torch
 
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-    out.copy_(tensor.detach())
-    return out.reshape(-1)
+    buffers = spare.get((tensor.dtype, tensor.numel()))
+    out = buffers.pop() if buffers else torch.empty(
+        tensor.numel(), dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    out.view(tensor.shape).copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+    return out
 
 
 def load(file: BinaryIO) -> Any:

@@ -128,6 +128,7 @@ class State:
         object.__setattr__(self, "_since_commit", 0)
         object.__setattr__(self, "_last_commit", time.monotonic())
         object.__setattr__(self, "_on_resize", on_resize)
+        object.__setattr__(self, "_staged", None)  # the last commit's copy, once sent
         object.__setattr__(self, "restored_step", None)
         named = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                  "sampler": sampler}
@@ -265,7 +266,9 @@ class State:
             part = {**(part or {}), "chunks": split.chunks}
         # What blocks training: a copy in memory (from a GPU, to the host); the rest is
         # sent behind it, and the next commit waits for it.
-        prepared = snapshot_format.prepare(part) if client is not None and part else None
+        prepared = snapshot_format.prepare(part, reuse=self._staged) \
+            if client is not None and part else None
+        object.__setattr__(self, "_staged", prepared)  # its memory serves the next commit
         leave, token = False, 0
         if client is not None and rank == 0:
             leave = client.request(CommitIntent).resize

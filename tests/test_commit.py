@@ -65,6 +65,15 @@ def test_a_prepared_snapshot_is_a_copy_that_training_cannot_change():
     written = io.BytesIO()
     prepared.write(written)
     assert written.getvalue() == want.getvalue()
+    # The next commit copies into the memory of this one, once it is written.
+    data = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "view": model.weight.t()[2:5]}
+    again = snapshot_format.prepare(data, reuse=prepared)
+    assert {b.data_ptr() for b in again.flat} == {b.data_ptr() for b in prepared.flat}
+    want, written = io.BytesIO(), io.BytesIO()
+    snapshot_format.save(data, want)
+    again.write(written)
+    assert written.getvalue() == want.getvalue()
 
 
 CRASH = textwrap.dedent("""
