@@ -231,29 +231,47 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def resolve(tree: Any, chunks: Chunks, obj: Any, name: str) -> Any:
     """``tree`` (committed as ``name``) with its ShardedTensors made tensors for this rank,
-    laid out as in ``obj`` (the object restored into); ``tree`` itself when it has none."""
-    if not any(isinstance(value, ShardedTensor) for _, value in _leaves(tree)):
-        return tree
-    templates = dict(_leaves(obj.state_dict(), (name,))) if obj is not None else {}
+    laid out as in ``obj`` (the object restored into); whole tensors committed unsharded
+    (DDP) are sharded where ``obj`` is. ``tree`` itself when there is nothing to lay out."""
     dtensor = _dtensor_type()
-    mesh = None  # an optimizer's moments before its first step: its parameters' mesh
-    for group in getattr(obj, "param_groups", ()):
-        for param in group["params"]:
-            if dtensor is not None and isinstance(param, dtensor) and mesh is None:
-                mesh = (param.device_mesh, param.to_local().device)
-    return _resolve(tree, chunks, templates, mesh)
+    templates = dict(_leaves(obj.state_dict(), (name,))) if obj is not None else {}
+    params = [p for group in getattr(obj, "param_groups", ()) for p in group["params"]]
+    if dtensor is not None and params:  # an optimizer's moments: laid out as their parameter
+        for key, value in _leaves(tree, (name,)):
+            if (key not in templates and len(key) == 4 and key[1] == "state"
+                    and isinstance(key[2], int) and key[2] < len(params)
+                    and isinstance(params[key[2]], dtensor)
+                    and tuple(getattr(value, "shape", ())) == tuple(params[key[2]].shape)):
+                templates[key] = params[key[2]]
+    if not any(isinstance(value, ShardedTensor) for _, value in _leaves(tree)) and not any(
+            dtensor is not None and isinstance(value, dtensor) for value in templates.values()):
+        return tree
+    mesh = None  # without a template: its parameters' mesh
+    for param in params:
+        if dtensor is not None and isinstance(param, dtensor) and mesh is None:
+            mesh = (param.device_mesh, param.to_local().device)
+    return _resolve(tree, chunks, templates, mesh, (name,), dtensor)
 
 
-def _resolve(tree: Any, chunks: Chunks, templates: dict[Key, Any], mesh: Any) -> Any:
+def _resolve(tree: Any, chunks: Chunks, templates: dict[Key, Any], mesh: Any, key: Key,
+             dtensor: Any) -> Any:
     if isinstance(tree, ShardedTensor):
         return _place(tree, chunks, templates.get(tree.key), mesh)
+    template = templates.get(key)
+    if dtensor is not None and isinstance(template, dtensor) and hasattr(tree, "shape") \
+            and not isinstance(tree, dtensor) and tuple(tree.shape) == tuple(template.shape):
+        whole = ShardedTensor(key, tuple(tree.shape), str(tree.dtype).removeprefix("torch."),
+                              replicated=False)  # committed whole, by rank 0 (DDP)
+        return _place(whole, {key: [(0, tree)]}, template, mesh)
     if isinstance(tree, dict):
         out = copy.copy(tree)
-        out.update({name: _resolve(value, chunks, templates, mesh)
+        out.update({name: _resolve(value, chunks, templates, mesh, (*key, name), dtensor)
                     for name, value in tree.items()})
         return out
     if isinstance(tree, list):
-        return [_resolve(value, chunks, templates, mesh) for value in tree]
+        return [_resolve(value, chunks, templates, mesh, (*key, i), dtensor)
+                for i, value in enumerate(tree)]
     if type(tree) is tuple:
-        return tuple(_resolve(value, chunks, templates, mesh) for value in tree)
+        return tuple(_resolve(value, chunks, templates, mesh, (*key, i), dtensor)
+                     for i, value in enumerate(tree))
     return tree

@@ -237,3 +237,49 @@ def test_chunks_of_ranks_on_another_machine_cross_to_the_head(uninterrupted, mac
     assert "rendezvous round 2: world size 3 on 2 machines" in machines.output(0)
     assert done_steps(recorder) == list(range(1, STEPS + 1))
     assert_same(result.values[0], uninterrupted.values[0], atol=1e-5)
+
+
+FROM_WHOLE = textwrap.dedent("""
+    import torch, torch.distributed as dist, elastic_magic
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 1))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    elastic_magic.State(model=model, optimizer=opt).load(BLOB)
+    loaded = [p.full_tensor().clone() for p in model.parameters()]
+    mine = slice(dist.get_rank() * 6, dist.get_rank() * 6 + 6)
+    torch.nn.functional.mse_loss(model(X[mine]), Y[mine]).backward()  # half the batch each
+    opt.step()
+    (loaded, [p.full_tensor().clone() for p in model.parameters()])
+""")
+
+
+def test_a_commit_of_a_whole_model_restores_into_fsdp2(log_dir):
+    """A snapshot of an unsharded model and its Adam (DDP's, or a single process's) is
+    sharded as it is restored into an FSDP2 model: the same parameters, and the next Adam
+    step (its moments restored as DTensors) that the unsharded model takes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.randn(12, 8), torch.randn(12, 1)
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    blob = em.State(model=model, optimizer=opt).snapshot()
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    result = em.launch(FROM_WHOLE, nproc=2, log_dir=log_dir, render=lambda e: None,
+                       namespace={"BLOB": blob, "X": x, "Y": y})
+    loaded, stepped = result.values[0]
+    for got, want in zip(loaded, before, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(stepped, model.parameters(), strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
