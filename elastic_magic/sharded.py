@@ -21,7 +21,7 @@ the State is made and again at a commit, never saved wrong.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,6 @@ SUPPORTED = ("State supports DTensors (FSDP2's fully_shard) on a 1-D device mesh
              "placements are not supported: save those with torch.distributed.checkpoint")
 
 Key = tuple[Any, ...]
-Chunks = dict[Key, list[tuple[int, Any]]]  # key -> [(first row, local chunk)]
 
 
 class Unsupported(TypeError):
@@ -165,20 +164,33 @@ def _split(tree: Any, rank: int, key: Key, into: Split, dtensor: Any) -> Any:
     return tree
 
 
-def merge(parts: list[dict[str, Any]]) -> Chunks:
-    """Every part's chunks, by key."""
-    merged: Chunks = {}
-    for part in parts:
-        for key, chunk in part.get("chunks", {}).items():
-            merged.setdefault(key, []).append(chunk)
-    return merged
+class Chunks:
+    """The committed chunks, from a snapshot's parts (``part(i)``: rank i's, read when
+    first needed): rank i of the ``ranks`` that committed held the rows torch.chunk dealt
+    it, so only the parts overlapping the rows asked for are read."""
+
+    def __init__(self, part: Callable[[int], Any], ranks: int) -> None:
+        self.part = part
+        self.ranks = ranks
+
+    def overlapping(self, marker: ShardedTensor, start: int, end: int) -> list[tuple[int, Any]]:
+        """The committed (first row, chunk) pairs of ``marker`` holding rows [start, end)."""
+        rows = marker.shape[0] if marker.shape else 0
+        indices = [0] if marker.replicated or not marker.shape else [
+            i for i in range(self.ranks) if _overlap(_rows(rows, i, self.ranks), start, end)]
+        found = (self.part(i).get("chunks", {}).get(marker.key) for i in indices)
+        return [chunk for chunk in found if chunk is not None]
+
+
+def _overlap(rows: tuple[int, int], start: int, end: int) -> bool:
+    return max(rows[0], start) < min(rows[1], end)
 
 
 def _assemble(marker: ShardedTensor, chunks: Chunks, start: int, end: int) -> Any:
     """Rows [start, end) of the committed tensor, from the chunks that overlap them."""
     import torch
 
-    found = chunks.get(marker.key, [])
+    found = chunks.overlapping(marker, start, end)
     if not marker.shape:  # a replicated scalar
         return found[0][1].clone()
     out = torch.empty((end - start, *marker.shape[1:]), dtype=getattr(torch, marker.dtype))
@@ -262,7 +274,7 @@ def _resolve(tree: Any, chunks: Chunks, templates: dict[Key, Any], mesh: Any, ke
             and not isinstance(tree, dtensor) and tuple(tree.shape) == tuple(template.shape):
         whole = ShardedTensor(key, tuple(tree.shape), str(tree.dtype).removeprefix("torch."),
                               replicated=False)  # committed whole, by rank 0 (DDP)
-        return _place(whole, {key: [(0, tree)]}, template, mesh)
+        return _place(whole, Chunks(lambda _: {"chunks": {key: (0, tree)}}, 1), template, mesh)
     if isinstance(tree, dict):
         out = copy.copy(tree)
         out.update({name: _resolve(value, chunks, templates, mesh, (*key, name), dtensor)

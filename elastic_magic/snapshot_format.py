@@ -118,12 +118,31 @@ def load(file: BinaryIO) -> Any:
 
 def load_parts(file: BinaryIO) -> list[Any]:
     """Every part of a snapshot (one, unless it was put together from several)."""
-    head = file.read(len(MAGIC))
-    if head != PARTS:
-        return [_load(file, head)]
-    count = _LENGTH.unpack(_read(file, _LENGTH.size))[0]
-    _read(file, count * _LENGTH.size)  # the sizes: the parts are read in order
-    return [_load(file, _read(file, len(MAGIC))) for _ in range(count)]
+    parts = Parts(file)
+    return [parts.part(i) for i in range(parts.count)]
+
+
+class Parts:
+    """A snapshot's parts, each read when first asked for (a restoring rank reads only the
+    parts holding its rows); ``file`` must be seekable when there are several."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.loaded: dict[int, Any] = {}
+        head = file.read(len(MAGIC))
+        if head != PARTS:
+            self.count, self.loaded[0] = 1, _load(file, head)
+            return
+        self.count = _LENGTH.unpack(_read(file, _LENGTH.size))[0]
+        sizes = [_LENGTH.unpack(_read(file, _LENGTH.size))[0] for _ in range(self.count)]
+        start = file.tell()
+        self.offsets = [start + sum(sizes[:i]) for i in range(self.count)]
+
+    def part(self, index: int) -> Any:
+        if index not in self.loaded:
+            self.file.seek(self.offsets[index])
+            self.loaded[index] = _load(self.file, _read(self.file, len(MAGIC)))
+        return self.loaded[index]
 
 
 def _load(file: BinaryIO, head: bytes) -> Any:

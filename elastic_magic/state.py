@@ -192,8 +192,9 @@ class State:
     def load(self, blob: bytes | Any) -> None:
         """Restore from a snapshot: bytes, or a binary file positioned at its start."""
         source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
-        parts = snapshot_format.load_parts(source)
-        data, chunks = parts[0], sharded.merge(parts)
+        parts = snapshot_format.Parts(source)
+        data = parts.part(0)
+        chunks = sharded.Chunks(parts.part, parts.count)
         self._values.update(sharded.resolve(data["values"], chunks, None, "values"))
         object.__setattr__(self, "_commits", data["commits"])
         saved = data.get("objects") or {n: data[n] for n in

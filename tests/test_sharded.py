@@ -283,3 +283,26 @@ def test_a_commit_of_a_whole_model_restores_into_fsdp2(log_dir):
         assert torch.equal(got, want)
     for got, want in zip(stepped, model.parameters(), strict=True):
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+
+
+def test_a_restoring_rank_reads_only_the_parts_holding_its_rows():
+    """Committed by 3 ranks (rows 0-2, 3-5, 6-8 of a 9-row tensor), restored by rank 0 of
+    2 (rows 0-4): parts 0 and 1 are read, not part 2; restored whole: all three."""
+    marker = sharded.ShardedTensor(("model", "w"), (9, 2), "float32", replicated=False)
+    whole = torch.arange(18.0).reshape(9, 2)
+    parts = {i: {"chunks": {marker.key: (3 * i, whole[3 * i:3 * i + 3])}} for i in range(3)}
+    read: list[int] = []
+
+    def part(i):
+        read.append(i)
+        return parts[i]
+
+    chunks = sharded.Chunks(part, 3)
+    assert torch.equal(sharded._assemble(marker, chunks, 0, 5), whole[:5]) and read == [0, 1]
+    read.clear()
+    assert torch.equal(sharded._assemble(marker, chunks, 0, 9), whole) and read == [0, 1, 2]
+    read.clear()
+    assert sharded._assemble(marker, chunks, 9, 9).shape == (0, 2) and read == []
+    del parts[2]  # a part that lacks rows is never restored from what is left
+    with pytest.raises(RuntimeError, match="lacks rows"):
+        sharded._assemble(marker, sharded.Chunks(lambda i: parts.get(i, {}), 3), 0, 9)
