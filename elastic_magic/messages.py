@@ -6,7 +6,7 @@ Three conversations share this vocabulary, each over signed frames (``protocol.p
   :class:`DumpStacks`, :class:`Interrupt`;
 - worker -> agent (report pipe): :class:`Running`, :class:`Result`, :class:`Failed`,
   :class:`Resized`, :class:`Imported` (what the warm pool should preload), the State
-  requests :class:`StateGet` and :class:`Commit`, and
+  requests :class:`StateGet`, :class:`CommitIntent` and :class:`Commit`, and
   :class:`Progress` and :class:`Stacks` for hang diagnosis;
 - head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
   :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
