@@ -6,7 +6,7 @@ Three conversations share this vocabulary, each over signed frames (``protocol.p
   :class:`DumpStacks`, :class:`Interrupt`;
 - worker -> agent (report pipe): :class:`Running`, :class:`Result`, :class:`Failed`,
   :class:`Resized`, :class:`Imported` (what the warm pool should preload), the State
-  requests :class:`StateGet` and :class:`Commit`, and
+  requests :class:`StateGet`, :class:`CommitIntent` and :class:`Commit`, and
   :class:`Progress` and :class:`Stacks` for hang diagnosis;
 - head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
   :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
@@ -151,13 +151,27 @@ class StateGet:
 
 @dataclass(frozen=True)
 class Commit:
-    """A new snapshot: in ``snapshot`` (bytes), or in a memory file the worker offers."""
+    """A new snapshot: in ``snapshot`` (bytes), or in a memory file the worker offers.
+    A sharded State's snapshot comes in ``parts`` parts, one per rank, in any order: the
+    last of the parts with the same ``token`` (rank 0's random number for this commit)
+    completes the commit."""
 
     request_id: int
     step: Any
     time: float
     snapshot: bytes | None = None
     handoff: Handoff | None = None
+    part: int = 0
+    parts: int = 1
+    token: int = 0
+
+
+@dataclass(frozen=True)
+class CommitIntent:
+    """Rank 0 is about to commit: whether every rank must leave at this commit (a resize,
+    machines waiting); the answer is a CommitReply."""
+
+    request_id: int
 
 
 @dataclass(frozen=True)
@@ -176,9 +190,9 @@ class Stacks:
     threads: tuple[ThreadStack, ...]
 
 
-StateRequest = StateGet | Commit
-WorkerMessage = (Running | Result | Failed | Resized | StateGet | Commit | Progress | Stacks
-                 | Imported)
+StateRequest = StateGet | Commit | CommitIntent
+WorkerMessage = (Running | Result | Failed | Resized | StateGet | Commit | CommitIntent
+                 | Progress | Stacks | Imported)
 
 
 @dataclass(frozen=True)
@@ -192,6 +206,7 @@ class StateReply:
 class CommitReply:
     resize: bool = False  # every rank leaves at this commit
     handoff_failed: bool = False  # the agent cannot read the memory file: use the pipe
+    error: str | None = None  # the commit was not kept: why
 
 
 # -- commands into an agent (from any kernel thread) ----------------------------------

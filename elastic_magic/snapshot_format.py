@@ -10,6 +10,11 @@ the file as it lies in memory, in one write per tensor, and comes back with one
           | u64 tree length  | the tree pickled, tensors as persistent ids (an index)
           | each tensor's bytes, in table order
 
+A sharded State's snapshot is one such snapshot per rank (``elastic_magic.sharded``), put
+together by the agent once every rank's is in:
+
+    PARTS | u64 count | u64 size of each | each part, in rank order
+
 Tensors other than plain strided ones (sparse, quantized, ...) are pickled in the tree as
 torch pickles them. A snapshot written by ``torch.save`` (an older checkpoint) still loads.
 Snapshots travel between one job's own processes and the checkpoint folder the user gave:
@@ -26,10 +31,41 @@ import struct
 from typing import Any, BinaryIO
 
 MAGIC = b"EMSNAP01"
+PARTS = b"EMPARTS1"
 _LENGTH = struct.Struct("<Q")
 
 
+def parts_header(sizes: list[int]) -> bytes:
+    """What precedes parts of these sizes in one snapshot."""
+    return PARTS + _LENGTH.pack(len(sizes)) + b"".join(_LENGTH.pack(n) for n in sizes)
+
+
 def save(obj: Any, file: BinaryIO) -> None:
+    prepare(obj, copy=False).write(file)
+
+
+class Prepared:
+    """A snapshot ready to write: its tree pickled and its tensors' bytes."""
+
+    def __init__(self, head: list[bytes], flat: list[Any]) -> None:
+        self.head = head
+        self.flat = flat
+
+    def write(self, file: BinaryIO) -> None:
+        import torch
+
+        for part in self.head:
+            file.write(part)
+        for data in self.flat:
+            if data.numel():
+                file.write(data.view(torch.uint8).numpy().data)
+
+
+def prepare(obj: Any, *, copy: bool = True, reuse: Prepared | None = None) -> Prepared:
+    """``obj`` pickled now, with its tensors copied (``copy``: training may change them
+    while the copy is written; from a GPU, the copy to the host, in pinned memory). The
+    copies go into the memory of ``reuse`` (a snapshot written already) where it fits:
+    fresh memory costs a page fault per page, several times the copy itself."""
     import torch
 
     tensors: list[Any] = []
@@ -49,23 +85,69 @@ def save(obj: Any, file: BinaryIO) -> None:
     pickler = pickle.Pickler(tree, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.persistent_id = persistent_id  # type: ignore[method-assign]
     pickler.dump(obj)
-    flat = [t.detach().to("cpu").contiguous().reshape(-1) for t in tensors]
+    spare: dict[tuple[Any, int], list[Any]] = {}
+    for buffer in reuse.flat if reuse is not None else ():
+        spare.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)
+    flat = [_copied(t, spare) if copy else t.detach().to("cpu").contiguous().reshape(-1)
+            for t in tensors]
+    if copy and any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()  # the copies to the host are done before they are written
     table = pickle.dumps([(str(t.dtype).removeprefix("torch."), tuple(t.shape),
                            f.numel() * f.element_size()) for t, f in zip(tensors, flat,
                                                                          strict=True)])
-    for part in (MAGIC, _LENGTH.pack(len(table)), table, _LENGTH.pack(tree.tell()),
-                 tree.getbuffer()):
-        file.write(part)
-    for data in flat:
-        if data.numel():
-            file.write(data.view(torch.uint8).numpy().data)
+    return Prepared([MAGIC, _LENGTH.pack(len(table)), table, _LENGTH.pack(tree.tell()),
+                     tree.getvalue()], flat)
+
+
+def _copied(tensor: Any, spare: dict[tuple[Any, int], list[Any]]) -> Any:
+    """A flat copy of ``tensor`` on the host, in a spare buffer of its size if any."""
+    import torch
+
+    buffers = spare.get((tensor.dtype, tensor.numel()))
+    out = buffers.pop() if buffers else torch.empty(
+        tensor.numel(), dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    out.view(tensor.shape).copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+    return out
 
 
 def load(file: BinaryIO) -> Any:
-    """Read a snapshot written by ``save`` (or by ``torch.save``), tensors on the CPU."""
+    """Read a snapshot written by ``save`` (or by ``torch.save``), tensors on the CPU; of
+    a snapshot in parts, the first."""
+    return load_parts(file)[0]
+
+
+def load_parts(file: BinaryIO) -> list[Any]:
+    """Every part of a snapshot (one, unless it was put together from several)."""
+    parts = Parts(file)
+    return [parts.part(i) for i in range(parts.count)]
+
+
+class Parts:
+    """A snapshot's parts, each read when first asked for (a restoring rank reads only the
+    parts holding its rows); ``file`` must be seekable when there are several."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.loaded: dict[int, Any] = {}
+        head = file.read(len(MAGIC))
+        if head != PARTS:
+            self.count, self.loaded[0] = 1, _load(file, head)
+            return
+        self.count = _LENGTH.unpack(_read(file, _LENGTH.size))[0]
+        sizes = [_LENGTH.unpack(_read(file, _LENGTH.size))[0] for _ in range(self.count)]
+        start = file.tell()
+        self.offsets = [start + sum(sizes[:i]) for i in range(self.count)]
+
+    def part(self, index: int) -> Any:
+        if index not in self.loaded:
+            self.file.seek(self.offsets[index])
+            self.loaded[index] = _load(self.file, _read(self.file, len(MAGIC)))
+        return self.loaded[index]
+
+
+def _load(file: BinaryIO, head: bytes) -> Any:
     import torch
 
-    head = file.read(len(MAGIC))
     if head != MAGIC:  # an older snapshot: torch.save's zip
         return torch.load(io.BytesIO(head + file.read()), weights_only=False,
                           map_location="cpu")

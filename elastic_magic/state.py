@@ -10,7 +10,12 @@ Snapshots live in the agent (kernel memory, and with ``--checkpoint-dir`` on dis
 restarted or resized group starts from the last commit, whatever its new world size. Rank 0
 builds the snapshot after every rank has finished the step; model and optimizer states are
 identical across ranks under DDP, the sampler's position is global, and the RNG states are
-gathered from every rank.
+gathered from every rank. Sharded tensors (FSDP2, DTensor) are the exception: each rank
+commits its own chunks as its part of the snapshot (``sharded.py``).
+
+A commit blocks training only while it copies the state in memory (from a GPU: to the
+host); the worker writes and sends the copy on a thread, and the next commit, a restore or
+the end of the cell waits for it. A crash meanwhile leaves the commit before whole.
 
 The one rule: an argument with ``state_dict`` and ``load_state_dict`` (a module, optimizer,
 scheduler, GradScaler, AveragedModel, sampler, loader, your own class) or a
@@ -22,17 +27,19 @@ a socket) is refused.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
+import secrets
 import socket
 import time
 import types
 from collections.abc import Callable
 from typing import Any
 
-from . import rng, snapshot_format
+from . import rng, sharded, snapshot_format
 from .data import DataLoader, ElasticSampler, _dist, rank_and_world
-from .messages import Commit, CommitReply, Handoff, StateGet, StateReply
+from .messages import Commit, CommitIntent, CommitReply, Handoff, StateGet, StateReply
 from .worker.client import AgentClient, ResizeExit, current
 
 __all__ = ["DataLoader", "ElasticSampler", "State"]
@@ -121,6 +128,7 @@ class State:
         object.__setattr__(self, "_since_commit", 0)
         object.__setattr__(self, "_last_commit", time.monotonic())
         object.__setattr__(self, "_on_resize", on_resize)
+        object.__setattr__(self, "_staged", None)  # the last commit's copy, once sent
         object.__setattr__(self, "restored_step", None)
         named = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                  "sampler": sampler}
@@ -149,6 +157,7 @@ class State:
             self._objects.pop(name, None)
             self._values[name] = value
         else:
+            sharded.check(name, stateful)  # refuses a layout it cannot restore, now
             self._values.pop(name, None)
             self._objects[name] = stateful
 
@@ -164,27 +173,36 @@ class State:
 
     def snapshot(self) -> bytes:
         buffer = io.BytesIO()
-        self._save(buffer, [rng.current()], 1)
+        tree, split = self._tree([rng.current()], 0)
+        snapshot_format.save({**tree, "chunks": split.chunks} if split.sharded else tree,
+                             buffer)
         return buffer.getvalue()
 
-    def _save(self, file: Any, rngs: list[dict[str, Any]], world_size: int) -> None:
-        snapshot_format.save({
-            "values": dict(self._values), "commits": self._commits,
-            "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
-            "rngs": rngs, "world_size": world_size}, file)
+    def _tree(self, rngs: list[dict[str, Any]], rank: int) -> tuple[dict[str, Any],
+                                                                    sharded.Split]:
+        """What a commit saves, DTensors replaced by where they were (rank 0's part), and
+        this rank's chunks of them."""
+        split = sharded.Split({})
+        objects = {name: sharded.split(obj.state_dict(), rank, (name,), split)
+                   for name, obj in self._objects.items()}
+        values = sharded.split(dict(self._values), rank, ("values",), split)
+        return {"values": values, "commits": self._commits, "objects": objects,
+                "rngs": rngs, "world_size": len(rngs)}, split
 
     def load(self, blob: bytes | Any) -> None:
         """Restore from a snapshot: bytes, or a binary file positioned at its start."""
         source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
-        data = snapshot_format.load(source)
-        self._values.update(data["values"])
+        parts = snapshot_format.Parts(source)
+        data = parts.part(0)
+        chunks = sharded.Chunks(parts.part, parts.count)
+        self._values.update(sharded.resolve(data["values"], chunks, None, "values"))
         object.__setattr__(self, "_commits", data["commits"])
         saved = data.get("objects") or {n: data[n] for n in
                                         ("model", "optimizer", "scheduler", "sampler")
                                         if n in data}  # snapshots before objects were general
         for name, obj in self._objects.items():
             if name in saved:
-                obj.load_state_dict(saved[name])
+                obj.load_state_dict(sharded.resolve(saved[name], chunks, obj, name))
         rank, world = rank_and_world()
         rngs = data.get("rngs") or [data["rng"]]
         rng.apply(rngs[rank % len(rngs)])  # a new rank of a larger group: an old one's
@@ -197,6 +215,7 @@ class State:
         client = current()
         if client is None:
             return False
+        client.drain()  # a commit still being sent is the latest
         reply: StateReply = client.request(StateGet)
         memory_file = _open_handoff(reply.handoff)
         if reply.handoff and memory_file is None:  # cannot read the agent's file
@@ -236,45 +255,78 @@ class State:
             return False
         object.__setattr__(self, "_since_commit", 0)
         object.__setattr__(self, "_last_commit", time.monotonic())
+        if client is not None:
+            client.drain()  # the commit before is in the agent (or raises why not)
         # every rank's random streams; waits until all finished the step
         rngs = rng.gather(dist) if dist is not None else [rng.current()]
-        resize = False
-        if client is not None and (dist is None or dist.get_rank() == 0):
-            resize = self._send_snapshot(client, rngs, len(rngs))
-        if dist is not None:
-            resize = _broadcast_flag(dist, resize)
-        if resize:
+        rank = dist.get_rank() if dist is not None else 0
+        tree, split = self._tree(rngs, rank)
+        # Replicated (DDP) or one rank: rank 0 has it all. Sharded: a part from each rank.
+        part: dict[str, Any] | None = tree if rank == 0 else None
+        if split.sharded:
+            part = {**(part or {}), "chunks": split.chunks}
+        # What blocks training: a copy in memory (from a GPU, to the host); the rest is
+        # sent behind it, and the next commit waits for it.
+        prepared = snapshot_format.prepare(part, reuse=self._staged) \
+            if client is not None and part else None
+        object.__setattr__(self, "_staged", prepared)  # its memory serves the next commit
+        leave, token = False, 0
+        if client is not None and rank == 0:
+            leave = client.request(CommitIntent).resize
+            token = secrets.randbits(62)
+        if dist is not None:  # every rank leaves, or none; the parts of a commit match
+            flag, token = _broadcast_ints(dist, [int(leave), token])
+            leave = bool(flag)
+        if client is not None and prepared is not None:
+            commit = functools.partial(Commit, step=self.step, time=time.time(), part=rank,
+                                       parts=len(rngs) if split.sharded else 1, token=token)
+            client.behind(functools.partial(_send, client, prepared, commit))
+        if leave:  # the commit must be whole in the agent before any rank leaves
+            if client is not None:
+                client.drain()
+            if dist is not None:
+                _gather_int(dist, 0)
             raise ResizeExit(self.step)
         return True
 
-    def _send_snapshot(self, client: AgentClient, rngs: list[dict[str, Any]],
-                       world: int) -> bool:
-        """Commit this snapshot in the agent; True when every rank must leave for a resize.
 
-        A large snapshot is dominated by copies, so it is written once, into an anonymous
-        memory file that the agent reads through /proc; where that is not possible, it goes
-        down the pipe."""
-        global _HANDOFF
-        step, now = self.step, time.time()
-        reply: CommitReply
-        if _HANDOFF:
-            fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
-            try:
-                with os.fdopen(fd, "wb", closefd=False) as file:
-                    self._save(file, rngs, world)
-                offer = Handoff.of(fd)
-                reply = client.request(lambda request_id: Commit(request_id, step, now,
-                                                                 handoff=offer))
-            finally:
-                os.close(fd)
-            if not reply.handoff_failed:
-                return reply.resize
-            _HANDOFF = False  # the agent cannot read our memory files: use the pipe
-        buffer = io.BytesIO()
-        self._save(buffer, rngs, world)
-        blob = buffer.getvalue()
-        reply = client.request(lambda request_id: Commit(request_id, step, now, snapshot=blob))
-        return reply.resize
+def _send(client: AgentClient, prepared: snapshot_format.Prepared,
+          commit: Callable[..., Commit]) -> None:
+    """Commit a snapshot (or a rank's part of one) in the agent. A large snapshot is
+    dominated by copies, so it is written once, into an anonymous memory file that the
+    agent reads through /proc; where that is not possible, it goes down the pipe."""
+    global _HANDOFF
+    reply: CommitReply
+    if _HANDOFF:
+        fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as file:
+                prepared.write(file)
+            offer = Handoff.of(fd)
+            reply = client.request(lambda request_id: commit(request_id, handoff=offer))
+        finally:
+            os.close(fd)
+        if not reply.handoff_failed:
+            return _check(reply)
+        _HANDOFF = False  # the agent cannot read our memory files: use the pipe
+    buffer = io.BytesIO()
+    prepared.write(buffer)
+    blob = buffer.getvalue()
+    _check(client.request(lambda request_id: commit(request_id, snapshot=blob)))
+
+
+def _check(reply: CommitReply) -> None:
+    if reply.error:
+        raise RuntimeError(reply.error)
+
+
+def _broadcast_ints(dist: Any, values: list[int]) -> list[int]:
+    """Rank 0's ``values`` on every rank (a tensor collective: nothing is unpickled)."""
+    import torch
+
+    tensor = torch.tensor(values, dtype=torch.int64, device=rng.collective_device(dist))
+    dist.broadcast(tensor, src=0)
+    return [int(v) for v in tensor.tolist()]
 
 
 _HANDOFF = hasattr(os, "memfd_create")

@@ -12,6 +12,7 @@ import torch
 
 import elastic_magic as em
 from elastic_magic import snapshot_format
+from elastic_magic.agent.local.snapshots import split_checkpoint
 
 
 def test_the_format_round_trips_tensors_of_every_kind_and_reads_torch_save():
@@ -43,6 +44,38 @@ def test_the_format_round_trips_tensors_of_every_kind_and_reads_torch_save():
         snapshot_format.load(io.BytesIO(whole.getvalue()[:-10]))
 
 
+def test_a_prepared_snapshot_is_a_copy_that_training_cannot_change():
+    """What a commit blocks for: the tree pickled and the tensors copied; the write happens
+    later, while training changes the tensors in place."""
+    model = torch.nn.Linear(16, 8)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    data = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "view": model.weight.t()[2:5]}
+    want = io.BytesIO()
+    snapshot_format.save(data, want)
+    prepared = snapshot_format.prepare(data)
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()  # parameters, moments and the step counter change in place
+    before = snapshot_format.load(io.BytesIO(want.getvalue()))
+    assert not torch.equal(model.weight, before["model"]["weight"])
+    assert optimizer.state_dict()["state"][0]["step"] == 2 != before["optimizer"]["state"][0][
+        "step"]
+    written = io.BytesIO()
+    prepared.write(written)
+    assert written.getvalue() == want.getvalue()
+    # The next commit copies into the memory of this one, once it is written.
+    data = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "view": model.weight.t()[2:5]}
+    again = snapshot_format.prepare(data, reuse=prepared)
+    assert {b.data_ptr() for b in again.flat} == {b.data_ptr() for b in prepared.flat}
+    want, written = io.BytesIO(), io.BytesIO()
+    snapshot_format.save(data, want)
+    again.write(written)
+    assert written.getvalue() == want.getvalue()
+
+
 CRASH = textwrap.dedent("""
     import os, signal, torch, elastic_magic
 
@@ -69,11 +102,13 @@ def test_a_rank_that_dies_mid_commit_leaves_the_previous_commit_whole(tmp_path, 
                   render=lambda e: None)
     result = failed.value.result
     assert result.failure.signal == "SIGKILL" and result.commit["step"] == 1
-    for blob in (result.snapshot, (ckpt / "snapshot.pt").read_bytes()):
+    meta, on_disk = split_checkpoint((ckpt / "checkpoint.em").read_bytes())
+    assert meta["step"] == 1
+    for blob in (result.snapshot, on_disk):
         snapshot = snapshot_format.load(io.BytesIO(blob))
         assert snapshot["values"]["step"] == 1
         assert torch.all(snapshot["objects"]["model"]["weight"] == 1)
-    assert not list(ckpt.glob(".snapshot*"))  # no half-written temporary left
+    assert not list(ckpt.glob(".*"))  # no half-written temporary left
 
 
 def test_random_states_cross_ranks_as_a_fixed_layout_never_a_pickle():

@@ -187,8 +187,8 @@ def test_scale_outside_bounds_is_refused(log_dir):
 def test_checkpoint_dir_survives_the_job(tmp_path, log_dir, recorder):
     ckpt = tmp_path / "ckpt"
     first = train(log_dir, recorder, checkpoint_dir=ckpt)
-    assert (ckpt / "snapshot.pt").exists() and first.commit["step"] == STEPS
-    assert not list(ckpt.glob(".snapshot*"))  # no half-written temporary left
+    assert (ckpt / "checkpoint.em").exists() and first.commit["step"] == STEPS
+    assert not list(ckpt.glob(".*"))  # no half-written temporary left
     from conftest import Recorder
 
     again = Recorder()

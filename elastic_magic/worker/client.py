@@ -34,6 +34,31 @@ class AgentClient:
         self._lock = threading.Lock()  # user code may commit from any thread
         self._ids = itertools.count(1)
         self._replies: dict[int, queue.Queue[Any]] = {}
+        self._behind: threading.Thread | None = None  # a commit being sent
+        self._behind_error: BaseException | None = None
+
+    def behind(self, work: Callable[[], Any]) -> None:
+        """Run ``work`` (sending a commit) on a thread while training goes on, once the
+        one before has finished."""
+        self.drain()
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # raised by the next drain, in the training
+                self._behind_error = exc
+
+        self._behind = threading.Thread(target=run, name="elastic-commit", daemon=True)
+        self._behind.start()
+
+    def drain(self) -> None:
+        """Wait for the commit being sent, if any; raises what went wrong with it."""
+        if self._behind is not None:
+            self._behind.join()
+            self._behind = None
+        error, self._behind_error = self._behind_error, None
+        if error is not None:
+            raise error
 
     def send(self, message: WorkerMessage) -> None:
         with self._lock:

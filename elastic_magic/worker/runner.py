@@ -47,6 +47,10 @@ def run_payload(payload: Payload, report: AgentClient) -> None:
     except BaseException as exc:  # user code may raise anything, KeyboardInterrupt included
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         return _fail(report, exc, exit_code=code, leave=not payload.session)
+    try:
+        report.drain()  # the cell's last commit is in the agent before its result
+    except BaseException as exc:
+        return _fail(report, exc, exit_code=1, leave=not payload.session)
     progress.running.clear()
     message = _result_message(payload, value, namespace)
     if payload.session:
@@ -170,6 +174,8 @@ def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool =
     info = describe_exception(exc, exit_code)
     report_imports(report)
     if not leave:  # a session's cell: report, drop the frames, wait for the next cell
+        with contextlib.suppress(BaseException):  # its last commit, sent or not
+            report.drain()
         sys.stderr.write(info.traceback)  # an interrupted cell shows where it was
         progress.running.clear()
         traceback.clear_frames(exc.__traceback__)

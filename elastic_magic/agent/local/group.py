@@ -12,6 +12,7 @@ import cloudpickle
 from ...events import EventSink
 from ...messages import (
     Commit,
+    CommitIntent,
     Exit,
     Failed,
     Imported,
@@ -117,7 +118,7 @@ class WorkerGroup:
                 worker.state = WorkerState.STOPPED
             case Imported(modules):  # the pool preloads them for the next cells
                 warm_pool().learn(modules)
-            case StateGet() | Commit() as request:
+            case StateGet() | Commit() | CommitIntent() as request:
                 return request
             case other:
                 raise TypeError(f"unexpected message from a worker: {other!r}")

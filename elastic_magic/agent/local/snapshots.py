@@ -12,6 +12,14 @@ else may write to it), and the files are read only if they are the user's too (n
 no one else may write them); they are written new (``O_EXCL | O_NOFOLLOW``) relative to
 that descriptor, then renamed into place.
 
+A checkpoint is one file, ``checkpoint.em``: its metadata (the step printed on resume and
+kept as ``JobResult.commit``) in a header before the snapshot, so one rename replaces both
+and they always agree. A write that a crash interrupted leaves a temporary file: the next
+job that opens the folder removes those (``.checkpoint.em.<hex>``, and the two of earlier
+versions), only regular files of the user's in a folder checked to be the user's. The
+pair ``snapshot.pt`` + ``snapshot.json`` of earlier versions is still loaded, when there is
+no ``checkpoint.em``.
+
 In memory, a snapshot is either bytes (from the pipe, another machine or a checkpoint) or
 a descriptor of the anonymous memory file the committing worker wrote it into: the agent
 keeps that file open instead of copying it, and workers read it back through /proc.
@@ -24,8 +32,10 @@ import contextlib
 import errno
 import json
 import os
+import re
 import secrets
 import stat
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,10 +44,38 @@ from typing import Any
 
 from ...events import Committed
 from ...folders import READ_FILE, NotPrivate, describe, new_file, own_folder
-from ...messages import Commit, CommitReply, Handoff, Reply, StateGet, StateReply, StateRequest
+from ...messages import (
+    Commit,
+    CommitIntent,
+    CommitReply,
+    Handoff,
+    Reply,
+    StateGet,
+    StateReply,
+    StateRequest,
+)
+from .parts import CommitParts, append
 
-_DATA = "snapshot.pt"
-_META = "snapshot.json"
+_FILE = "checkpoint.em"
+_MAGIC = b"EMCKPT01"  # then u64 length, the metadata as JSON, then the snapshot
+_LENGTH = struct.Struct("<Q")
+_LEGACY_DATA, _LEGACY_META = "snapshot.pt", "snapshot.json"  # earlier versions' pair
+_LEFTOVER = re.compile(r"\.(checkpoint\.em|snapshot\.pt|snapshot\.json)\.[0-9a-f]{16}")
+
+
+def checkpoint_header(meta: dict[str, Any]) -> bytes:
+    """What precedes the snapshot in ``checkpoint.em``."""
+    text = json.dumps(meta).encode()
+    return _MAGIC + _LENGTH.pack(len(text)) + text
+
+
+def split_checkpoint(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """The metadata and the snapshot of a ``checkpoint.em`` file's bytes."""
+    start = len(_MAGIC) + _LENGTH.size
+    if data[:len(_MAGIC)] != _MAGIC or len(data) < start:
+        raise ValueError(f"not a checkpoint written by elastic_magic ({_FILE})")
+    end = start + _LENGTH.unpack_from(data, len(_MAGIC))[0]
+    return json.loads(data[start:end]), data[end:]
 
 
 @dataclass
@@ -50,6 +88,7 @@ class SnapshotStore:
     size: int = 0
     _writer: CheckpointWriter | None = field(default=None, repr=False)
     _folder_fd: int | None = None  # the checkpoint folder, checked
+    parts: CommitParts = field(default_factory=CommitParts)  # of a sharded commit
 
     @property
     def blob(self) -> bytes | None:
@@ -70,11 +109,14 @@ class SnapshotStore:
             return False
         folder = self._folder()
         try:
-            meta = self._read(folder, _META)
+            meta, data = split_checkpoint(self._read(folder, _FILE))
         except FileNotFoundError:
-            return False
-        data = self._read(folder, _DATA)
-        self.meta = json.loads(meta)
+            try:
+                meta = json.loads(self._read(folder, _LEGACY_META))
+            except FileNotFoundError:
+                return False
+            data = self._read(folder, _LEGACY_DATA)
+        self.meta = meta
         self._replace(data=data)
         return True
 
@@ -87,6 +129,7 @@ class SnapshotStore:
                 raise NotPrivate(f"--checkpoint-dir {exc}: nothing is loaded from it or "
                                  "written to it. Give a folder that only you can write.") \
                     from None
+            _remove_leftovers(self._folder_fd)
         return self._folder_fd
 
     def _read(self, folder: int, name: str) -> bytes:
@@ -122,6 +165,7 @@ class SnapshotStore:
 
     def close(self) -> None:
         """Release the snapshot, once the checkpoint (if any) is on disk."""
+        self.parts.close()
         writer, self._writer = self._writer, None
         try:
             if writer is not None:
@@ -139,23 +183,30 @@ class SnapshotStore:
         self.size = os.fstat(fd).st_size if fd is not None else len(data or b"")
 
 
-def _write_atomically(folder: int, name: str, source: bytes | int | None,
+def _remove_leftovers(folder: int) -> None:
+    """Remove the temporary files of checkpoint writes that a crash interrupted: regular
+    files of the user's, named as this module names them, in a folder checked to be the
+    user's (no one else can have put or renamed anything there)."""
+    for name in os.listdir(folder):
+        if not _LEFTOVER.fullmatch(name):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            info = os.stat(name, dir_fd=folder, follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                os.unlink(name, dir_fd=folder)
+
+
+def _write_atomically(folder: int, name: str, head: bytes, source: bytes | int | None,
                       size: int = 0) -> None:
-    """Write ``source`` (bytes, or ``size`` bytes of a file descriptor) to a new temporary
-    file in ``folder`` (a descriptor), fsync it, then rename it over ``name``."""
+    """Write ``head`` then ``source`` (bytes, or ``size`` bytes of a file descriptor) to a
+    new temporary file in ``folder`` (a descriptor), fsync it, then rename it over
+    ``name``."""
     tmp = f".{name}.{secrets.token_hex(8)}"
     try:
         with open(new_file(folder, tmp), "wb") as f:
-            if isinstance(source, int):
-                offset = 0
-                while offset < size:  # kernel to kernel: no copy through Python
-                    sent = os.sendfile(f.fileno(), source, offset, size - offset)
-                    if not sent:
-                        raise OSError(f"snapshot ended at {offset} of {size} bytes")
-                    offset += sent
-            else:
-                f.write(source or b"")
+            f.write(head)
             f.flush()
+            append(f.fileno(), source or b"", size)
             os.fsync(f.fileno())
         os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
     except BaseException:
@@ -212,8 +263,7 @@ class CheckpointWriter:
                     return
                 (meta, source, size), self._pending = self._pending, None
             try:
-                _write_atomically(self.folder, _DATA, source, size)
-                _write_atomically(self.folder, _META, json.dumps(meta).encode())
+                _write_atomically(self.folder, _FILE, checkpoint_header(meta), source, size)
             except BaseException as exc:
                 with self._cond:
                     self._error = exc
@@ -253,10 +303,21 @@ class StateServer:
                memory_file: int | None = None) -> CommitReply:
         """Keep the snapshot (bytes in the request, or ``memory_file``, which the store
         then owns)."""
+        data = request.snapshot
+        if request.parts > 1:  # a sharded State: a part from each rank, in any order
+            if request.parts != world_size:
+                if memory_file is not None:
+                    os.close(memory_file)
+                return CommitReply(error=f"the commit was not kept: {request.parts} parts "
+                                         f"for {world_size} ranks")
+            if not self.store.parts.add(request.part, request.parts, request.token, data,
+                                        memory_file):
+                return CommitReply()
+            data, memory_file = self.store.parts.join(request.parts)
         meta = {"step": request.step, "time": request.time, "world_size": world_size}
-        self.store.commit(meta, data=request.snapshot, fd=memory_file)
+        self.store.commit(meta, data=data, fd=memory_file)
         self.emit(Committed(request.step, world_size, self.store.size))
-        return CommitReply(resize=self.leave_at_commit())
+        return CommitReply()
 
     def serve(self, request: StateRequest, world_size: int, *, inline: bool) -> Reply:
         """A request whose snapshot, if any, came as bytes (another machine's rank)."""
@@ -265,5 +326,7 @@ class StateServer:
                 return Reply(request.request_id, self.get(inline or request.inline))
             case Commit():
                 return Reply(request.request_id, self.commit(request, world_size))
+            case CommitIntent():  # every rank leaves at this commit: a resize, machines wait
+                return Reply(request.request_id, CommitReply(resize=self.leave_at_commit()))
             case other:
                 raise TypeError(f"not a State request: {other!r}")
