@@ -175,9 +175,12 @@ class Zygote:
         return status
 
     def _receive(self, timeout: float) -> dict[str, Any]:
-        if not select.select([self._sock], [], [], timeout)[0]:
-            raise PoolError("no answer from the worker pool")
-        data = self._sock.recv(_MAX_REPLY)
+        try:  # a socket reset or closed under us (the pool stopping) is the pool's end too
+            if not select.select([self._sock], [], [], timeout)[0]:
+                raise PoolError("no answer from the worker pool")
+            data = self._sock.recv(_MAX_REPLY)
+        except (OSError, ValueError) as exc:
+            raise PoolError(f"the worker pool has exited ({exc})") from exc
         if not data:
             raise PoolError("the worker pool has exited")
         reply: dict[str, Any] = json.loads(data)
