@@ -100,10 +100,12 @@ def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_other
         log_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
-    def zygote_after(**options) -> int:
+    def zygote_after(**options) -> tuple[int, float]:
+        """The zygote after a cell: its PID and start time (a PID freed may be reused at
+        once on some machines: the pair names one process)."""
         em.launch("1", nproc=1, log_dir=log_dir, render=lambda e: None, **options)
         (pid,) = warm_pool().pids
-        return pid
+        return pid, psutil.Process(pid).create_time()
 
     def pool_state() -> str:
         pool = warm_pool()
@@ -114,7 +116,7 @@ def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_other
     (tmp_path / "results.txt").write_text("a cell's file in cwd")
     assert zygote_after() == first
     last = zygote_after(env=["POOL_TEST=1"])  # --env: what workers inherit changed
-    assert last != first and not psutil.pid_exists(first)  # the old one has ended
+    assert last != first and not _alive(*first)  # the old one has ended
     monkeypatch.setenv("POOL_TEST_KERNEL", "1")  # so did the kernel's environment
     assert last != (last := zygote_after(env=["POOL_TEST=1"]))
     packages = tmp_path / "site-packages"
@@ -229,3 +231,10 @@ def test_load_ext_starts_the_pool_no_pool_bypasses_it_unload_ext_ends_it(ip):
     ip.run_line_magic("unload_ext", "elastic_magic")
     assert not _zygotes()
     ip.run_line_magic("load_ext", "elastic_magic")
+
+
+def _alive(pid: int, started: float) -> bool:
+    try:
+        return psutil.Process(pid).create_time() == started
+    except psutil.NoSuchProcess:
+        return False

@@ -3,7 +3,8 @@ Adam optimizer, trained by real gloo workers with commits. Each rank commits its
 chunks; a rank killed between commits replays to the same parameters bit for bit; resized
 2 -> 3 -> 2 (64 rows over 3 ranks: 22, 22, 20; a 1-row weight: 1, 0, 0) it ends within
 float tolerance of the uninterrupted run, every step once; layouts State cannot restore
-(tensor parallelism, a 2-D mesh) are refused at State(...)."""
+(tensor parallelism, a 2-D mesh) are refused at State(...). Two ranks share the CPU over gloo,
+also on a GPU machine (tests/test_gpu_sharded.py runs FSDP2 on CUDA over NCCL)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ STEPS = 40  # 2 epochs of 20 global batches
 
 def train(log_dir, recorder, *, every, nproc=2, kill_at=-1, kill_after=-1, resizes=(),
           **spec_args):
-    spec = JobSpec.create(nproc, log_dir=log_dir, **spec_args)
+    spec = JobSpec.create(nproc, backend="gloo", log_dir=log_dir, **spec_args)
     namespace = {"KILL_AT": kill_at, "KILL_AFTER": kill_after, "EVERY": every,
                  "PAUSE": 0.05 if resizes else 0.0}
     job = Job(spec, build_payload(TRAIN, spec, namespace=namespace)).start()
@@ -178,7 +179,7 @@ REFUSED = textwrap.dedent("""
                                         ("2-D mesh", "a 2-D device mesh")])
 def test_layouts_state_cannot_restore_are_refused_at_state(log_dir, layout, why):
     with pytest.raises(em.JobFailedError) as failed:
-        em.launch(REFUSED, nproc=2, log_dir=log_dir, namespace={"LAYOUT": layout},
+        em.launch(REFUSED, nproc=2, backend="gloo", log_dir=log_dir, namespace={"LAYOUT": layout},
                   render=lambda e: None)
     error = failed.value.result.failure
     assert error.exc_type == "Unsupported", error
@@ -222,7 +223,8 @@ def test_chunks_of_ranks_on_another_machine_cross_to_the_head(uninterrupted, mac
                                                              log_dir, recorder):
     """A machine that joined sends its ranks' parts through its agent to the head, which
     holds the commit; a resize to 3 ranks on 2 machines reshards from them."""
-    spec = JobSpec.create(1, nnodes=2, max_nproc=2, log_dir=log_dir, timeout=120)
+    spec = JobSpec.create(1, nnodes=2, max_nproc=2, backend="gloo", log_dir=log_dir,
+                          timeout=120)
 
     def drive(job):
         job.wait_for_commit(10, timeout=120)
@@ -276,7 +278,7 @@ def test_a_commit_of_a_whole_model_restores_into_fsdp2(log_dir):
     before = [p.detach().clone() for p in model.parameters()]
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
-    result = em.launch(FROM_WHOLE, nproc=2, log_dir=log_dir, render=lambda e: None,
+    result = em.launch(FROM_WHOLE, nproc=2, backend="gloo", log_dir=log_dir, render=lambda e: None,
                        namespace={"BLOB": blob, "X": x, "Y": y})
     loaded, stepped = result.values[0]
     for got, want in zip(loaded, before, strict=True):
