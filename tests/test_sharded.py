@@ -179,7 +179,8 @@ REFUSED = textwrap.dedent("""
                                         ("2-D mesh", "a 2-D device mesh")])
 def test_layouts_state_cannot_restore_are_refused_at_state(log_dir, layout, why):
     with pytest.raises(em.JobFailedError) as failed:
-        em.launch(REFUSED, nproc=2, backend="gloo", log_dir=log_dir, namespace={"LAYOUT": layout},
+        em.launch(REFUSED, nproc=2, backend="gloo", log_dir=log_dir,
+                  namespace={"LAYOUT": layout},
                   render=lambda e: None)
     error = failed.value.result.failure
     assert error.exc_type == "Unsupported", error
@@ -278,7 +279,8 @@ def test_a_commit_of_a_whole_model_restores_into_fsdp2(log_dir):
     before = [p.detach().clone() for p in model.parameters()]
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
-    result = em.launch(FROM_WHOLE, nproc=2, backend="gloo", log_dir=log_dir, render=lambda e: None,
+    result = em.launch(FROM_WHOLE, nproc=2, backend="gloo", log_dir=log_dir,
+                       render=lambda e: None,
                        namespace={"BLOB": blob, "X": x, "Y": y})
     loaded, stepped = result.values[0]
     for got, want in zip(loaded, before, strict=True):
