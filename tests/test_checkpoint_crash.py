@@ -159,3 +159,30 @@ def test_a_kernel_killed_during_commits_leaves_one_checkpoint_and_no_leftovers(t
     assert f"RESULT ({step}, True) {step}" in output  # restored == printed == JobResult.commit
     assert step >= last and step > 0
     assert temporaries(final.ckpt) == []
+
+
+def test_a_second_job_on_the_folder_leaves_a_running_write_alone(tmp_path, log_dir,
+                                                                  recorder):
+    """Two jobs share a --checkpoint-dir (two notebooks): the second one's start removes
+    what a crashed write left, never the temporary file the first job is writing, whose
+    rename (its commit) then succeeds."""
+    import elastic_magic as em
+    from elastic_magic.agent.local.snapshots import temporary_file
+    from elastic_magic.folders import own_folder
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    crashed = ".checkpoint.em.0123456789abcdef"
+    (ckpt / crashed).write_bytes(b"half a checkpoint")  # no one is writing it
+    folder = own_folder(ckpt, private=False)
+    try:
+        with temporary_file(folder, "checkpoint.em") as (fd, tmp):  # the first job's write
+            os.write(fd, b"the first job's checkpoint")
+            result = em.launch("1 + 1", nproc=1, checkpoint_dir=ckpt, log_dir=log_dir,
+                               render=recorder)
+            assert result.values[0] == 2
+            assert temporaries(ckpt) == [tmp]  # the crashed write's file alone is gone
+            os.replace(tmp, "checkpoint.em", src_dir_fd=folder, dst_dir_fd=folder)
+    finally:
+        os.close(folder)
+    assert (ckpt / "checkpoint.em").read_bytes() == b"the first job's checkpoint"

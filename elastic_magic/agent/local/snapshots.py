@@ -16,7 +16,9 @@ A checkpoint is one file, ``checkpoint.em``: its metadata (the step printed on r
 kept as ``JobResult.commit``) in a header before the snapshot, so one rename replaces both
 and they always agree. A write that a crash interrupted leaves a temporary file: the next
 job that opens the folder removes those (``.checkpoint.em.<hex>``, and the two of earlier
-versions), only regular files of the user's in a folder checked to be the user's. The
+versions), only regular files of the user's in a folder checked to be the user's, and only
+those no writer holds locked: two jobs (two notebooks) may share a folder, and the second
+one's start must not remove the file the first is writing. The
 pair ``snapshot.pt`` + ``snapshot.json`` of earlier versions is still loaded, when there is
 no ``checkpoint.em``.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -37,7 +40,7 @@ import secrets
 import stat
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,14 +189,53 @@ class SnapshotStore:
 def _remove_leftovers(folder: int) -> None:
     """Remove the temporary files of checkpoint writes that a crash interrupted: regular
     files of the user's, named as this module names them, in a folder checked to be the
-    user's (no one else can have put or renamed anything there)."""
+    user's (no one else can have put or renamed anything there), that no writer holds
+    locked: another job sharing the folder may be writing one (``temporary_file``)."""
     for name in os.listdir(folder):
         if not _LEFTOVER.fullmatch(name):
             continue
+        try:  # O_NONBLOCK: a FIFO must not stall the job's start
+            fd = os.open(name, READ_FILE | os.O_NONBLOCK, dir_fd=folder)
+        except OSError:
+            continue  # gone already, or a link: left alone
+        try:
+            info = os.fstat(fd)
+            if not (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a write under way
+            with contextlib.suppress(FileNotFoundError):
+                now = os.stat(name, dir_fd=folder, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino):
+                    os.unlink(name, dir_fd=folder)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def temporary_file(folder: int, name: str) -> Iterator[tuple[int, str]]:
+    """A new temporary file for ``name`` in ``folder`` (a descriptor), open for writing
+    and locked (``flock``) while the block runs: its descriptor and its name. Removed if
+    the block raises."""
+    while True:
+        tmp = f".{name}.{secrets.token_hex(8)}"
+        fd = new_file(folder, tmp)
+        # Held until the file is renamed or removed: another job starting on the folder
+        # removes only the temporary files no one holds (``_remove_leftovers``).
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:
+            break
+        os.close(fd)  # removed between its creation and the lock: take another
+    try:
+        yield fd, tmp
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            info = os.stat(name, dir_fd=folder, follow_symlinks=False)
-            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
-                os.unlink(name, dir_fd=folder)
+            os.unlink(tmp, dir_fd=folder)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _write_atomically(folder: int, name: str, head: bytes, source: bytes | int | None,
@@ -201,18 +243,11 @@ def _write_atomically(folder: int, name: str, head: bytes, source: bytes | int |
     """Write ``head`` then ``source`` (bytes, or ``size`` bytes of a file descriptor) to a
     new temporary file in ``folder`` (a descriptor), fsync it, then rename it over
     ``name``."""
-    tmp = f".{name}.{secrets.token_hex(8)}"
-    try:
-        with open(new_file(folder, tmp), "wb") as f:
-            f.write(head)
-            f.flush()
-            append(f.fileno(), source or b"", size)
-            os.fsync(f.fileno())
+    with temporary_file(folder, name) as (fd, tmp):
+        append(fd, head, len(head))
+        append(fd, source or b"", size)
+        os.fsync(fd)
         os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=folder)
-        raise
 
 
 class CheckpointWriter:
