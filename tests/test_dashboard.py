@@ -534,13 +534,15 @@ def test_a_ranks_lines_keep_their_order_across_stdout_and_stderr(log_dir):
 
 def test_order_marks_are_found_wherever_reads_cut_them():
     from elastic_magic.agent.local.output import _Marks
-    from elastic_magic.worker.stdout import ORDER_END, ORDER_MARK
+    from elastic_magic.worker.stdout import ORDER_END, order_mark
 
-    mark, end = ORDER_MARK.encode(), ORDER_END.encode()
-    not_ours = mark + b"x" + end  # the same start, no number: plain bytes
+    mark, end = order_mark("ab" * 16).encode(), ORDER_END.encode()
+    not_ours = (mark + b"x" + end  # the same start, no number: plain bytes
+                + order_mark("cd" * 16).encode() + b"5" + end  # another nonce
+                + b"\x00elastic-magic-order:7" + end)  # the mark without a nonce
     data = b"a\n" + mark + b"3" + end + b"b\n" + mark + b"12" + end + b"c\x00" + not_ours + b"d\x00"
     for size in (1, 2, 7, len(data)):
-        marks, pieces = _Marks(), []
+        marks, pieces = _Marks(mark), []
         for at in range(0, len(data), size):
             pieces += marks.split(data[at:at + size])
         pieces.append((marks.order, marks.rest()))
@@ -548,6 +550,36 @@ def test_order_marks_are_found_wherever_reads_cut_them():
         for order, piece in pieces:
             joined[order] = joined.get(order, b"") + piece
         assert joined == {0: b"a\n", 3: b"b\n", 12: b"c\x00" + not_ours + b"d\x00"}
+
+
+FORGED = textwrap.dedent("""
+    import sys
+    print("epoch 1")
+    print("record \\x00elastic-magic-order:99999999\\x00 from a dataset")
+    print("guessed \\x00elastic-magic-order:" + "0" * 32 + ":99999999\\x00 nonce")
+    print("epoch 2")
+    print("ValueError at epoch 2", file=sys.stderr)
+""")
+FORGED_LINES = ["epoch 1", "record \x00elastic-magic-order:99999999\x00 from a dataset",
+                "guessed \x00elastic-magic-order:" + "0" * 32 + ":99999999\x00 nonce",
+                "epoch 2"]
+
+
+def test_text_that_looks_like_an_order_mark_is_printed_text(log_dir, recorder):
+    """A cell that prints an order mark's bytes (without the rank's nonce, or with a
+    guessed one) neither reorders its lines nor loses those bytes: the record and the logs
+    hold them as printed, the error after the lines before it."""
+    spec = JobSpec.create(nproc=1, log_dir=log_dir)
+    job = Job(spec, build_payload(FORGED, spec)).start()
+    result = job.wait(recorder)
+    assert result.ok
+    from elastic_magic.events import Output
+
+    shown = [(e.stream, line) for e in recorder.of(Output) if e.rank == 0 for line in e.lines]
+    assert shown == [*(("stdout", line) for line in FORGED_LINES),
+                     ("stderr", "ValueError at epoch 2")]
+    assert result.log_path(0).read_text() == "".join(f"{line}\n" for line in FORGED_LINES)
+    assert result.log_path(0, "stderr").read_text() == "ValueError at epoch 2\n"
 
 
 def test_what_a_forked_child_prints_is_kept_unbuffered_and_unmarked(log_dir, recorder):

@@ -22,7 +22,7 @@ from elastic_magic.worker import client as agent_client
 from elastic_magic.worker import session, shepherd
 from elastic_magic.worker.progress import answer_stacks, report_progress
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
-from elastic_magic.worker.stdout import buffer_stdout
+from elastic_magic.worker.stdout import NONCE_BYTES, buffer_stdout
 
 PR_SET_PDEATHSIG = 1
 
@@ -43,10 +43,10 @@ def accept_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
-def read_secret(fd: int) -> bytes:
+def read_secret(fd: int, size: int) -> bytes:
     key = b""
-    while len(key) < KEY_BYTES:
-        chunk = os.read(fd, KEY_BYTES - len(key))
+    while len(key) < size:
+        chunk = os.read(fd, size - len(key))
         if not chunk:
             os._exit(1)
         key += chunk
@@ -64,7 +64,8 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
     shepherd_pid = shepherd.start(parent_pid, close_in_shepherd=(control_fd, report_fd))
     accept_signals()
     die_with_parent(shepherd_pid)
-    key = read_secret(control_fd)
+    key = read_secret(control_fd, KEY_BYTES)
+    nonce = read_secret(control_fd, NONCE_BYTES).hex()  # of the order marks: not the user's
     control, report = Channel(control_fd, key), Channel(report_fd, key)
     client = agent_client.AgentClient(report)
     agent_client.install(client)
@@ -98,7 +99,7 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
                     session.interrupt_main()
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
-    buffer_stdout()
+    buffer_stdout(nonce)
     report_progress(client)
     while isinstance(message := inbox.get(), Run):
         run_payload(message.payload, client)  # exits the process itself when it fails

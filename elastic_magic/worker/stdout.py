@@ -13,10 +13,13 @@ first, so the child does not print the parent's lines again.
 The order across the two pipes: the agent reads each pipe as it fills, so it cannot tell
 whether a line of stdout came before a traceback on stderr. Each time the rank turns from
 one stream to the other, the stream it leaves is flushed and the one it turns to gets an
-order mark with the next number of a count the two share (``ORDER_MARK``; the agent strips
-it: ``agent/local/output.py``). By the time the agent reads mark N on one pipe, whatever came
-before N on the other is in that pipe already. What bypasses ``sys.stdout``/``sys.stderr``
-(C code, child processes) carries no marks and keeps only its own stream's order.
+order mark with the next number of a count the two share (``order_mark``; the agent strips
+it: ``agent/local/output.py``). By the time the agent reads mark N on one pipe, whatever
+came before N on the other is in that pipe already. The mark carries a random nonce the
+agent gives the rank through its control pipe before any user code runs: text the cell
+prints that looks like a mark (a dataset record, a log replayed) lacks it, so stays text.
+What bypasses ``sys.stdout``/``sys.stderr`` (C code, child processes) carries no marks and
+keeps only its own stream's order.
 """
 
 from __future__ import annotations
@@ -30,15 +33,21 @@ import time
 from typing import TextIO
 
 FLUSH_DELAY = 0.05  # seconds
-# Written into a stream as ORDER_MARK + decimal number + ORDER_END, never into the logs.
-ORDER_MARK = "\x00elastic-magic-order:"
+# Written into a stream as order_mark(nonce) + decimal number + ORDER_END, never into the logs.
 ORDER_END = "\x00"
+NONCE_BYTES = 16
+
+
+def order_mark(nonce: str) -> str:
+    """How a rank's order marks start: ``nonce`` is the rank's, in hex."""
+    return f"\x00elastic-magic-order:{nonce}:"
 
 
 class _Turns:
     """Which stream was written last, and the shared count of turns between them."""
 
-    def __init__(self) -> None:
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
         self.lock = threading.RLock()
         self.last: _Ordered | None = None
         self.count = 0
@@ -53,7 +62,7 @@ class _Turns:
                 return ""
             _flush(last)  # before the mark: what came before is in its pipe first
             self.count += 1
-            return f"{ORDER_MARK}{self.count}{ORDER_END}"
+            return f"{self.mark}{self.count}{ORDER_END}"
 
 
 class _Ordered(io.TextIOWrapper):
@@ -84,15 +93,15 @@ class _TimedFlush(_Ordered):
         super().flush()
 
 
-def buffer_stdout() -> None:
+def buffer_stdout(nonce: str) -> None:
     """Replace ``sys.stdout`` (fd 1) with the timed-flush stream and start its thread, and
-    ``sys.stderr`` (fd 2) with an unbuffered one; both mark their turns."""
+    ``sys.stderr`` (fd 2) with an unbuffered one; both mark their turns with ``nonce``."""
     out, err = sys.stdout, sys.stderr
     if out is None or err is None:
         return
     for old in (out, err):
         _flush(old)
-    turns = _Turns()
+    turns = _Turns(order_mark(nonce))
     stream = _TimedFlush(io.BufferedWriter(io.FileIO(1, "w", closefd=False),
                                            io.DEFAULT_BUFFER_SIZE * 8),
                          encoding=out.encoding, errors=out.errors, write_through=False)

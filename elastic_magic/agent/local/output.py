@@ -6,6 +6,7 @@ one stream to the other with the next number of a shared count (``worker/stdout.
 once mark N has been read on one pipe, whatever the rank wrote before it on the other is in
 that pipe, so reading that pipe to its end settles every piece before N. Pieces are shown
 in order of their marks; the logs get each stream's bytes as they came, marks taken out.
+Only marks with the rank's nonce are marks: anything else the rank printed is its text.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ...events import EventSink, Output
-from ...worker.stdout import ORDER_END, ORDER_MARK
+from ...worker.stdout import ORDER_END, order_mark
 
 TAIL_LINES = 200
 _CHUNK = 1 << 16
-_MARK, _END = ORDER_MARK.encode(), ORDER_END.encode()
-_LONGEST_MARK = len(_MARK) + 20 + len(_END)  # a number of up to 20 digits
+_END = ORDER_END.encode()
 _SETTLED = float("inf")  # a stream that ended: nothing of it is still to come
 
 
@@ -55,10 +55,12 @@ class _Lines:
 
 
 class _Marks:
-    """Splits a stream's bytes at the order marks into (order, data) pieces, holding back a
-    mark that a read cut in two."""
+    """Splits a stream's bytes at the order marks (they start with ``mark``) into (order,
+    data) pieces, holding back a mark that a read cut in two."""
 
-    def __init__(self) -> None:
+    def __init__(self, mark: bytes) -> None:
+        self.mark = mark
+        self.longest = len(mark) + 20 + len(_END)  # a number of up to 20 digits
         self.order = 0  # the last mark read
         self.held = b""
 
@@ -66,13 +68,14 @@ class _Marks:
         data, self.held = self.held + chunk, b""
         pieces: list[tuple[int, bytes]] = []
         start = search = 0
-        while (at := data.find(_MARK, search)) >= 0:
-            end = data.find(_END, at + len(_MARK))
-            if end < 0 and len(data) - at < _LONGEST_MARK:
+        mark = self.mark
+        while (at := data.find(mark, search)) >= 0:
+            end = data.find(_END, at + len(mark))
+            if end < 0 and len(data) - at < self.longest:
                 self.held = data[at:]  # the rest of the mark comes with the next read
                 data = data[:at]
                 break
-            number = data[at + len(_MARK):end] if end >= 0 else b""
+            number = data[at + len(mark):end] if end >= 0 else b""
             if not number.isdigit() or len(number) > 20:  # not ours: plain bytes
                 search = at + 1
                 continue
@@ -80,7 +83,7 @@ class _Marks:
             self.order = int(number)
             start = search = end + len(_END)
         else:
-            cut = _cut_mark(data, start)
+            cut = _cut_mark(data, start, mark)
             self.held, data = data[cut:], data[:cut]
         pieces.append((self.order, data[start:]))
         return [(order, piece) for order, piece in pieces if piece]
@@ -90,10 +93,10 @@ class _Marks:
         return held
 
 
-def _cut_mark(data: bytes, start: int) -> int:
+def _cut_mark(data: bytes, start: int, mark: bytes) -> int:
     """Where a mark's beginning at the end of ``data`` starts (len(data): none)."""
-    for size in range(min(len(_MARK) - 1, len(data) - start), 0, -1):
-        if data.endswith(_MARK[:size]):
+    for size in range(min(len(mark) - 1, len(data) - start), 0, -1):
+        if data.endswith(mark[:size]):
             return len(data) - size
     return len(data)
 
@@ -103,7 +106,7 @@ class _Stream:
     name: str
     fd: int
     log: BinaryIO
-    marks: _Marks = field(default_factory=_Marks)
+    marks: _Marks
     lines: _Lines = field(default_factory=_Lines)
     # Every piece of this stream before this order has been read.
     settled: float = 0
@@ -119,11 +122,11 @@ class _Stream:
 class RankPump(threading.Thread):
     """Reads a worker's stdout and stderr until both end: every byte to its stream's log
     (``logs``: descriptors it then owns, see ``logs.RunFolder.create_logs``), whole lines
-    to events in the order the rank wrote them."""
+    to events in the order the rank wrote them; its order marks carry ``nonce``."""
 
     def __init__(
         self, fds: dict[str, int], logs: dict[str, int], *, rank: int, attempt: int,
-        emit: EventSink, tail: deque[str],
+        emit: EventSink, tail: deque[str], nonce: str,
     ) -> None:
         super().__init__(name=f"elastic-output-rank{rank}", daemon=True)
         self.fds = fds
@@ -132,12 +135,14 @@ class RankPump(threading.Thread):
         self.attempt = attempt
         self.emit = emit
         self.tail = tail
+        self.mark = order_mark(nonce).encode()
         self.read: list[tuple[int, int, str, bytes]] = []  # (order, arrival, stream, data)
         self.arrivals = 0
 
     def run(self) -> None:
         with contextlib.ExitStack() as files:
-            streams = {name: _Stream(name, fd, files.enter_context(open(self.logs[name], "wb")))
+            streams = {name: _Stream(name, fd, files.enter_context(open(self.logs[name], "wb")),
+                                     _Marks(self.mark))
                        for name, fd in self.fds.items()}
             out, err = streams.values()
             out.other, err.other = err, out

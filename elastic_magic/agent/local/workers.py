@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import os
+import secrets
 import signal
 import subprocess
 import threading
@@ -38,6 +39,7 @@ from ...messages import (
 from ...protocol import Channel, ProtocolError, widen_pipe
 from ...result import RankFailure
 from ...worker.shepherd import END_ALL
+from ...worker.stdout import NONCE_BYTES
 
 if TYPE_CHECKING:
     from ...logs import RunFolder
@@ -229,7 +231,10 @@ def spawn(
     # The key goes into the pipe before the child exists: a child that dies at once (a
     # kernel interrupt can reach it before it leaves the kernel's process group) must show
     # up as a failed worker, not as a broken pipe in the agent.
-    os.write(control_w, key)
+    # Then the nonce of the rank's order marks (``worker/stdout.py``): out of the cell's
+    # reach, so that nothing the cell prints can pass for a mark.
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    os.write(control_w, key + nonce)
     try:
         if zygote is not None:
             worker.proc = PooledProcess(
@@ -261,7 +266,7 @@ def spawn(
         raise
     worker.threads.append(RankPump(
         {"stdout": out_r, "stderr": err_r}, logs, rank=worker.global_rank,
-        attempt=worker.attempt, emit=emit, tail=worker.tail,
+        attempt=worker.attempt, emit=emit, tail=worker.tail, nonce=nonce.hex(),
     ))
     worker.threads.append(threading.Thread(
         target=_read_reports, args=(worker, Channel(report_r, key), inbox),
