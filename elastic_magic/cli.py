@@ -2,6 +2,7 @@
 
     ELASTIC_MAGIC_TOKEN=TOKEN elastic-magic join HOST:PORT [--nproc N|auto|cpu|gpu]
     elastic-magic join HOST:PORT --token-file PATH
+    elastic-magic join HOST:PORT --token-stdin        (a launcher's: see below)
     elastic-magic join HOST:PORT                      (asks for the token)
 
 The cell that started the job (``%%elastic --nnodes 1:4 --rdzv-endpoint HOST:PORT``) prints
@@ -16,12 +17,14 @@ are stopped and the command exits with status 1, saying so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import getpass
 import os
 import signal
 import stat
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"a file holding the job's token, readable by you only (chmod "
                            f"600); without it the token comes from {TOKEN_VARIABLE}, or is "
                            "asked for")
+    join.add_argument("--token-stdin", action="store_true",
+                      help="the token is the first line on stdin, and the end of stdin "
+                           "afterwards stops this machine as SIGTERM does (a launcher's "
+                           "ssh session: when it closes, this machine leaves the job)")
     # Refused with an explanation: a token in argv is visible to every user (ps).
     join.add_argument("--token", help=argparse.SUPPRESS)
     join.add_argument("--nproc", default=None,
@@ -101,7 +108,9 @@ def read_token(args: argparse.Namespace) -> str:
             "--token is not accepted: a token on the command line is visible to every user "
             f"of this machine (ps). Run {TOKEN_VARIABLE}=TOKEN elastic-magic join "
             f"{args.endpoint} (as the notebook prints it), or use --token-file PATH.")
-    if args.token_file is not None:
+    if args.token_stdin:
+        token = sys.stdin.readline()
+    elif args.token_file is not None:
         token = _token_from_file(args.token_file)
     elif os.environ.get(TOKEN_VARIABLE):
         token = os.environ[TOKEN_VARIABLE]
@@ -144,6 +153,9 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .messages import Forward, Hello
     from .ui.text import TextRenderer
 
+    if args.token_stdin:  # the launcher's end (its ssh session closed): leave the job
+        threading.Thread(target=_leave_at_end_of_stdin, daemon=True,
+                         name="elastic-stdin-lifeline").start()
     try:
         link, offer = connect(args.endpoint, token)
     except (HubError, OSError) as exc:
@@ -205,6 +217,14 @@ def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
     except KeyboardInterrupt:
         return _INTERRUPTED
     return _EXIT_CODES.get(state, 1)
+
+
+def _leave_at_end_of_stdin() -> None:
+    """Read stdin to its end, then stop this machine as a scheduler's SIGTERM does."""
+    with contextlib.suppress(OSError, ValueError):
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -200,6 +200,13 @@ class ScaleCommand:
 
 
 @dataclass(frozen=True)
+class ScaleNodesCommand:
+    """Ask the job's --launcher for this many machines in all (the head included)."""
+
+    nnodes: int
+
+
+@dataclass(frozen=True)
 class StacksCommand:
     """Gather every rank's stacks; the agent sets ``answer`` to {rank: formatted text}."""
 

@@ -14,6 +14,7 @@ from ..events import Event
 from ..messages import (
     LinkMessage,
     ScaleCommand,
+    ScaleNodesCommand,
     StacksCommand,
     StopCommand,
     WorkerMessage,
@@ -75,7 +76,7 @@ class OutputEnded:
     stream: str
 
 
-InboxItem = (StopCommand | ScaleCommand | StacksCommand | WorkerReport | FromLink
-             | CellRequest | InterruptCommand | OutputEnded)
+InboxItem = (StopCommand | ScaleCommand | ScaleNodesCommand | StacksCommand | WorkerReport
+             | FromLink | CellRequest | InterruptCommand | OutputEnded)
 
 Inbox = queue.Queue[InboxItem]

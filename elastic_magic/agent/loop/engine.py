@@ -29,7 +29,14 @@ from ...events import (
     WorkersStarted,
 )
 from ...logs import RunFolder, is_default, prune
-from ...messages import Action, NodeRequest, Result, ScaleCommand, StopCommand
+from ...messages import (
+    Action,
+    NodeRequest,
+    Result,
+    ScaleCommand,
+    ScaleNodesCommand,
+    StopCommand,
+)
 from ...payload import Payload
 from ...protocol import new_secret
 from ...result import JobResult, JobState, RankFailure, assemble_result
@@ -208,6 +215,8 @@ class Engine:
                 if verdict is not Resize.NONE:
                     self.emit(ResizeRequested(nproc, verdict is Resize.AT_COMMIT))
                 return Action.REGROUP if verdict is Resize.NOW else None
+            case ScaleNodesCommand(nnodes):
+                self.role.scale_nodes(nnodes)
             case WorkerReport() if group is not None:
                 if self.hangs.note(item, group):  # progress: for the hang watch alone
                     return None

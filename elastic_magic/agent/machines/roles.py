@@ -45,6 +45,7 @@ from .hub import HUB_KEY, Hub, join_command
 from .rendezvous import Rendezvous, rendezvous_key
 
 if TYPE_CHECKING:
+    from ...launchers.cluster import Cluster
     from ...payload import Payload
 
 # Waits for the next incoming message up to a timeout, handles it, and says what the loop
@@ -92,6 +93,9 @@ class SingleMachine:
         else:
             reply = server.serve(request, world_size, inline=False)
         worker.send(reply)
+
+    def scale_nodes(self, nnodes: int) -> None:
+        """Only a head with a --launcher starts machines."""
 
     def stop_requested(self, reason: str) -> None:
         """A stop for this agent (button, interrupt, signal), before its ranks go."""
@@ -157,6 +161,9 @@ class Head(SingleMachine):
         self.pids: dict[int, int] = {}  # hub connection -> its agent's pid
         self.rendezvous: Rendezvous | None = None
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
+        self.cluster: Cluster | None = None  # the machines a --launcher starts for the job
+        # where the launcher's allocations are shown (the job's status board)
+        self.publish_machines: Callable[[tuple[str, ...]], None] = lambda lines: None
 
     def open(self) -> Rendezvous:
         self.network = choose(self.spec.rdzv_host, self.spec.env)
@@ -172,7 +179,20 @@ class Head(SingleMachine):
         self.emit(self.network)
         self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
         self.rendezvous = rendezvous
+        if self.spec.launcher is not None:
+            from ...launchers.cluster import start_cluster
+            try:
+                self.cluster = start_cluster(self.spec, rendezvous.endpoint, self.token,
+                                             self.run_id, self.publish_machines)
+            except BaseException:
+                self.close_rendezvous(rendezvous)
+                raise
         return rendezvous
+
+    def scale_nodes(self, nnodes: int) -> None:
+        """Ask the launcher for ``nnodes`` machines in all (this one included)."""
+        if self.cluster is not None:
+            self.cluster.scale(nnodes - 1)
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
@@ -296,8 +316,13 @@ class Head(SingleMachine):
 
     def finished(self, final: JobState, failures: list[RankFailure]) -> None:
         hub, self.hub = self.hub, None
-        if hub is not None:
-            try:
-                hub.broadcast(EndJob(f"the job {final.value}"))
-            finally:
-                hub.close()
+        cluster, self.cluster = self.cluster, None
+        try:
+            if hub is not None:
+                try:
+                    hub.broadcast(EndJob(f"the job {final.value}"))
+                finally:
+                    hub.close()
+        finally:
+            if cluster is not None:  # its machines heard EndJob: now their allocations go
+                cluster.close()
