@@ -223,12 +223,13 @@ def test_a_kernel_killed_outright_leaves_no_remote_process(network, tmp_path):
     try:
         wait_for_status(head, lambda s: s["nnodes"] == 3)
         assert len(_in_namespaces(network, "elastic_magic.cli")) == 2
+        assert len(_in_namespaces(network, "sshd: root@")) == 2  # their sessions
         head.kill()  # SIGKILL: no cleanup of its own runs
         head.wait()
         deadline = time.monotonic() + 30  # the joins leave at their stdin's end, at once
         while _in_namespaces(network, "elastic_magic.cli") and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _in_namespaces(network, "elastic_magic.cli") == []
-        assert _in_namespaces(network, "sshd: ") == []  # no session left either
+        assert _in_namespaces(network, "sshd: root@") == []  # no session left either
     finally:
         end(head)
