@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -178,23 +177,27 @@ HEAD = textwrap.dedent("""
     import elastic_magic as em
     from elastic_magic.agent.handles.job import Job
     from elastic_magic.payload import build_payload
-    spec = em.JobSpec.create(1, nnodes="1:3", rdzv_endpoint=sys.argv[1], launcher=sys.argv[2],
-                             launch=json.loads(sys.argv[3]), log_dir=sys.argv[4], timeout=60)
+    spec = em.JobSpec.create(1, nnodes=sys.argv[5], rdzv_endpoint=sys.argv[1],
+                             launcher=sys.argv[2], launch=json.loads(sys.argv[3]),
+                             log_dir=sys.argv[4], timeout=60)
     job = Job(spec, build_payload("import time\\nwhile True: time.sleep(0.1)", spec)).start()
     while True:
         print(json.dumps({"nnodes": job.status_snapshot.nnodes,
                           "machines": job.status_snapshot.machines}), flush=True)
+        if job.done:
+            sys.exit(f"the job ended: {job.result}")
         time.sleep(0.5)
 """)
 
 
-def start_head(network, tmp_path, launcher: str, options: dict[str, str]
-               ) -> subprocess.Popen[str]:
+def start_head(network, tmp_path, launcher: str, options: dict[str, str],
+               nnodes: str = "1:3") -> subprocess.Popen[str]:
     """A kernel stand-in: a process whose thread runs the head of a job with a launcher
     (the job's cell never ends), printing its status twice a second."""
     return subprocess.Popen(
         [sys.executable, "-c", HEAD, network.head_address, launcher,
-         json.dumps([f"{k}={v}" for k, v in options.items()]), str(tmp_path / "head-logs")],
+         json.dumps([f"{k}={v}" for k, v in options.items()]), str(tmp_path / "head-logs"),
+         nnodes],
         stdout=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True,
         env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
 
