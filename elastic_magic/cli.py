@@ -40,6 +40,7 @@ _INTERRUPTED = 130
 # workers use. Its own states, restarts and rounds stay on this terminal.
 _FORWARDED = (Output, WorkerFailed, NetworkChosen)
 TOKEN_VARIABLE = "ELASTIC_MAGIC_TOKEN"
+ALLOCATION_VARIABLE = "ELASTIC_MAGIC_ALLOCATION"  # set by a launcher (ssh); Slurm's job id
 
 
 _HELP = (__doc__ or "").replace("``", "")
@@ -186,10 +187,12 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
 
     # The job's agent owns the link from here: it reads it and closes it at the end.
     job = Job(spec, payload, offer.run_id, joined=joined, forward=forward)
-    link.send(Hello(host, nproc, os.getpid()))
+    link.send(Hello(host, nproc, os.getpid(), _allocation()))
     print(f"[elastic] joined job {job.run_id} at {args.endpoint} with {nproc} workers; "
           f"logs: {job.log_dir}", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM: leave cleanly
+    # A scheduler's SIGTERM (a preemption or a cancel, with a grace time): this machine
+    # leaves at the job's next commit; a second one, at once.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _leave_at_commit(link))
     job.start()
     try:
         result = job.wait(TextRenderer())
@@ -208,7 +211,7 @@ def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
     from .agent.loop.assemble import join_session
     from .messages import Hello
 
-    joined.link.send(Hello(host, nproc, os.getpid()))
+    joined.link.send(Hello(host, nproc, os.getpid(), _allocation()))
     print(f"[elastic] joined session {run_id} with {nproc} workers; logs: "
           f"{spec.log_dir / run_id}", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM: leave cleanly
@@ -217,6 +220,19 @@ def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
     except KeyboardInterrupt:
         return _INTERRUPTED
     return _EXIT_CODES.get(state, 1)
+
+
+def _allocation() -> str:
+    """The launcher's allocation this machine runs in, so the head can give it back."""
+    return os.environ.get(ALLOCATION_VARIABLE) or os.environ.get("SLURM_JOB_ID", "")
+
+
+def _leave_at_commit(link: Any) -> None:
+    from .messages import LeaveAtCommit
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    print("[elastic] SIGTERM: leaving the job at its next commit", flush=True)
+    link.send(LeaveAtCommit("its scheduler sent SIGTERM (preempted or cancelled)"))
 
 
 def _leave_at_end_of_stdin() -> None:

@@ -200,10 +200,12 @@ class ScaleCommand:
 
 
 @dataclass(frozen=True)
-class ScaleNodesCommand:
-    """Ask the job's --launcher for this many machines in all (the head included)."""
+class ReleaseCommand:
+    """A launcher gives a running machine back: it leaves at the next commit, then its
+    allocation is cancelled."""
 
-    nnodes: int
+    allocation: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,7 @@ class Hello:
     host: str
     nproc: int
     pid: int = 0  # its agent's: with ``host``, how torch's rendezvous names the machine
+    allocation: str = ""  # the launcher's allocation it runs in (SLURM_JOB_ID, say)
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,22 @@ class NodeFinished:
 @dataclass(frozen=True)
 class Leaving:
     """A joined machine is about to stop its ranks: regroup without it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class LeaveAtCommit:
+    """A joined machine asks to go at the next commit (its scheduler's SIGTERM: preempted
+    or cancelled, with a grace time)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReleaseAtCommit:
+    """The head: leave the job once the group has left at its next commit (or at the end
+    of the group, whatever ends it); do not join another round."""
 
     reason: str
 
@@ -350,5 +369,6 @@ class CellReport:
 
 
 LinkMessage = (JobOffer | Hello | Forward | NodeRequest | NodeReply | GroupResult
-               | NodeFinished | Leaving | Regroup | EndJob | StacksRequest | NodeStacks
+               | NodeFinished | Leaving | LeaveAtCommit | ReleaseAtCommit | Regroup | EndJob
+               | StacksRequest | NodeStacks
                | Heartbeat | SessionCell | InterruptCell | CellReport)

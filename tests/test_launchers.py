@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,7 @@ from test_elastic import baseline as baseline  # the module-scoped fixture
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.checks import SpecError
-from elastic_magic.events import RendezvousCompleted
+from elastic_magic.events import NodeConnected, RendezvousCompleted
 from elastic_magic.launchers import CONFIG_VARIABLE, launcher_names
 from elastic_magic.launchers.watchdog import Watchdog
 from elastic_magic.payload import build_payload
@@ -236,3 +237,55 @@ def test_a_kernel_killed_outright_leaves_no_remote_process(network, tmp_path):
         assert _in_namespaces(network, "sshd: root@") == []  # no session left either
     finally:
         end(head)
+
+
+@pytest.mark.parametrize("network", [2], indirect=True)
+def test_scale_gives_a_machine_back_at_a_commit_and_ends_its_session(
+        baseline, network, tmp_path, log_dir, recorder):
+    options = start_sshd(network, tmp_path / "ssh")
+    spec = em.JobSpec.create(1, nnodes="1:3", rdzv_endpoint=network.head_address,
+                             launcher="ssh", launch=[f"{k}={v}" for k, v in options.items()],
+                             log_dir=log_dir, timeout=60)
+    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.3})
+    job = Job(spec, payload).start()
+    seen: dict[str, object] = {}
+
+    def drive() -> None:  # once three machines train: give one back
+        job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
+        job.scale_nodes(2)
+        job._board.wait_for(lambda s: s.nnodes == 2, timeout=120)
+        seen["joins"] = len(_in_namespaces(network, "elastic_magic.cli"))
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    result = job.wait(recorder)
+    driver.join(timeout=10)
+    assert result.ok, result
+    sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
+    assert 3 in sizes and sizes[-1] == 2, sizes
+    assert result.restarts == 0  # a membership change at a commit, not a failure
+    left = [e for e in recorder.of(NodeConnected) if not e.connected]
+    assert any("left at a commit: given back to the scheduler" in e.reason for e in left), left
+    assert seen["joins"] == 1  # its join exited, and its ssh session with it
+    assert done_steps(recorder) == list(range(1, STEPS + 1))  # no step lost or run twice
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_a_machine_preempted_below_min_fails_the_job_naming_it(network, tmp_path, log_dir,
+                                                                recorder):
+    options = start_sshd(network, tmp_path / "ssh")
+    spec = em.JobSpec.create(1, nnodes="2:2", rdzv_endpoint=network.head_address,
+                             launcher="ssh", launch=[f"{k}={v}" for k, v in options.items()],
+                             log_dir=log_dir, timeout=60)
+    job = Job(spec, build_payload("import time\nwhile True: time.sleep(0.1)", spec)).start()
+
+    def preempt() -> None:  # the scheduler's SIGTERM to the machine's join
+        job.wait_for_running(timeout=120)
+        (found,) = _in_namespaces(network, "elastic_magic.cli")
+        os.kill(int(found.split(":")[1]), signal.SIGTERM)
+
+    threading.Thread(target=preempt, daemon=True).start()
+    result = job.wait(recorder)
+    assert not result.ok
+    assert "scheduler sent SIGTERM (preempted or cancelled)" in result.failure.reason, result

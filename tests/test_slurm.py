@@ -25,7 +25,7 @@ from test_launchers import (
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import RendezvousCompleted
+from elastic_magic.events import NodeConnected, RendezvousCompleted
 from elastic_magic.payload import build_payload
 
 
@@ -116,3 +116,45 @@ def test_a_kernel_killed_with_allocations_pending_and_running_leaves_none(
         assert list((tmp_path / "tokens").iterdir()) == []
     finally:
         end(head)
+
+
+@pytest.mark.parametrize("network", [2], indirect=True)
+def test_a_preempted_machine_leaves_at_a_commit_and_slurm_is_asked_for_another(
+        baseline, network, slurm, tmp_path, log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes="1:3", rdzv_endpoint=network.head_address,
+                             launcher="slurm",
+                             launch=[f"{k}={v}" for k, v in options(tmp_path).items()],
+                             log_dir=log_dir, timeout=60)
+    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.3})
+    job = Job(spec, payload).start()
+    preempted: list[str] = []
+
+    def preempt() -> None:
+        # What Slurm's preemption sends first (then SIGKILL after GraceTime): SIGTERM to
+        # the job's steps, here through scancel --signal.
+        job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
+        first = sorted(line.split()[0] for line in slurm.queue())[0]
+        preempted.append(first)
+        subprocess.run(["scancel", "--signal=TERM", first], env=slurm.env(), check=True)
+        # The allocation it left is replaced: a third job is asked of Slurm.
+        status = job._board.wait_for(
+            lambda s: any(m.startswith("3:") for m in s.machines), timeout=60)
+        preempted.append(" ".join(status.machines))
+
+    driver = threading.Thread(target=preempt, daemon=True)
+    driver.start()
+    result = job.wait(recorder)
+    driver.join(timeout=10)
+    assert result.ok, (result, slurm.logs())
+    assert result.restarts == 0
+    assert len(preempted) == 2 and "3: " in preempted[1], preempted
+    left = [e.reason for e in recorder.of(NodeConnected) if not e.connected]
+    assert any("left at a commit: its scheduler sent SIGTERM" in r for r in left), left
+    sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
+    assert 2 in sizes[sizes.index(3):], sizes  # it went on smaller
+    assert done_steps(recorder) == list(range(1, STEPS + 1))
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+    deadline = time.monotonic() + 30
+    while slurm.queue() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert slurm.queue() == []

@@ -13,8 +13,8 @@ from typing import Protocol
 from ..events import Event
 from ..messages import (
     LinkMessage,
+    ReleaseCommand,
     ScaleCommand,
-    ScaleNodesCommand,
     StacksCommand,
     StopCommand,
     WorkerMessage,
@@ -76,7 +76,8 @@ class OutputEnded:
     stream: str
 
 
-InboxItem = (StopCommand | ScaleCommand | ScaleNodesCommand | StacksCommand | WorkerReport
+InboxItem = (StopCommand | ScaleCommand | ReleaseCommand | StacksCommand
+             | WorkerReport
              | FromLink | CellRequest | InterruptCommand | OutputEnded)
 
 Inbox = queue.Queue[InboxItem]

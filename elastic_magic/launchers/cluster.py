@@ -30,11 +30,17 @@ POLL_INTERVAL = 2.0
 class Cluster:
     def __init__(self, launcher: Launcher, request: JoinRequest, *, machines: int,
                  publish: Callable[[tuple[str, ...]], None],
+                 release: Callable[[str], None] | None = None,
                  poll_interval: float = POLL_INTERVAL) -> None:
         self.launcher = launcher
         self.request = request
         self.target = machines  # other machines than the head
         self.publish = publish
+        # gives a running machine back at the job's next commit (the head's agent); it
+        # then calls cancel_later. None: running machines are cancelled at once.
+        self.release = release
+        self._releasing: list[str] = []  # asked to leave at a commit; then cancelled
+        self._to_cancel: list[str] = []
         self.poll_interval = poll_interval
         self.watchdog: Watchdog | None = None  # started by the thread (see _run)
         self._live: list[str] = []  # allocation ids, oldest first
@@ -71,14 +77,27 @@ class Cluster:
             self._wake.wait(self.poll_interval)
             self._wake.clear()
 
+    def cancel_later(self, allocation_id: str) -> None:
+        """Its machine has left the job: end the allocation (from the cluster's thread)."""
+        self._to_cancel.append(allocation_id)
+        self._wake.set()
+
     def _step(self) -> None:
+        while self._to_cancel:
+            allocation_id = self._to_cancel.pop(0)
+            if allocation_id in self._releasing:
+                self._releasing.remove(allocation_id)
+            self._cancel(allocation_id)
         try:
             allocations = self.launcher.allocations()
         except LauncherError as exc:
             self._show((f"the scheduler cannot be asked: {exc}",))
             return
         for allocation in allocations:
-            if allocation.state == "ended" and allocation.id in self._live:
+            if allocation.state == "ended" and allocation.id in self._releasing:
+                self._releasing.remove(allocation.id)
+                self._forget(allocation.id)
+            elif allocation.state == "ended" and allocation.id in self._live:
                 self._ended = [*self._ended[-4:], allocation.describe()]
                 self._forget(allocation.id)
         live = [a for a in allocations if a.state != "ended"]
@@ -99,8 +118,13 @@ class Cluster:
             order = [i for i in reversed(self._live) if i in pending] + \
                 [i for i in reversed(self._live) if i not in pending]
             for allocation_id in order[:len(self._live) - self.target]:
-                self._cancel(allocation_id)
-                live = [a for a in live if a.id != allocation_id]
+                if allocation_id in pending or self.release is None:
+                    self._cancel(allocation_id)
+                    live = [a for a in live if a.id != allocation_id]
+                else:  # it leaves at the job's next commit, then is cancelled
+                    self._live.remove(allocation_id)
+                    self._releasing.append(allocation_id)
+                    self.release(allocation_id)
         self._show(tuple(a.describe() for a in live) + tuple(self._ended) + tuple(errors))
 
     def _cancel(self, allocation_id: str) -> None:
@@ -117,6 +141,7 @@ class Cluster:
             self.watchdog.drop(allocation_id)
 
     def _show(self, lines: tuple[str, ...]) -> None:
+        lines += tuple(f"{i}: leaving at the next commit" for i in self._releasing)
         if lines != self._shown:
             self._shown = lines
             self.publish(lines)
@@ -135,6 +160,7 @@ class Cluster:
             try:
                 self.launcher.cancel_all()
                 self._live.clear()
+                self._releasing.clear()
                 if self.watchdog is not None:
                     self.watchdog.close()  # only now: a failed cancel_all leaves it on guard
             finally:
@@ -144,9 +170,11 @@ class Cluster:
 
 
 def start_cluster(spec: JobSpec, endpoint: str, token: str, run_id: str,
-                  publish: Callable[[tuple[str, ...]], None]) -> Cluster:
+                  publish: Callable[[tuple[str, ...]], None],
+                  release: Callable[[str], None] | None = None) -> Cluster:
     """The job's machines asked of its --launcher: all but the head, at once."""
     assert spec.launcher is not None
     launcher = make_launcher(spec.launcher, spec.launch)
     request = JoinRequest(endpoint, token, run_id)
-    return Cluster(launcher, request, machines=spec.max_nodes - 1, publish=publish).start()
+    return Cluster(launcher, request, machines=spec.max_nodes - 1, publish=publish,
+                   release=release).start()

@@ -97,14 +97,14 @@ class SshLauncher:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def _remote_command(self, request: JoinRequest) -> str:
+    def _remote_command(self, request: JoinRequest, allocation_id: str) -> str:
         """The command line the remote shell runs: no token in it."""
         program = [self.python, "-m", "elastic_magic.cli"] if self.python \
             else ["elastic-magic"]
         nproc = self.nproc or request.nproc
         join = [*program, "join", request.endpoint, "--token-stdin",
                 *(("--nproc", nproc) if nproc else ())]
-        words = ["exec", *(["env", *self.env] if self.env else []), *join]
+        words = ["exec", "env", f"ELASTIC_MAGIC_ALLOCATION={allocation_id}", *self.env, *join]
         command = shlex.join(words)
         return f"cd {shlex.quote(self.workdir)} && {command}" if self.workdir else command
 
@@ -121,8 +121,9 @@ class SshLauncher:
         with self._lock:
             host = self._free_host()
             target, _, port = host.partition(":")
+            allocation_id = f"{host}#{next(self._ids)}"
             argv = [*self.ssh, "-o", "BatchMode=yes", *(("-p", port) if port else ()),
-                    target, self._remote_command(request)]
+                    target, self._remote_command(request, allocation_id)]
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -132,7 +133,6 @@ class SshLauncher:
             with contextlib.suppress(OSError):  # a client that failed at once says why
                 proc.stdin.write(request.token.encode() + b"\n")
                 proc.stdin.flush()
-            allocation_id = f"{host}#{next(self._ids)}"
             self._remotes[allocation_id] = _Remote(host, proc)
         return self._describe(allocation_id, self._remotes[allocation_id])
 

@@ -15,16 +15,20 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...checks import SpecError
 from ...events import Event
-from ...messages import ScaleNodesCommand, StacksCommand
+from ...messages import StacksCommand
 from ...result import JobResult, JobState
 from ...spec import JobSpec
 from ..inbox import Inbox, InboxItem
 from ..machines.hub import new_token
+from ..machines.roles import Head
 from ..status import JobStatus, StatusBoard
+
+if TYPE_CHECKING:
+    from ..loop.engine import Engine
 
 # Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
 # about 1000 messages/s, and each update may resend a widget's whole state.
@@ -65,6 +69,8 @@ def _without_locals(error: BaseException) -> BaseException:
 
 class Loop(Protocol):
     """An agent's loop (a job's, a session's): it runs until the job ends."""
+
+    engine: Engine
 
     def run(self) -> JobResult: ...
 
@@ -170,7 +176,9 @@ class AgentThread:
             raise SpecError(f"scale --nodes {nnodes}: this job runs between "
                             f"{self.spec.min_nodes} and {self.spec.max_nodes} machines "
                             "(--nnodes MIN:MAX).")
-        self._inbox.put(ScaleNodesCommand(nnodes))
+        agent = self._agent  # the launcher's target is thread-safe to move
+        if agent is not None and isinstance(agent.engine.role, Head):
+            agent.engine.role.launched.scale(nnodes)
 
     def wait_for_join_command(self, timeout: float | None = None) -> str | None:
         """The command other machines run to join (``--nnodes`` above 1), once the

@@ -37,7 +37,7 @@ def role_for(spec: JobSpec, run_id: str, emit: EventSink, inbox: Inbox,
         assert token is not None
         head = Head(spec, run_id, emit, token=token, payload=payload, inbox=inbox)
         if board is not None:  # a launcher's allocations show in the job's status
-            head.publish_machines = lambda lines: board.publish(machines=lines)
+            head.launched.publish = lambda lines: board.publish(machines=lines)
         return head
     return SingleMachine(spec, run_id, emit)
 
@@ -48,7 +48,14 @@ def job_agent(spec: JobSpec, payload: Payload, run_id: str, emit: EventSink, inb
     """A one-shot job's agent."""
     role = role_for(spec, run_id, emit, inbox, payload, token=token, joined=joined,
                     board=board)
-    return JobLoop(Engine(spec, payload, run_id, emit, inbox, board, role))
+    return JobLoop(_engine(Engine(spec, payload, run_id, emit, inbox, board, role)))
+
+
+def _engine(engine: Engine) -> Engine:
+    """The role asks the engine whether its group commits State: a machine given back
+    then leaves at the next commit rather than at once."""
+    engine.role.graceful = lambda: engine.graceful
+    return engine
 
 
 def ready_payload(spec: JobSpec) -> Payload:
@@ -63,7 +70,8 @@ def session_agent(spec: JobSpec, run_id: str, inbox: Inbox, board: StatusBoard, 
     ready = ready_payload(spec)
     role = role_for(spec, run_id, events.route, inbox, ready, token=token, joined=None,
                     board=board)
-    return SessionLoop(Engine(spec, ready, run_id, events.route, inbox, board, role), events)
+    return SessionLoop(_engine(Engine(spec, ready, run_id, events.route, inbox, board, role)),
+                       events)
 
 
 def join_session(spec: JobSpec, payload: Payload, run_id: str, joined: JoinedJob,

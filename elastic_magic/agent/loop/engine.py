@@ -32,9 +32,9 @@ from ...logs import RunFolder, is_default, prune
 from ...messages import (
     Action,
     NodeRequest,
+    ReleaseCommand,
     Result,
     ScaleCommand,
-    ScaleNodesCommand,
     StopCommand,
 )
 from ...payload import Payload
@@ -60,6 +60,10 @@ from .switchboard import Switchboard
 # scripted group here, as torch tests its rendezvous with a fake state holder.
 GroupFactory = Callable[[int, int, int], WorkerGroup]
 Results = tuple[dict[int, Result], dict[int, list[str]]]  # other machines' ranks
+
+
+# What ends a wait for the next round (besides this machine being given back at a commit).
+_ENDS_WAIT = (Action.STOP, Action.NODE_FAILED)
 
 
 class Engine:
@@ -135,7 +139,7 @@ class Engine:
         return info
 
     def _stop_waiting(self) -> bool:
-        return self.switchboard.drain() in (Action.STOP, Action.NODE_FAILED)
+        return self.switchboard.drain() in _ENDS_WAIT or self.role.leaves_before_round()
 
     def start_group(self, info: RoundInfo) -> None:
         """This machine's workers of round ``info``, running ``payload``."""
@@ -215,8 +219,8 @@ class Engine:
                 if verdict is not Resize.NONE:
                     self.emit(ResizeRequested(nproc, verdict is Resize.AT_COMMIT))
                 return Action.REGROUP if verdict is Resize.NOW else None
-            case ScaleNodesCommand(nnodes):
-                self.role.scale_nodes(nnodes)
+            case ReleaseCommand(allocation, reason):
+                return self.role.release(allocation, reason)
             case WorkerReport() if group is not None:
                 if self.hangs.note(item, group):  # progress: for the hang watch alone
                     return None
@@ -245,7 +249,7 @@ class Engine:
 
     def _leave_at_commit(self) -> bool:
         """Every rank leaves at this commit when this machine resizes or others wait."""
-        leave = self.membership.resize_pending or self.nodes_waiting()
+        leave = self.role.take_release() or self.membership.resize_pending or self.nodes_waiting()
         if leave:
             self.set_state(JobState.RESIZING)
         return leave
