@@ -24,7 +24,8 @@ import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.checks import SpecError
 from elastic_magic.events import NodeConnected, RendezvousCompleted
-from elastic_magic.launchers import CONFIG_VARIABLE, launcher_names
+from elastic_magic.launchers import CONFIG_VARIABLE, Allocation, JoinRequest, launcher_names
+from elastic_magic.launchers.cluster import Cluster
 from elastic_magic.launchers.watchdog import Watchdog
 from elastic_magic.payload import build_payload
 
@@ -289,3 +290,64 @@ def test_a_machine_preempted_below_min_fails_the_job_naming_it(network, tmp_path
     result = job.wait(recorder)
     assert not result.ok
     assert "scheduler sent SIGTERM (preempted or cancelled)" in result.failure.reason, result
+
+
+# -- the Cluster's policy, with a launcher that records (no scheduler) -------------------
+
+
+class Recording:
+    """A launcher whose allocations the test moves by hand."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.states: dict[str, str] = {}
+        self.cancelled: list[str] = []
+        self.all_cancelled = False
+
+    def start(self, request):
+        allocation_id = str(len(self.states) + 1)
+        self.states[allocation_id] = "pending"
+        return Allocation(allocation_id, "pending")
+
+    def allocations(self):
+        return [Allocation(i, s, "Priority" if s == "pending" else "")
+                for i, s in self.states.items() if i not in self.cancelled]
+
+    def cancel(self, allocation_id):
+        self.cancelled.append(allocation_id)
+
+    def cancel_all(self):
+        self.all_cancelled = True
+
+    def orphan_cleanup(self, allocation_id):
+        return [["true"]]
+
+
+def test_the_cluster_grows_replaces_and_gives_back_pending_ones_first():
+    launcher = Recording()
+    shown: list[tuple[str, ...]] = []
+    released: list[str] = []
+    cluster = Cluster(launcher, JoinRequest("h:1", "t", "run"), machines=3,
+                      publish=shown.append, release=released.append, poll_interval=0.02)
+    cluster.start()
+
+    def settle(check) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, (launcher.states, shown)
+            time.sleep(0.02)
+
+    settle(lambda: len(launcher.states) == 3)
+    settle(lambda: shown and "1: pending (Priority)" in shown[-1])
+    launcher.states["1"] = launcher.states["2"] = "running"
+    launcher.states["3"] = "ended"  # preempted, say: replaced
+    settle(lambda: len(launcher.states) == 4)
+    cluster.scale(1)  # 4 waits, so it goes first; then the newest running one leaves
+    settle(lambda: launcher.cancelled == ["4"] and released == ["2"])
+    assert shown[-1][-1] == "2: leaving at the next commit"
+    cluster.cancel_later("2")  # the head: it has left the job
+    settle(lambda: launcher.cancelled == ["4", "2"])
+    cluster.close()
+    assert launcher.all_cancelled and shown[-1] == ()
+    assert cluster.watchdog is not None and cluster.watchdog.proc.returncode == 0

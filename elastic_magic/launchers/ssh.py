@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import os
 import shlex
 import subprocess
 import threading
@@ -126,7 +127,9 @@ class SshLauncher:
                     target, self._remote_command(request, allocation_id)]
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        env={k: v for k, v in os.environ.items()
+                                             if k != "ELASTIC_MAGIC_TOKEN"})
             except OSError as exc:
                 raise LauncherError(f"cannot run {argv[0]}: {exc}") from None
             assert proc.stdin is not None
