@@ -192,7 +192,9 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
           f"logs: {job.log_dir}", flush=True)
     # A scheduler's SIGTERM (a preemption or a cancel, with a grace time): this machine
     # leaves at the job's next commit; a second one, at once.
-    signal.signal(signal.SIGTERM, lambda signum, frame: _leave_at_commit(link))
+    terminated: list[bool] = []  # as before leaving at a commit: it was interrupted (130)
+    signal.signal(signal.SIGTERM,
+                  lambda signum, frame: _leave_at_commit(link, terminated))
     job.start()
     try:
         result = job.wait(TextRenderer())
@@ -203,6 +205,8 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
         return 1
     if result.failure is not None:  # the head lost, say, or this machine's root cause
         print(f"elastic-magic join: {result.failure.headline}", file=sys.stderr)
+    if terminated and result.state is JobState.STOPPED:
+        return _INTERRUPTED
     return _EXIT_CODES.get(result.state, 1)
 
 
@@ -227,9 +231,10 @@ def _allocation() -> str:
     return os.environ.get(ALLOCATION_VARIABLE) or os.environ.get("SLURM_JOB_ID", "")
 
 
-def _leave_at_commit(link: Any) -> None:
+def _leave_at_commit(link: Any, terminated: list[bool]) -> None:
     from .messages import LeaveAtCommit
 
+    terminated.append(True)
     signal.signal(signal.SIGTERM, _interrupt)
     print("[elastic] SIGTERM: leaving the job at its next commit", flush=True)
     link.send(LeaveAtCommit("its scheduler sent SIGTERM (preempted or cancelled)"))

@@ -42,13 +42,13 @@ def test_options_come_from_the_config_file_and_flags_win(tmp_path, monkeypatch):
     spec = em.JobSpec.create(1, nnodes="1:3", launcher="slurm", launch=["account=other"])
     assert spec.launch == {"partition": "debug", "account": "other"}
     assert em.JobSpec.create(1, nnodes="1:3", launcher="ssh").launch == {"hosts": "a, b"}
-    assert {"slurm", "ssh"} <= set(launcher_names())
+    assert {"local", "slurm", "ssh"} <= set(launcher_names())
 
 
 @pytest.mark.parametrize(("options", "fragment"), [
     ({"launcher": "ssh", "launch": ["hosts=a"]}, "add --nnodes MIN:MAX"),
     ({"launcher": "ssh", "nnodes": "1:2"}, "needs hosts: --launch hosts="),
-    ({"launcher": "pbs", "nnodes": "1:2"}, "no such launcher; the launchers are slurm, ssh"),
+    ({"launcher": "pbs", "nnodes": "1:2"}, "no such launcher; the launchers are local, slurm"),
     ({"launch": ["hosts=a"], "nnodes": "1:2"}, "--launch is for a --launcher"),
     ({"launcher": "slurm", "nnodes": "1:2", "launch": ["partiton=x"]}, "no option 'partiton'"),
     ({"launcher": "slurm", "nnodes": "1:2", "launch": ["partition"]}, "write KEY=VALUE"),
@@ -351,3 +351,16 @@ def test_the_cluster_grows_replaces_and_gives_back_pending_ones_first():
     cluster.close()
     assert launcher.all_cancelled and shown[-1] == ()
     assert cluster.watchdog is not None and cluster.watchdog.proc.returncode == 0
+
+
+def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes="2:2", launcher="local", log_dir=log_dir, timeout=60)
+    source = ("import os, torch.distributed as dist\n"
+              "(dist.get_world_size(), os.environ['GROUP_WORLD_SIZE'])")
+    job = Job(spec, build_payload(source, spec)).start()
+    result = job.wait(recorder)
+    assert result.ok, result
+    assert set(result.values.values()) == {(2, "2")}
+    endpoint = next(e.endpoint for e in recorder.events if type(e).__name__ == "AcceptingNodes")
+    assert _processes_holding(endpoint) == []  # its join exited with the job
+    assert job.status_snapshot.machines == ()

@@ -34,7 +34,8 @@ from ..checks import SpecError
 ENTRY_POINT_GROUP = "elastic_magic.launchers"
 CONFIG_VARIABLE = "ELASTIC_MAGIC_LAUNCHERS"
 # Shipped here: found without the package's metadata (a source checkout on PYTHONPATH).
-BUILT_IN = {"slurm": "elastic_magic.launchers.slurm:SlurmLauncher",
+BUILT_IN = {"local": "elastic_magic.launchers.local:LocalLauncher",
+            "slurm": "elastic_magic.launchers.slurm:SlurmLauncher",
             "ssh": "elastic_magic.launchers.ssh:SshLauncher"}
 
 

@@ -109,6 +109,14 @@ class SshLauncher:
         command = shlex.join(words)
         return f"cd {shlex.quote(self.workdir)} && {command}" if self.workdir else command
 
+    def _command(self, host: str, request: JoinRequest, allocation_id: str
+                 ) -> tuple[list[str], dict[str, str]]:
+        """The ssh client's argv and environment (without the token)."""
+        target, _, port = host.partition(":")
+        argv = [*self.ssh, "-o", "BatchMode=yes", *(("-p", port) if port else ()),
+                target, self._remote_command(request, allocation_id)]
+        return argv, {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
+
     def _free_host(self) -> str:
         busy = [r.host for r in self._remotes.values()
                 if r.proc.poll() is None and not r.cancelled]
@@ -121,15 +129,12 @@ class SshLauncher:
     def start(self, request: JoinRequest) -> Allocation:
         with self._lock:
             host = self._free_host()
-            target, _, port = host.partition(":")
             allocation_id = f"{host}#{next(self._ids)}"
-            argv = [*self.ssh, "-o", "BatchMode=yes", *(("-p", port) if port else ()),
-                    target, self._remote_command(request, allocation_id)]
+            argv, env = self._command(host, request, allocation_id)
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={k: v for k, v in os.environ.items()
-                                             if k != "ELASTIC_MAGIC_TOKEN"})
+                                        env=env)
             except OSError as exc:
                 raise LauncherError(f"cannot run {argv[0]}: {exc}") from None
             assert proc.stdin is not None
