@@ -1,7 +1,9 @@
 """A real Slurm cluster on this host for the Slurm launcher's tests: Debian's munged,
 slurmctld in the test's namespace (at the bridge's address) and one slurmd per machine of a
 tests/netns.py network (``slurmd -N emN`` inside its namespace, ``NodeAddr`` its address),
-so each allocation lands on a "machine" of its own. Everything (key, state, spool, logs,
+so each allocation lands on a "machine" of its own. A job in partition ``urgent`` preempts
+those in ``test`` (the default) as a real cluster's would: SIGTERM, then SIGKILL after the
+partition's GraceTime (30 s). Everything (key, state, spool, logs,
 sockets) lives in the test's temp folder; the clients find the cluster through SLURM_CONF,
 which the fixture sets for the test. Root only, as the namespaces are."""
 
@@ -100,7 +102,10 @@ KillWait=5
 SlurmdTimeout=30
 InactiveLimit=0
 {nodes}
-PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """)
         env = self.env()
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-c", "-f", str(self.conf)],

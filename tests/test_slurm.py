@@ -119,7 +119,7 @@ def test_a_kernel_killed_with_allocations_pending_and_running_leaves_none(
 
 
 @pytest.mark.parametrize("network", [2], indirect=True)
-def test_a_preempted_machine_leaves_at_a_commit_and_slurm_is_asked_for_another(
+def test_a_preempted_machine_leaves_at_a_commit_and_its_replacement_waits_with_the_reason(
         baseline, network, slurm, tmp_path, log_dir, recorder):
     spec = em.JobSpec.create(1, nnodes="1:3", rdzv_endpoint=network.head_address,
                              launcher="slurm",
@@ -130,15 +130,15 @@ def test_a_preempted_machine_leaves_at_a_commit_and_slurm_is_asked_for_another(
     preempted: list[str] = []
 
     def preempt() -> None:
-        # What Slurm's preemption sends first (then SIGKILL after GraceTime): SIGTERM to
-        # the job's steps, here through scancel --signal.
+        # A job of a higher-priority partition takes machine em1: Slurm preempts the
+        # allocation there (SIGTERM, then SIGKILL after GraceTime).
         job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
-        first = sorted(line.split()[0] for line in slurm.queue())[0]
-        preempted.append(first)
-        subprocess.run(["scancel", "--signal=TERM", first], env=slurm.env(), check=True)
-        # The allocation it left is replaced: a third job is asked of Slurm.
+        subprocess.run(["sbatch", "--partition=urgent", "--nodelist=em1", "--wrap=sleep 8",
+                        f"--chdir={tmp_path}"], env=slurm.env(), check=True,
+                       capture_output=True)
+        # Its replacement waits for em1, with Slurm's reason, while the job goes on smaller
         status = job._board.wait_for(
-            lambda s: any(m.startswith("3:") for m in s.machines), timeout=60)
+            lambda s: any(m.startswith("4: pending (") for m in s.machines), timeout=60)
         preempted.append(" ".join(status.machines))
 
     driver = threading.Thread(target=preempt, daemon=True)
@@ -147,7 +147,7 @@ def test_a_preempted_machine_leaves_at_a_commit_and_slurm_is_asked_for_another(
     driver.join(timeout=10)
     assert result.ok, (result, slurm.logs())
     assert result.restarts == 0
-    assert len(preempted) == 2 and "3: " in preempted[1], preempted
+    assert preempted and "running on em2" in preempted[0], preempted
     left = [e.reason for e in recorder.of(NodeConnected) if not e.connected]
     assert any("left at a commit: its scheduler sent SIGTERM" in r for r in left), left
     sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
