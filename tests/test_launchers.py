@@ -28,6 +28,7 @@ from elastic_magic.launchers import CONFIG_VARIABLE, Allocation, JoinRequest, la
 from elastic_magic.launchers.cluster import Cluster
 from elastic_magic.launchers.watchdog import Watchdog
 from elastic_magic.payload import build_payload
+from elastic_magic.ui.state import DashboardState
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
 
@@ -164,6 +165,14 @@ def test_ssh_grows_a_training_job_from_one_machine_to_three(
     assert len(seen["machines"]) == 2 and all("running" in m for m in seen["machines"]), seen
     assert "machines" in seen["status"]
     assert seen["holding"] == [], seen["holding"]  # the token in no command line
+    # The dashboard's timeline (and the text output) says what the launcher holds.
+    dashboard = DashboardState(result.run_id, str(result.log_dir), 0)
+    for event in recorder.events:
+        dashboard.apply(event)
+    lines = [e["text"] for e in dashboard.timeline if e["text"].startswith("launcher: ")]
+    assert any(f"{network.address(2)}#2: running on {network.address(2)}" in line
+               for line in lines), lines
+    assert lines[-1] == "launcher: no allocation left"
     assert done_steps(recorder) == list(range(1, STEPS + 1))
     assert_same_parameters(result.values[0], baseline, atol=1e-5)
     # Nothing left: no join, no ssh session on any machine (sshd itself stays).

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ...events import EventSink, MachinesChanged
 from ...messages import ReleaseCommand
 from ...spec import JobSpec
 from ..inbox import Inbox
@@ -20,8 +21,9 @@ if TYPE_CHECKING:
 
 
 class Launched:
-    def __init__(self, spec: JobSpec, run_id: str, inbox: Inbox) -> None:
+    def __init__(self, spec: JobSpec, run_id: str, inbox: Inbox, emit: EventSink) -> None:
         self.spec = spec
+        self.emit = emit
         self.run_id = run_id
         self.inbox = inbox
         self.cluster: Cluster | None = None
@@ -35,8 +37,14 @@ class Launched:
         if self.spec.launcher is None:
             return
         from ...launchers.cluster import start_cluster
-        self.cluster = start_cluster(self.spec, endpoint, token, self.run_id, self.publish,
+        self.cluster = start_cluster(self.spec, endpoint, token, self.run_id, self._show,
                                      self._from_launcher)
+
+    def _show(self, lines: tuple[str, ...]) -> None:
+        """In the job's status and, as a line, in the dashboard and the text output (from
+        the launcher's thread: both take events from any thread, as the output pumps do)."""
+        self.publish(lines)
+        self.emit(MachinesChanged(lines))
 
     def _from_launcher(self, allocation: str) -> None:
         """The launcher's thread gives a running machine back: through the agent's inbox."""

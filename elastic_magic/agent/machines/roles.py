@@ -174,7 +174,7 @@ class Head(SingleMachine):
         self.pids: dict[int, int] = {}  # hub connection -> its agent's pid
         self.rendezvous: Rendezvous | None = None
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
-        self.launched = Launched(spec, run_id, inbox)  # what a --launcher started
+        self.launched = Launched(spec, run_id, inbox, emit)  # what a --launcher started
 
     def open(self) -> Rendezvous:
         self.network = choose(self.spec.rdzv_host, self.spec.env)
