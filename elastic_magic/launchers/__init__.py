@@ -22,6 +22,7 @@ launcher, ``key = value`` lines) and from ``--launch KEY=VALUE`` flags, which wi
 from __future__ import annotations
 
 import configparser
+import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -113,8 +114,7 @@ def launcher_class(name: str) -> type[Launcher]:
                         f"{', '.join(sorted(registry))} (others register under the "
                         f"{ENTRY_POINT_GROUP!r} entry-point group).")
     module, _, attribute = registry[name].partition(":")
-    loaded = __import__(module, fromlist=[attribute])
-    cls: type[Launcher] = getattr(loaded, attribute)
+    cls: type[Launcher] = getattr(importlib.import_module(module), attribute)
     return cls
 
 

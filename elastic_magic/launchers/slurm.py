@@ -128,7 +128,12 @@ class SlurmLauncher:
             if allocation_id not in self._jobs:
                 return
             self._jobs.remove(allocation_id)
-        _run(["scancel", allocation_id])
+        try:
+            _run(["scancel", allocation_id])
+        except LauncherError as exc:
+            ended = ("Invalid job id", "already completing or completed")
+            if not any(words in str(exc) for words in ended):  # ended already: nothing to do
+                raise
 
     def cancel_all(self) -> None:
         with self._lock:

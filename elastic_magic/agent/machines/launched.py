@@ -67,10 +67,12 @@ class Launched:
 
     def gone(self, node: int) -> str:
         """A machine given back has left: its allocation is cancelled; why it went."""
-        allocation = self.allocations.pop(node, "")
+        self.cancel(self.allocations.pop(node, ""))
+        return self.released.pop(node)
+
+    def cancel(self, allocation: str) -> None:
         if self.cluster is not None and allocation:
             self.cluster.cancel_later(allocation)
-        return self.released.pop(node)
 
     def close(self) -> None:
         cluster, self.cluster = self.cluster, None

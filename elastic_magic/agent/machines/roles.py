@@ -270,7 +270,8 @@ class Head(SingleMachine):
                          ) -> Action | None:
         """Below --nnodes MIN without it, the job fails now, naming why it goes;
         otherwise it is told to leave at the next commit, and the group leaves there."""
-        if len(self.pids) < self.spec.min_nodes and node in self.pids:
+        staying = [n for n in self.pids if n != node and n not in self.launched.released]
+        if 1 + len(staying) < self.spec.min_nodes and node in self.pids:
             return self._lost(node, f"it is leaving: {reason}", group)
         self.launched.mark(node, reason)
         if self.hub is not None:
@@ -282,6 +283,7 @@ class Head(SingleMachine):
         for node in self.launched.nodes_in(allocation):
             if node in self.pids:
                 return self._leave_at_commit(node, reason, None)
+        self.launched.cancel(allocation)  # not in the job (yet): nothing to wait for
         return None
 
     def take_release(self) -> bool:
