@@ -241,8 +241,9 @@ def test_a_kernel_killed_outright_leaves_no_remote_process(network, tmp_path):
         head.kill()  # SIGKILL: no cleanup of its own runs
         head.wait()
         deadline = time.monotonic() + 30  # the joins leave at their stdin's end, at once
-        while _in_namespaces(network, "elastic_magic.cli") and time.monotonic() < deadline:
-            time.sleep(0.2)
+        while (_in_namespaces(network, "elastic_magic.cli")
+               or _in_namespaces(network, "sshd: root@")) and time.monotonic() < deadline:
+            time.sleep(0.2)  # then their sessions close
         assert _in_namespaces(network, "elastic_magic.cli") == []
         assert _in_namespaces(network, "sshd: root@") == []  # no session left either
     finally:
