@@ -265,6 +265,10 @@ def test_scale_gives_a_machine_back_at_a_commit_and_ends_its_session(
         job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
         job.scale_nodes(2)
         job._board.wait_for(lambda s: s.nnodes == 2, timeout=120)
+        deadline = time.monotonic() + 30  # the one given back exits once it has left
+        while len(_in_namespaces(network, "elastic_magic.cli")) > 1 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
         seen["joins"] = len(_in_namespaces(network, "elastic_magic.cli"))
 
     driver = threading.Thread(target=drive, daemon=True)
