@@ -200,15 +200,6 @@ class ScaleCommand:
 
 
 @dataclass(frozen=True)
-class ReleaseCommand:
-    """A launcher gives a running machine back: it leaves at the next commit, then its
-    allocation is cancelled."""
-
-    allocation: str
-    reason: str
-
-
-@dataclass(frozen=True)
 class StacksCommand:
     """Gather every rank's stacks; the agent sets ``answer`` to {rank: formatted text}."""
 

@@ -13,7 +13,6 @@ from typing import Protocol
 from ..events import Event
 from ..messages import (
     LinkMessage,
-    ReleaseCommand,
     ScaleCommand,
     StacksCommand,
     StopCommand,
@@ -76,8 +75,7 @@ class OutputEnded:
     stream: str
 
 
-InboxItem = (StopCommand | ScaleCommand | ReleaseCommand | StacksCommand
-             | WorkerReport
+InboxItem = (StopCommand | ScaleCommand | StacksCommand | WorkerReport
              | FromLink | CellRequest | InterruptCommand | OutputEnded)
 
 Inbox = queue.Queue[InboxItem]

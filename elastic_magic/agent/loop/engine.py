@@ -32,7 +32,6 @@ from ...logs import RunFolder, is_default, prune
 from ...messages import (
     Action,
     NodeRequest,
-    ReleaseCommand,
     Result,
     ScaleCommand,
     StopCommand,
@@ -219,8 +218,6 @@ class Engine:
                 if verdict is not Resize.NONE:
                     self.emit(ResizeRequested(nproc, verdict is Resize.AT_COMMIT))
                 return Action.REGROUP if verdict is Resize.NOW else None
-            case ReleaseCommand(allocation, reason):
-                return self.role.release(allocation, reason)
             case WorkerReport() if group is not None:
                 if self.hangs.note(item, group):  # progress: for the hang watch alone
                     return None

@@ -12,20 +12,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...events import EventSink, MachinesChanged
-from ...messages import ReleaseCommand
 from ...spec import JobSpec
-from ..inbox import Inbox
 
 if TYPE_CHECKING:
     from ...launchers.cluster import Cluster
 
 
 class Launched:
-    def __init__(self, spec: JobSpec, run_id: str, inbox: Inbox, emit: EventSink) -> None:
+    def __init__(self, spec: JobSpec, run_id: str, emit: EventSink,
+                 give_back: Callable[[str], None]) -> None:
         self.spec = spec
         self.emit = emit
+        self.give_back = give_back  # the head's: a running machine leaves at a commit
         self.run_id = run_id
-        self.inbox = inbox
         self.cluster: Cluster | None = None
         # where the allocations are shown (the job's status board, set by the assembly)
         self.publish: Callable[[tuple[str, ...]], None] = lambda lines: None
@@ -38,7 +37,7 @@ class Launched:
             return
         from ...launchers.cluster import start_cluster
         self.cluster = start_cluster(self.spec, endpoint, token, self.run_id, self._show,
-                                     self._from_launcher)
+                                     self.give_back)
 
     def _show(self, lines: tuple[str, ...]) -> None:
         """In the job's status and, as a line, in the dashboard and the text output (from
@@ -46,16 +45,13 @@ class Launched:
         self.publish(lines)
         self.emit(MachinesChanged(lines))
 
-    def _from_launcher(self, allocation: str) -> None:
-        """The launcher's thread gives a running machine back: through the agent's inbox."""
-        self.inbox.put(ReleaseCommand(allocation, "given back to the scheduler (scale)"))
-
     def scale(self, nnodes: int) -> None:
         if self.cluster is not None:
             self.cluster.scale(nnodes - 1)  # the head is one of them
 
     def nodes_in(self, allocation: str) -> list[int]:
-        return [node for node, held in self.allocations.items() if held == allocation]
+        """(From any thread: the dict is copied at once, under the GIL.)"""
+        return [node for node, held in list(self.allocations.items()) if held == allocation]
 
     def mark(self, node: int, reason: str) -> None:
         self.released[node] = reason

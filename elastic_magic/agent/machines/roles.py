@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 # Waits for the next incoming message up to a timeout, handles it, and says what the loop
 # must do about it (None: nothing).
 NextAction = Callable[[float], Action | None]
+GIVEN_BACK = "given back to the scheduler (scale)"
 
 
 class SingleMachine:
@@ -97,10 +98,6 @@ class SingleMachine:
         else:
             reply = server.serve(request, world_size, inline=False)
         worker.send(reply)
-
-    def release(self, allocation: str, reason: str) -> Action | None:
-        """Only a head gives machines back."""
-        return None
 
     def take_release(self) -> bool:
         """A machine is to leave: the group leaves at this commit (once)."""
@@ -174,7 +171,8 @@ class Head(SingleMachine):
         self.pids: dict[int, int] = {}  # hub connection -> its agent's pid
         self.rendezvous: Rendezvous | None = None
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
-        self.launched = Launched(spec, run_id, inbox, emit)  # what a --launcher started
+        # what a --launcher started for the job, and gives back
+        self.launched = Launched(spec, run_id, emit, self._give_back)
 
     def open(self) -> Rendezvous:
         self.network = choose(self.spec.rdzv_host, self.spec.env)
@@ -279,12 +277,16 @@ class Head(SingleMachine):
         # Without State (or before the group runs) no commit comes: re-form now.
         return None if self.graceful() or not self.launched.take_due() else Action.REGROUP
 
-    def release(self, allocation: str, reason: str) -> Action | None:
+    def _give_back(self, allocation: str) -> None:
+        """The launcher's thread gives a running machine back: to the agent's inbox, as
+        if the machine had asked to leave at the next commit."""
+        hub = self.hub
         for node in self.launched.nodes_in(allocation):
-            if node in self.pids:
-                return self._leave_at_commit(node, reason, None)
+            link = hub.links.get(node) if hub is not None else None
+            if link is not None:
+                self.inbox.put(FromLink(link, node, LeaveAtCommit(GIVEN_BACK)))
+                return
         self.launched.cancel(allocation)  # not in the job (yet): nothing to wait for
-        return None
 
     def take_release(self) -> bool:
         return self.launched.take_due()
