@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
         "join", help="run this machine's workers in a notebook's job",
         description="Run this machine's workers in the job of the notebook whose cell "
                     "printed ENDPOINT, until that job ends or this command is interrupted "
-                    "(SIGINT, or SIGTERM as schedulers send it: the job regroups without "
-                    "this machine).",
+                    "(SIGINT: at once; SIGTERM, as schedulers send it: at the job's next "
+                    "State commit; the job regroups without this machine).",
         epilog=f"The token is never an argument: set {TOKEN_VARIABLE} in this command's "
                "environment (a batch script's export, a Kubernetes Secret) or use "
                "--token-file. The workers reach the other machines through the interface "
@@ -191,7 +191,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     print(f"[elastic] joined job {job.run_id} at {args.endpoint} with {nproc} workers; "
           f"logs: {job.log_dir}", flush=True)
     # A scheduler's SIGTERM (a preemption or a cancel, with a grace time): this machine
-    # leaves at the job's next commit; a second one, at once.
+    # leaves at the job's next commit.
     terminated: list[bool] = []  # as before leaving at a commit: it was interrupted (130)
     signal.signal(signal.SIGTERM,
                   lambda signum, frame: _leave_at_commit(link, terminated))
@@ -235,7 +235,9 @@ def _leave_at_commit(link: Any, terminated: list[bool]) -> None:
     from .messages import LeaveAtCommit
 
     terminated.append(True)
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Slurm signals the task and srun forwards the same SIGTERM: once is enough. Its
+    # SIGKILL after the grace time, or Ctrl-C (SIGINT) here, ends this machine at once.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("[elastic] SIGTERM: leaving the job at its next commit", flush=True)
     link.send(LeaveAtCommit("its scheduler sent SIGTERM (preempted or cancelled)"))
 
