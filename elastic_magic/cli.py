@@ -2,6 +2,7 @@
 
     ELASTIC_MAGIC_TOKEN=TOKEN elastic-magic join HOST:PORT [--nproc N|auto|cpu|gpu]
     elastic-magic join HOST:PORT --token-file PATH
+    elastic-magic join HOST:PORT --token-stdin        (a launcher's: see below)
     elastic-magic join HOST:PORT                      (asks for the token)
 
 The cell that started the job (``%%elastic --nnodes 1:4 --rdzv-endpoint HOST:PORT``) prints
@@ -16,12 +17,14 @@ are stopped and the command exits with status 1, saying so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import getpass
 import os
 import signal
 import stat
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ _INTERRUPTED = 130
 # workers use. Its own states, restarts and rounds stay on this terminal.
 _FORWARDED = (Output, WorkerFailed, NetworkChosen)
 TOKEN_VARIABLE = "ELASTIC_MAGIC_TOKEN"
+ALLOCATION_VARIABLE = "ELASTIC_MAGIC_ALLOCATION"  # set by a launcher (ssh); Slurm's job id
 
 
 _HELP = (__doc__ or "").replace("``", "")
@@ -55,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
         "join", help="run this machine's workers in a notebook's job",
         description="Run this machine's workers in the job of the notebook whose cell "
                     "printed ENDPOINT, until that job ends or this command is interrupted "
-                    "(SIGINT, or SIGTERM as schedulers send it: the job regroups without "
-                    "this machine).",
+                    "(SIGINT: at once; SIGTERM, as schedulers send it: at the job's next "
+                    "State commit; the job regroups without this machine).",
         epilog=f"The token is never an argument: set {TOKEN_VARIABLE} in this command's "
                "environment (a batch script's export, a Kubernetes Secret) or use "
                "--token-file. The workers reach the other machines through the interface "
@@ -68,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"a file holding the job's token, readable by you only (chmod "
                            f"600); without it the token comes from {TOKEN_VARIABLE}, or is "
                            "asked for")
+    join.add_argument("--token-stdin", action="store_true",
+                      help="the token is the first line on stdin, and the end of stdin "
+                           "afterwards stops this machine as SIGTERM does (a launcher's "
+                           "ssh session: when it closes, this machine leaves the job)")
     # Refused with an explanation: a token in argv is visible to every user (ps).
     join.add_argument("--token", help=argparse.SUPPRESS)
     join.add_argument("--nproc", default=None,
@@ -101,7 +109,9 @@ def read_token(args: argparse.Namespace) -> str:
             "--token is not accepted: a token on the command line is visible to every user "
             f"of this machine (ps). Run {TOKEN_VARIABLE}=TOKEN elastic-magic join "
             f"{args.endpoint} (as the notebook prints it), or use --token-file PATH.")
-    if args.token_file is not None:
+    if args.token_stdin:
+        token = sys.stdin.readline()
+    elif args.token_file is not None:
         token = _token_from_file(args.token_file)
     elif os.environ.get(TOKEN_VARIABLE):
         token = os.environ[TOKEN_VARIABLE]
@@ -144,6 +154,9 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .messages import Forward, Hello
     from .ui.text import TextRenderer
 
+    if args.token_stdin:  # the launcher's end (its ssh session closed): leave the job
+        threading.Thread(target=_leave_at_end_of_stdin, daemon=True,
+                         name="elastic-stdin-lifeline").start()
     try:
         link, offer = connect(args.endpoint, token)
     except (HubError, OSError) as exc:
@@ -174,10 +187,14 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
 
     # The job's agent owns the link from here: it reads it and closes it at the end.
     job = Job(spec, payload, offer.run_id, joined=joined, forward=forward)
-    link.send(Hello(host, nproc, os.getpid()))
+    link.send(Hello(host, nproc, os.getpid(), _allocation()))
     print(f"[elastic] joined job {job.run_id} at {args.endpoint} with {nproc} workers; "
           f"logs: {job.log_dir}", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM: leave cleanly
+    # A scheduler's SIGTERM (a preemption or a cancel, with a grace time): this machine
+    # leaves at the job's next commit.
+    terminated: list[bool] = []  # as before leaving at a commit: it was interrupted (130)
+    signal.signal(signal.SIGTERM,
+                  lambda signum, frame: _leave_at_commit(link, terminated))
     job.start()
     try:
         result = job.wait(TextRenderer())
@@ -188,6 +205,8 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
         return 1
     if result.failure is not None:  # the head lost, say, or this machine's root cause
         print(f"elastic-magic join: {result.failure.headline}", file=sys.stderr)
+    if terminated and result.state is JobState.STOPPED:
+        return _INTERRUPTED
     return _EXIT_CODES.get(result.state, 1)
 
 
@@ -196,7 +215,7 @@ def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
     from .agent.loop.assemble import join_session
     from .messages import Hello
 
-    joined.link.send(Hello(host, nproc, os.getpid()))
+    joined.link.send(Hello(host, nproc, os.getpid(), _allocation()))
     print(f"[elastic] joined session {run_id} with {nproc} workers; logs: "
           f"{spec.log_dir / run_id}", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM: leave cleanly
@@ -205,6 +224,30 @@ def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
     except KeyboardInterrupt:
         return _INTERRUPTED
     return _EXIT_CODES.get(state, 1)
+
+
+def _allocation() -> str:
+    """The launcher's allocation this machine runs in, so the head can give it back."""
+    return os.environ.get(ALLOCATION_VARIABLE) or os.environ.get("SLURM_JOB_ID", "")
+
+
+def _leave_at_commit(link: Any, terminated: list[bool]) -> None:
+    from .messages import LeaveAtCommit
+
+    terminated.append(True)
+    # Slurm signals the task and srun forwards the same SIGTERM: once is enough. Its
+    # SIGKILL after the grace time, or Ctrl-C (SIGINT) here, ends this machine at once.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("[elastic] SIGTERM: leaving the job at its next commit", flush=True)
+    link.send(LeaveAtCommit("its scheduler sent SIGTERM (preempted or cancelled)"))
+
+
+def _leave_at_end_of_stdin() -> None:
+    """Read stdin to its end, then stop this machine as a scheduler's SIGTERM does."""
+    with contextlib.suppress(OSError, ValueError):
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -119,6 +119,14 @@ class AcceptingNodes:
 
 
 @dataclass(frozen=True)
+class MachinesChanged:
+    """A --launcher's allocations changed: each as ``ID: state (reason) on WHERE``."""
+
+    allocations: tuple[str, ...]
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class NodeConnected:
     """A machine connected to (or left) this job's hub; ``reason`` when its link failed."""
 
@@ -217,6 +225,6 @@ Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
     | JobFinished | RanksFinished | NetworkChosen | Excluded | CellStarted | SessionBroken
-    | SessionReformed
+    | SessionReformed | MachinesChanged
 )
 EventSink = Callable[[Event], None]

@@ -29,6 +29,8 @@ USAGE = """\
 %elastic stop [JOB]               stop a job's workers (SIGINT, SIGTERM, SIGKILL)
 %elastic scale N [JOB] [--now] [--include S,...]   resize to N workers (at the next commit,
                                   or --now); --include brings back worker slots left out
+%elastic scale --nodes N [JOB]    a --launcher job: ask the scheduler for N machines in all,
+                                  or give some back (each leaves at the next commit)
 %elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
 %elastic stacks [JOB]             every rank's Python stacks (all threads), without stopping
 JOB is a number from `%elastic jobs` or a run id; the default is the latest job (for
@@ -115,6 +117,8 @@ class JobCommands:
             print(f"{job.run_id} is still stopping")
 
     def scale(self, words: list[str]) -> None:
+        if "--nodes" in words:
+            return self.scale_nodes([w for w in words if w != "--nodes"])
         nproc, rest, immediate, include = parse_scale(words)
         job = self.job(rest)
         if job.done:
@@ -124,6 +128,19 @@ class JobCommands:
         except SpecError as exc:
             raise UsageError(f"%elastic {exc}") from None
         print(f"{job.run_id}: resize to {count_of(nproc, 'worker')} requested")
+
+    def scale_nodes(self, words: list[str]) -> None:
+        if not words or not words[0].isdigit():
+            raise UsageError("%elastic scale --nodes: how many machines? For example "
+                             "`%elastic scale --nodes 3`.")
+        job = self.job(words[1:])
+        if job.done:
+            raise UsageError(f"%elastic scale: {job.run_id} has already ended.")
+        try:
+            job.scale_nodes(int(words[0]))
+        except SpecError as exc:
+            raise UsageError(f"%elastic {exc}") from None
+        print(f"{job.run_id}: {count_of(int(words[0]), 'machine')} asked of its launcher")
 
     def print_stacks(self, words: list[str]) -> None:
         """What each rank is doing now; for a finished job, what its stuck ranks were doing

@@ -256,6 +256,7 @@ class Hello:
     host: str
     nproc: int
     pid: int = 0  # its agent's: with ``host``, how torch's rendezvous names the machine
+    allocation: str = ""  # the launcher's allocation it runs in (SLURM_JOB_ID, say)
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,22 @@ class NodeFinished:
 @dataclass(frozen=True)
 class Leaving:
     """A joined machine is about to stop its ranks: regroup without it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class LeaveAtCommit:
+    """A joined machine asks to go at the next commit (its scheduler's SIGTERM: preempted
+    or cancelled, with a grace time)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReleaseAtCommit:
+    """The head: leave the job once the group has left at its next commit (or at the end
+    of the group, whatever ends it); do not join another round."""
 
     reason: str
 
@@ -368,5 +385,6 @@ class CellReport:
 
 
 LinkMessage = (JobOffer | Hello | Forward | NodeRequest | NodeReply | GroupResult
-               | NodeFinished | Leaving | Regroup | EndJob | StacksRequest | NodeStacks
+               | NodeFinished | Leaving | LeaveAtCommit | ReleaseAtCommit | Regroup | EndJob
+               | StacksRequest | NodeStacks
                | Heartbeat | SessionCell | InterruptCell | CellReport)

@@ -27,6 +27,7 @@ USAGE = """\
 %elastic session start [job flags]   start workers that stay alive across cells
 %elastic session stop | status       end the session | show it
 %elastic scale N [--include S,...] | stacks   resize the session | every rank's stacks
+%elastic scale --nodes N             a --launcher session: N machines in all
 %elastic push NAME [NAME ...]        send kernel variables to every rank
 %elastic pull NAME [--rank R]        copy a rank's variable into the kernel (rank 0)
 %elastic gather NAME                 every rank's variable, as {rank: value}"""
@@ -149,9 +150,20 @@ class SessionCommands:
         require_plain_python(self.shell, cell)
 
     def scale(self, words: list[str]) -> None:
+        assert self.session is not None
+        if "--nodes" in words:  # a --launcher session: machines asked of the scheduler
+            count = [w for w in words if w != "--nodes"]
+            if not count or not count[0].isdigit():
+                raise UsageError("%elastic scale --nodes: how many machines? For example "
+                                 "`%elastic scale --nodes 3`.")
+            try:
+                self.session.scale_nodes(int(count[0]))
+            except SpecError as exc:
+                raise UsageError(f"%elastic {exc}") from None
+            print(f"{self.session.run_id}: {count[0]} machines asked of its launcher")
+            return
         # A session resizes between cells or at a commit: --now changes nothing.
         nproc, _, _, include = parse_scale(words)
-        assert self.session is not None
         try:
             self.session.scale(nproc, include=include)
         except SpecError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,14 @@ OPTIONS: tuple[Option, ...] = (
            "1). Others join with the `elastic-magic join` command the cell prints",
            "N|MIN:MAX", lambda _, v: parse_nnodes(v),
            read=lambda spec: f"{spec.min_nodes}:{spec.max_nodes}"),
+    Option("launcher", "--launcher", None, "with --nnodes: start the other machines through "
+           "a scheduler (slurm, ssh, or one registered by entry point), grown toward MAX "
+           "as allocations start and all cancelled when the job ends; options from --launch "
+           "and the launcher config file (README: Launchers)", "NAME",
+           lambda _, v: None if v is None else str(v), per_machine=True),
+    Option("launch", "--launch", None, "a launcher option (repeatable): hosts=A,B (ssh); "
+           "partition=P, account=A, time=1:00:00 (slurm); see README: Launchers",
+           "KEY=VALUE", lambda _, v: _launch_options(v), action="append", per_machine=True),
     Option("link_timeout", "--link-timeout", 6.0, "with --nnodes: a machine that sends "
            "nothing, not even a heartbeat (every S/4 seconds), for S seconds is lost: the "
            "others regroup without it; a machine that loses the head stops its workers and "
@@ -133,6 +141,25 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpus", None, None, "CUDA GPUs the workers may use (default: those visible)",
            check=gpu_count, per_machine=True),
 )
+def _launch_options(value: Any) -> dict[str, str]:
+    from .launchers import parse_launch
+    return parse_launch(value)
+
+
+def _checked_launcher(name: str | None, flags: dict[str, str], max_nodes: int
+                      ) -> dict[str, str]:
+    """The launcher's options (config file, then flags), checked by the launcher."""
+    if name is None:
+        if flags:
+            raise SpecError("--launch is for a --launcher: add --launcher slurm or ssh.")
+        return {}
+    if max_nodes == 1:
+        raise SpecError(f"--launcher {name} starts other machines: add --nnodes MIN:MAX "
+                        "(MAX above 1).")
+    from .launchers import launcher_options
+    return launcher_options(name, flags)
+
+
 OPTION_NAMES = tuple(option.name for option in OPTIONS)
 
 
@@ -184,6 +211,8 @@ class JobSpec:
     link_timeout: float
     rdzv_host: str
     rdzv_port: int
+    launcher: str | None = None
+    launch: dict[str, str] = field(default_factory=dict)  # its options, config and flags
 
     @property
     def multi_node(self) -> bool:
@@ -237,10 +266,12 @@ class JobSpec:
         if rdzv_port and max_nodes == 1:
             raise SpecError(f"--rdzv-endpoint {given.get('rdzv_endpoint')}: a fixed port is "
                             "for jobs that other machines join; add --nnodes MIN:MAX.")
+        launch = _checked_launcher(v["launcher"], v["launch"], max_nodes)
         # Options kept as checked, under their own names; then the ones worked out above.
         kept = {name: value for name, value in v.items() if name in cls.__dataclass_fields__}
         return cls(**{**kept, "nproc": count, "backend": backend, "min_nproc": low,
-                      "max_nproc": high}, min_nodes=min_nodes, max_nodes=max_nodes,
+                      "max_nproc": high, "launch": launch},
+                   min_nodes=min_nodes, max_nodes=max_nodes,
                    rdzv_host=rdzv_host, rdzv_port=rdzv_port)
 
     @classmethod

@@ -150,3 +150,14 @@ def test_debugging_tutorial_names_root_cause_logs_and_stacks(tmp_path):
     # --stall-timeout names the stalled rank and keeps the stacks
     assert "root cause: rank 1: stalled: no progress for 3s, outside any collective" in text
     assert "rank 0: waited in barrier at cell line 11" in text
+
+
+def test_cluster_tutorial_grows_gives_back_and_leaves_nothing(tmp_path):
+    text = shown(execute("07_cluster.ipynb", tmp_path, timeout=600))
+    assert "launcher local" in text
+    assert "running on 3 machines, world size 3" in text
+    assert "local1#1: running" in text  # %elastic status lists the allocations
+    assert "2 machines asked of its launcher" in text
+    assert "running on 2 machines, world size 2" in text
+    assert "restarts: 0" in text and "same parameters as the run on one machine" in text
+    assert "allocations left: none" in text

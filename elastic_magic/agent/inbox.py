@@ -75,7 +75,7 @@ class OutputEnded:
     stream: str
 
 
-InboxItem = (StopCommand | ScaleCommand | StacksCommand | WorkerReport | FromLink
-             | CellRequest | InterruptCommand | OutputEnded)
+InboxItem = (StopCommand | ScaleCommand | StacksCommand | WorkerReport
+             | FromLink | CellRequest | InterruptCommand | OutputEnded)
 
 Inbox = queue.Queue[InboxItem]

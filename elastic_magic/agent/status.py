@@ -28,6 +28,7 @@ class JobStatus:
     join_command: str | None = None  # set once other machines can join
     last_commit: Mapping[str, Any] | None = None  # step, time, world size
     excluded: tuple[str, ...] = ()  # what the job goes on without (slots, machines), and why
+    machines: tuple[str, ...] = ()  # a --launcher's allocations: state, the scheduler's reason
     started: float = field(default_factory=time.time)
     finished: float | None = None
     done: bool = False  # the agent thread has ended: the result (or error) is there

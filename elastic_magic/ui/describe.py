@@ -12,6 +12,7 @@ from ..events import (
     Event,
     Excluded,
     JobFinished,
+    MachinesChanged,
     MembershipChanged,
     NetworkChosen,
     NodeConnected,
@@ -66,6 +67,8 @@ def describe(event: Event) -> Note | None:
         case NodeConnected(peer=peer, nproc=nproc, connected=connected, reason=reason):
             verb = f"joined with {count_of(nproc, 'worker')}" if connected else "left"
             return Note("nodes", f"machine {peer} {verb}" + (f": {reason}" if reason else ""))
+        case MachinesChanged(allocations=lines):  # the launcher's status line
+            return Note("nodes", "launcher: " + ("; ".join(lines) or "no allocation left"))
         case Excluded(what=what, why=why, goes_on=goes_on):
             then = "the others go on from the last commit (not a restart)" if goes_on \
                 else "too few are left to go on"

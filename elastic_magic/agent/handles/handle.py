@@ -15,15 +15,20 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ...checks import SpecError
 from ...events import Event
 from ...messages import StacksCommand
 from ...result import JobResult, JobState
 from ...spec import JobSpec
 from ..inbox import Inbox, InboxItem
 from ..machines.hub import new_token
+from ..machines.roles import Head
 from ..status import JobStatus, StatusBoard
+
+if TYPE_CHECKING:
+    from ..loop.engine import Engine
 
 # Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
 # about 1000 messages/s, and each update may resend a widget's whole state.
@@ -64,6 +69,8 @@ def _without_locals(error: BaseException) -> BaseException:
 
 class Loop(Protocol):
     """An agent's loop (a job's, a session's): it runs until the job ends."""
+
+    engine: Engine
 
     def run(self) -> JobResult: ...
 
@@ -147,6 +154,8 @@ class AgentThread:
         worker PIDs, logs."""
         s = self._board.current
         excluded = {"excluded": "; ".join(s.excluded)} if s.excluded else {}
+        if s.machines:  # a --launcher's allocations, pending ones with the scheduler's reason
+            excluded["machines"] = "; ".join(s.machines)
         return {"run_id": self.run_id, "state": s.state.value, "world_size": s.world_size,
                 "nnodes": s.nnodes, "restarts": f"{s.restarts}/{self.spec.max_restarts}",
                 **self._status_extra(s), **excluded, "pids": dict(s.pids),
@@ -154,6 +163,22 @@ class AgentThread:
 
     def _status_extra(self, status: JobStatus) -> dict[str, Any]:
         return {}
+
+    def scale_nodes(self, nnodes: int) -> None:
+        """Ask the job's --launcher for ``nnodes`` machines in all, this one included: more
+        are submitted to the scheduler; fewer give machines back (pending allocations first,
+        then the newest): its join is told to leave (SIGTERM, or its ssh stdin closed), the
+        others regroup from the last commit, and its allocation ends."""
+        if self.spec.launcher is None:
+            raise SpecError("scale --nodes needs a job started with --launcher (slurm, ssh); "
+                            "without one, machines join and leave with elastic-magic join.")
+        if not self.spec.min_nodes <= nnodes <= self.spec.max_nodes:
+            raise SpecError(f"scale --nodes {nnodes}: this job runs between "
+                            f"{self.spec.min_nodes} and {self.spec.max_nodes} machines "
+                            "(--nnodes MIN:MAX).")
+        agent = self._agent  # the launcher's target is thread-safe to move
+        if agent is not None and isinstance(agent.engine.role, Head):
+            agent.engine.role.launched.scale(nnodes)
 
     def wait_for_join_command(self, timeout: float | None = None) -> str | None:
         """The command other machines run to join (``--nnodes`` above 1), once the

@@ -28,14 +28,17 @@ from .session_loop import SessionLoop
 
 
 def role_for(spec: JobSpec, run_id: str, emit: EventSink, inbox: Inbox,
-             payload: Payload, *, token: str | None, joined: JoinedJob | None
-             ) -> SingleMachine:
+             payload: Payload, *, token: str | None, joined: JoinedJob | None,
+             board: StatusBoard | None = None) -> SingleMachine:
     """This agent's role: a machine that joined, the head of several, or one alone."""
     if joined is not None:
         return JoinedMachine(spec, run_id, emit, joined, inbox)
     if spec.multi_node:
         assert token is not None
-        return Head(spec, run_id, emit, token=token, payload=payload, inbox=inbox)
+        head = Head(spec, run_id, emit, token=token, payload=payload, inbox=inbox)
+        if board is not None:  # a launcher's allocations show in the job's status
+            head.launched.publish = lambda lines: board.publish(machines=lines)
+        return head
     return SingleMachine(spec, run_id, emit)
 
 
@@ -43,8 +46,16 @@ def job_agent(spec: JobSpec, payload: Payload, run_id: str, emit: EventSink, inb
               board: StatusBoard, *, token: str | None = None,
               joined: JoinedJob | None = None) -> JobLoop:
     """A one-shot job's agent."""
-    role = role_for(spec, run_id, emit, inbox, payload, token=token, joined=joined)
-    return JobLoop(Engine(spec, payload, run_id, emit, inbox, board, role))
+    role = role_for(spec, run_id, emit, inbox, payload, token=token, joined=joined,
+                    board=board)
+    return JobLoop(_engine(Engine(spec, payload, run_id, emit, inbox, board, role)))
+
+
+def _engine(engine: Engine) -> Engine:
+    """The role asks the engine whether its group commits State: a machine given back
+    then leaves at the next commit rather than at once."""
+    engine.role.graceful = lambda: engine.graceful
+    return engine
 
 
 def ready_payload(spec: JobSpec) -> Payload:
@@ -57,8 +68,10 @@ def session_agent(spec: JobSpec, run_id: str, inbox: Inbox, board: StatusBoard, 
     """A session's agent in the kernel (alone, or the head of several machines)."""
     events = CellEvents(inbox)
     ready = ready_payload(spec)
-    role = role_for(spec, run_id, events.route, inbox, ready, token=token, joined=None)
-    return SessionLoop(Engine(spec, ready, run_id, events.route, inbox, board, role), events)
+    role = role_for(spec, run_id, events.route, inbox, ready, token=token, joined=None,
+                    board=board)
+    return SessionLoop(_engine(Engine(spec, ready, run_id, events.route, inbox, board, role)),
+                       events)
 
 
 def join_session(spec: JobSpec, payload: Payload, run_id: str, joined: JoinedJob,

@@ -29,7 +29,13 @@ from ...events import (
     WorkersStarted,
 )
 from ...logs import RunFolder, is_default, prune
-from ...messages import Action, NodeRequest, Result, ScaleCommand, StopCommand
+from ...messages import (
+    Action,
+    NodeRequest,
+    Result,
+    ScaleCommand,
+    StopCommand,
+)
 from ...payload import Payload
 from ...protocol import new_secret
 from ...result import JobResult, JobState, RankFailure, assemble_result
@@ -53,6 +59,10 @@ from .switchboard import Switchboard
 # scripted group here, as torch tests its rendezvous with a fake state holder.
 GroupFactory = Callable[[int, int, int], WorkerGroup]
 Results = tuple[dict[int, Result], dict[int, list[str]]]  # other machines' ranks
+
+
+# What ends a wait for the next round (besides this machine being given back at a commit).
+_ENDS_WAIT = (Action.STOP, Action.NODE_FAILED)
 
 
 class Engine:
@@ -128,7 +138,7 @@ class Engine:
         return info
 
     def _stop_waiting(self) -> bool:
-        return self.switchboard.drain() in (Action.STOP, Action.NODE_FAILED)
+        return self.switchboard.drain() in _ENDS_WAIT or self.role.leaves_before_round()
 
     def start_group(self, info: RoundInfo) -> None:
         """This machine's workers of round ``info``, running ``payload``."""
@@ -237,7 +247,7 @@ class Engine:
 
     def _leave_at_commit(self) -> bool:
         """Every rank leaves at this commit when this machine resizes or others wait."""
-        leave = self.membership.resize_pending or self.nodes_waiting()
+        leave = self.role.take_release() or self.membership.resize_pending or self.nodes_waiting()
         if leave:
             self.set_state(JobState.RESIZING)
         return leave

@@ -213,6 +213,12 @@ class Hub:
         sock.settimeout(None)
         return Link(sock, _proof(self.token, b"key", server_nonce, client_nonce), peer)
 
+    def send_to(self, node: int, message: LinkMessage) -> None:
+        with self._lock:
+            link = self.links.get(node)
+        if link is not None:
+            link.send(message)
+
     def broadcast(self, message: LinkMessage) -> None:
         with self._lock:
             links = list(self.links.values())

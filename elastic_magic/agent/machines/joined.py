@@ -21,6 +21,7 @@ from ...messages import (
     NodeReply,
     NodeRequest,
     Regroup,
+    ReleaseAtCommit,
     StateRequest,
 )
 from ...result import JobState, RankFailure
@@ -62,6 +63,7 @@ class JoinedMachine(SingleMachine):
         super().__init__(spec, run_id, emit)
         self.link = joined.link
         self.head_lost = False
+        self.released: str | None = None  # the head gave this machine back: why
         self.joined = joined
         self.rdzv_key = joined.rdzv_key
         self._reader = threading.Thread(target=read_into, args=(self.link, 0, inbox),
@@ -85,6 +87,8 @@ class JoinedMachine(SingleMachine):
                     group.workers[local_rank].send(reply)
             case Regroup():
                 return Action.REGROUP
+            case ReleaseAtCommit(reason):  # the group leaves at its commit; we go then
+                self.released = reason
             case EndJob(reason):
                 self.stop_reason = reason
                 return Action.STOP
@@ -114,6 +118,11 @@ class JoinedMachine(SingleMachine):
                 os.close(memory_file)
             request = dataclasses.replace(request, snapshot=data, handoff=None)
         self.link.send(NodeRequest(worker.attempt, worker.local_rank, request))
+
+    def leaves_before_round(self) -> bool:
+        if self.released is not None:
+            self.stop_reason = f"left the job at a commit: {self.released}"
+        return self.released is not None
 
     def stop_requested(self, reason: str) -> None:
         self.link.send(Leaving(reason))  # a membership change there, before our ranks go

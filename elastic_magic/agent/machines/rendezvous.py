@@ -190,8 +190,14 @@ class Rendezvous:
         """``next_round`` on a helper thread (machines may be awaited for long), asking
         ``stop()`` every ``interval`` seconds meanwhile. On a stop: None, after closing the
         run id for every machine when ``cancel`` (the machine hosting the job). Errors of
-        the round are raised here."""
+        the round are raised here. A stop already due (a machine given back at a commit)
+        joins no round: once joined, the others would wait for this machine."""
         outcome: queue.Queue[tuple[RoundInfo | None, BaseException | None]] = queue.Queue()
+        if stop():
+            if cancel:
+                with contextlib.suppress(Exception):
+                    self.cancel()
+            return None
 
         def join() -> None:
             try:

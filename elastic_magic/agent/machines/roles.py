@@ -20,12 +20,14 @@ from ...messages import (
     GroupResult,
     Hello,
     JobOffer,
+    LeaveAtCommit,
     Leaving,
     LinkMessage,
     NodeFinished,
     NodeReply,
     NodeRequest,
     Regroup,
+    ReleaseAtCommit,
     Reply,
     Result,
     StacksRequest,
@@ -42,6 +44,7 @@ from ..local.workers import Worker, take_memory_file
 from ..policy import Step
 from ..rounds import RoundInfo
 from .hub import HUB_KEY, Hub, join_command
+from .launched import Launched
 from .rendezvous import Rendezvous, rendezvous_key
 
 if TYPE_CHECKING:
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
 # Waits for the next incoming message up to a timeout, handles it, and says what the loop
 # must do about it (None: nothing).
 NextAction = Callable[[float], Action | None]
+GIVEN_BACK = "given back to the scheduler (scale)"
 
 
 class SingleMachine:
@@ -65,6 +69,8 @@ class SingleMachine:
         self.run_id = run_id
         self.emit = emit
         self.stop_reason: str | None = None  # why a link asked this agent to stop
+        # the engine's: a group that commits State is running (set by the engine)
+        self.graceful: Callable[[], bool] = lambda: False
         self.node_failures: list[RankFailure] = []  # another machine's, for good
         self.excluded: list[str] = []  # machines the job went on without, and why
         # Signs what the rendezvous store holds: a secret of this job alone.
@@ -92,6 +98,14 @@ class SingleMachine:
         else:
             reply = server.serve(request, world_size, inline=False)
         worker.send(reply)
+
+    def take_release(self) -> bool:
+        """A machine is to leave: the group leaves at this commit (once)."""
+        return False
+
+    def leaves_before_round(self) -> bool:
+        """This machine was given back: it joins no further round."""
+        return False
 
     def stop_requested(self, reason: str) -> None:
         """A stop for this agent (button, interrupt, signal), before its ranks go."""
@@ -157,6 +171,8 @@ class Head(SingleMachine):
         self.pids: dict[int, int] = {}  # hub connection -> its agent's pid
         self.rendezvous: Rendezvous | None = None
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
+        # what a --launcher started for the job, and gives back
+        self.launched = Launched(spec, run_id, emit, self._give_back)
 
     def open(self) -> Rendezvous:
         self.network = choose(self.spec.rdzv_host, self.spec.env)
@@ -172,14 +188,21 @@ class Head(SingleMachine):
         self.emit(self.network)
         self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
         self.rendezvous = rendezvous
+        try:
+            self.launched.start(rendezvous.endpoint, self.token)
+        except BaseException:
+            self.close_rendezvous(rendezvous)
+            raise
         return rendezvous
+
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
         match item.message:
-            case Hello(host, nproc, pid):
+            case Hello(host, nproc, pid, allocation):
                 self.names[item.node] = host
                 self.pids[item.node] = pid
+                self.launched.allocations[item.node] = allocation
                 self.emit(NodeConnected(host, nproc, True))
             case Forward(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0
@@ -196,8 +219,12 @@ class Head(SingleMachine):
                 # job's bounds allow.
                 why = f"its workers failed with no restart left ({failures[0].headline})"
                 return self._lost(item.node, why, group, failures)
+            case NodeFinished() if item.node in self.launched.released:  # left at a commit
+                return self._gone_at_commit(item.node)
             case NodeFinished():  # the job is over for it: not a loss
                 self.pids.pop(item.node, None)
+            case LeaveAtCommit(reason):  # its scheduler's SIGTERM: preempted or cancelled
+                return self._leave_at_commit(item.node, reason, group)
             case Leaving():  # its ranks are about to go: regroup without them
                 self.pids.pop(item.node, None)
                 self._left(item.node)
@@ -236,6 +263,41 @@ class Head(SingleMachine):
             rank=first_rank, local_rank=0, attempt=group.attempt if group else 0, pid=pid,
             time=time.time(), reason=f"{what} was lost: {why}")]
         return Action.NODE_FAILED
+
+    def _leave_at_commit(self, node: int, reason: str, group: WorkerGroup | None
+                         ) -> Action | None:
+        """Below --nnodes MIN without it, the job fails now, naming why it goes;
+        otherwise it is told to leave at the next commit, and the group leaves there."""
+        staying = [n for n in self.pids if n != node and n not in self.launched.released]
+        if 1 + len(staying) < self.spec.min_nodes and node in self.pids:
+            return self._lost(node, f"it is leaving: {reason}", group)
+        self.launched.mark(node, reason)
+        if self.hub is not None:
+            self.hub.send_to(node, ReleaseAtCommit(reason))
+        # Without State (or before the group runs) no commit comes: re-form now.
+        return None if self.graceful() or not self.launched.take_due() else Action.REGROUP
+
+    def _give_back(self, allocation: str) -> None:
+        """The launcher's thread gives a running machine back: to the agent's inbox, as
+        if the machine had asked to leave at the next commit."""
+        hub = self.hub
+        for node in self.launched.nodes_in(allocation):
+            link = hub.links.get(node) if hub is not None else None
+            if link is not None:
+                self.inbox.put(FromLink(link, node, LeaveAtCommit(GIVEN_BACK)))
+                return
+        self.launched.cancel(allocation)  # not in the job (yet): nothing to wait for
+
+    def take_release(self) -> bool:
+        return self.launched.take_due()
+
+    def _gone_at_commit(self, node: int) -> Action | None:
+        """A machine given back has left: out of the rendezvous, its allocation ended."""
+        host, pid = self.names.pop(node, "?"), self.pids.pop(node, 0)
+        reason = self.launched.gone(node)
+        node_rank = self.rendezvous.remove_node(host, pid) if self.rendezvous else None
+        self.emit(NodeConnected(host, 0, False, f"left at a commit: {reason}"))
+        return Action.REGROUP if node_rank is not None else None
 
     def _left(self, node: int, peer: str = "", reason: str | None = None) -> None:
         """A machine left; one whose link failed is reported even if it never said hello."""
@@ -296,8 +358,11 @@ class Head(SingleMachine):
 
     def finished(self, final: JobState, failures: list[RankFailure]) -> None:
         hub, self.hub = self.hub, None
-        if hub is not None:
-            try:
-                hub.broadcast(EndJob(f"the job {final.value}"))
-            finally:
-                hub.close()
+        try:
+            if hub is not None:
+                try:
+                    hub.broadcast(EndJob(f"the job {final.value}"))
+                finally:
+                    hub.close()
+        finally:
+            self.launched.close()  # its machines heard EndJob: now their allocations go

@@ -1,0 +1,76 @@
+"""The machines a head's ``--launcher`` asks the scheduler for, and those it gives back.
+
+The head owns one per job (``Head.launched``): it starts the launchers' Cluster once the
+rendezvous accepts machines, knows which hub connection runs in which allocation (each
+machine says so in its Hello), and keeps the machines that leave at the next commit (given
+back by a scale, or asked by the scheduler's SIGTERM) until they are gone, when their
+allocations are cancelled. The launchers' code is imported only where one is used."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ...events import EventSink, MachinesChanged
+from ...spec import JobSpec
+
+if TYPE_CHECKING:
+    from ...launchers.cluster import Cluster
+
+
+class Launched:
+    def __init__(self, spec: JobSpec, run_id: str, emit: EventSink,
+                 give_back: Callable[[str], None]) -> None:
+        self.spec = spec
+        self.emit = emit
+        self.give_back = give_back  # the head's: a running machine leaves at a commit
+        self.run_id = run_id
+        self.cluster: Cluster | None = None
+        # where the allocations are shown (the job's status board, set by the assembly)
+        self.publish: Callable[[tuple[str, ...]], None] = lambda lines: None
+        self.allocations: dict[int, str] = {}  # hub connection -> its allocation
+        self.released: dict[int, str] = {}  # connections leaving at a commit -> why
+        self._due = False  # the group leaves at its next commit for them
+
+    def start(self, endpoint: str, token: str) -> None:
+        if self.spec.launcher is None:
+            return
+        from ...launchers.cluster import start_cluster
+        self.cluster = start_cluster(self.spec, endpoint, token, self.run_id, self._show,
+                                     self.give_back)
+
+    def _show(self, lines: tuple[str, ...]) -> None:
+        """In the job's status and, as a line, in the dashboard and the text output (from
+        the launcher's thread: both take events from any thread, as the output pumps do)."""
+        self.publish(lines)
+        self.emit(MachinesChanged(lines))
+
+    def scale(self, nnodes: int) -> None:
+        if self.cluster is not None:
+            self.cluster.scale(nnodes - 1)  # the head is one of them
+
+    def nodes_in(self, allocation: str) -> list[int]:
+        """(From any thread: the dict is copied at once, under the GIL.)"""
+        return [node for node, held in list(self.allocations.items()) if held == allocation]
+
+    def mark(self, node: int, reason: str) -> None:
+        self.released[node] = reason
+        self._due = True
+
+    def take_due(self) -> bool:
+        due, self._due = self._due, False
+        return due
+
+    def gone(self, node: int) -> str:
+        """A machine given back has left: its allocation is cancelled; why it went."""
+        self.cancel(self.allocations.pop(node, ""))
+        return self.released.pop(node)
+
+    def cancel(self, allocation: str) -> None:
+        if self.cluster is not None and allocation:
+            self.cluster.cancel_later(allocation)
+
+    def close(self) -> None:
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            cluster.close()

@@ -1,0 +1,177 @@
+"""Launchers: the notebook starts and cancels the machines of its job on a cluster.
+
+A job with ``--nnodes MIN:MAX --launcher NAME`` asks a scheduler (Slurm, SSH to a list of
+hosts; others by entry point) for machines that run ``elastic-magic join`` for it. A launcher
+is small: start one machine's join, list its allocations with the scheduler's own reason
+for those that wait, cancel one, cancel all, and name what a watchdog must run if the
+kernel dies before it could cancel them. Everything else (how many, when, giving machines
+back, the watchdog) is the :class:`~elastic_magic.launchers.cluster.Cluster`'s, the same
+for every scheduler.
+
+Another scheduler is a class with this interface, registered under the
+``elastic_magic.launchers`` entry-point group of its distribution::
+
+    [project.entry-points."elastic_magic.launchers"]
+    pbs = "my_package.pbs:PbsLauncher"
+
+Options come from the config file (``$ELASTIC_MAGIC_LAUNCHERS``, else
+``$XDG_CONFIG_HOME/elastic_magic/launchers.ini``, else ``~/.config/...``; one section per
+launcher, ``key = value`` lines) and from ``--launch KEY=VALUE`` flags, which win.
+"""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+from ..checks import SpecError
+
+ENTRY_POINT_GROUP = "elastic_magic.launchers"
+CONFIG_VARIABLE = "ELASTIC_MAGIC_LAUNCHERS"
+# Shipped here: found without the package's metadata (a source checkout on PYTHONPATH).
+BUILT_IN = {"local": "elastic_magic.launchers.local:LocalLauncher",
+            "slurm": "elastic_magic.launchers.slurm:SlurmLauncher",
+            "ssh": "elastic_magic.launchers.ssh:SshLauncher"}
+
+
+class LauncherError(RuntimeError):
+    """The scheduler refused or failed; the message says what it answered."""
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """What a machine needs to join: the head's endpoint and the job's token (which a
+    launcher must never put on a command line: a 0600 file, stdin or the environment)."""
+
+    endpoint: str
+    token: str
+    run_id: str
+    nproc: str | None = None  # each machine's --nproc; None: its own default
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One machine asked of the scheduler. ``state``: pending, running or ended;
+    ``reason``: why it waits, in the scheduler's words (squeue's Reason)."""
+
+    id: str
+    state: str
+    reason: str = ""
+    where: str = ""
+
+    def describe(self) -> str:
+        why = f" ({self.reason})" if self.reason and self.state == "pending" else ""
+        where = f" on {self.where}" if self.where else ""
+        return f"{self.id}: {self.state}{why}{where}"
+
+
+class Launcher(Protocol):
+    """The interface every launcher has (see the module's docstring)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        """Check the options (raise SpecError naming the bad one); start nothing."""
+
+    def start(self, request: JoinRequest) -> Allocation:
+        """Ask for one machine running ``elastic-magic join`` for this job."""
+
+    def allocations(self) -> list[Allocation]:
+        """Every allocation started and not yet cancelled, as the scheduler sees it."""
+
+    def cancel(self, allocation_id: str) -> None:
+        """End one allocation (its join leaves the job as a machine that is stopped)."""
+
+    def cancel_all(self) -> None:
+        """End every allocation this launcher started."""
+
+    def orphan_cleanup(self, allocation_id: str) -> list[list[str]]:
+        """The commands a watchdog runs for this allocation if the kernel dies first (none
+        where the allocation ends by itself when the kernel is gone)."""
+
+
+def _registry() -> dict[str, str]:
+    found = dict(BUILT_IN)
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(entry.name, entry.value)
+    return found
+
+
+def launcher_names() -> list[str]:
+    return sorted(_registry())
+
+
+def launcher_class(name: str) -> type[Launcher]:
+    registry = _registry()
+    if name not in registry:
+        raise SpecError(f"--launcher {name}: no such launcher; the launchers are "
+                        f"{', '.join(sorted(registry))} (others register under the "
+                        f"{ENTRY_POINT_GROUP!r} entry-point group).")
+    module, _, attribute = registry[name].partition(":")
+    cls: type[Launcher] = getattr(importlib.import_module(module), attribute)
+    return cls
+
+
+def config_path() -> Path:
+    if os.environ.get(CONFIG_VARIABLE):
+        return Path(os.environ[CONFIG_VARIABLE])
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".config"
+    return root / "elastic_magic" / "launchers.ini"
+
+
+def configured_options(name: str, path: Path | None = None) -> dict[str, str]:
+    """The launcher's section of the config file (none: empty)."""
+    path = path or config_path()
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        with path.open() as file:
+            parser.read_file(file)
+    except FileNotFoundError:
+        return {}
+    except (OSError, configparser.Error) as exc:
+        raise SpecError(f"the launcher config {path} cannot be read: {exc}") from None
+    if not parser.has_section(name):
+        return {}
+    return {key.replace("-", "_"): value for key, value in parser.items(name)}
+
+
+def parse_launch(items: list[str] | Mapping[str, str] | None) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` (the repeatable --launch flag) or a mapping, checked."""
+    if not items:
+        return {}
+    if isinstance(items, Mapping):
+        return {str(k): str(v) for k, v in items.items()}
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--launch {item}: write KEY=VALUE (hosts=a,b or partition=gpu).")
+        options[key.strip().replace("-", "_")] = value.strip()
+    return options
+
+
+def launcher_options(name: str, flags: Mapping[str, str]) -> dict[str, str]:
+    """The config file's options for ``name``, the flags over them, checked by the
+    launcher itself (a SpecError names what is wrong, before anything starts)."""
+    options = {**configured_options(name), **flags}
+    launcher_class(name)(options)
+    return options
+
+
+def make_launcher(name: str, options: Mapping[str, str]) -> Launcher:
+    return launcher_class(name)(options)
+
+
+def known_options(name: str, options: Mapping[str, str], allowed: Mapping[str, str]) -> None:
+    """Unknown option names are refused, listing the ones that exist."""
+    for key in options:
+        if key not in allowed:
+            listed = "; ".join(f"{k}: {v}" for k, v in allowed.items())
+            raise SpecError(f"--launcher {name}: no option {key!r}. Its options: {listed}.")

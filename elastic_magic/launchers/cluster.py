@@ -1,0 +1,180 @@
+"""The machines a job asks a launcher for, kept at a target as allocations come and go.
+
+The head's agent owns one Cluster per job or session with a launcher. It asks for the
+job's MAX machines less the head at once; the job starts as soon as its MIN are there and
+grows as more allocations start (the rendezvous takes each machine that joins). A thread
+polls the scheduler every few seconds: an allocation that ended without being cancelled
+(preempted, failed, timed out) is replaced while the target wants it; ``scale`` moves the
+target (more: submitted; fewer: pending ones cancelled first, then the newest running).
+What every allocation is doing, with the scheduler's reason for those that wait, goes to
+``publish`` (the job's status). A :class:`Watchdog` in a session of its own holds what
+would end each allocation, and runs it if the kernel dies before ``close``.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from . import Allocation, JoinRequest, Launcher, LauncherError, make_launcher
+from .watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from ..spec import JobSpec
+
+POLL_INTERVAL = 2.0
+
+
+class Cluster:
+    def __init__(self, launcher: Launcher, request: JoinRequest, *, machines: int,
+                 publish: Callable[[tuple[str, ...]], None],
+                 release: Callable[[str], None] | None = None,
+                 poll_interval: float = POLL_INTERVAL) -> None:
+        self.launcher = launcher
+        self.request = request
+        self.target = machines  # other machines than the head
+        self.publish = publish
+        # gives a running machine back at the job's next commit (the head's agent); it
+        # then calls cancel_later. None: running machines are cancelled at once.
+        self.release = release
+        self._releasing: list[str] = []  # asked to leave at a commit; then cancelled
+        self._to_cancel: list[str] = []
+        self.poll_interval = poll_interval
+        self.watchdog: Watchdog | None = None  # started by the thread (see _run)
+        self._live: list[str] = []  # allocation ids, oldest first
+        self._ended: list[str] = []  # what ended unasked, described, for the status
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._shown: tuple[str, ...] = ()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"elastic-launcher-{request.run_id}")
+
+    def start(self) -> Cluster:
+        self._thread.start()
+        return self
+
+    def scale(self, machines: int) -> None:
+        """Keep ``machines`` other machines (the head not counted) from now on."""
+        self.target = machines
+        self._wake.set()
+
+    def _run(self) -> None:
+        # The agent's thread blocks SIGINT and SIGTERM, and what it starts inherits the
+        # mask: ssh, sbatch and the watchdog must be stoppable as usual.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self.watchdog = Watchdog()
+        while not self._closed.is_set():
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                self._step()
+            self._wake.wait(self.poll_interval)
+            self._wake.clear()
+
+    def cancel_later(self, allocation_id: str) -> None:
+        """Its machine has left the job: end the allocation (from the cluster's thread)."""
+        self._to_cancel.append(allocation_id)
+        self._wake.set()
+
+    def _step(self) -> None:
+        while self._to_cancel:
+            allocation_id = self._to_cancel.pop(0)
+            if allocation_id in self._releasing:
+                self._releasing.remove(allocation_id)
+            self._cancel(allocation_id)
+        try:
+            allocations = self.launcher.allocations()
+        except LauncherError as exc:
+            self._show((f"the scheduler cannot be asked: {exc}",))
+            return
+        for allocation in allocations:
+            if allocation.state == "ended" and allocation.id in self._releasing:
+                self._releasing.remove(allocation.id)
+                self._forget(allocation.id)
+            elif allocation.state == "ended" and allocation.id in self._live:
+                self._ended = [*self._ended[-4:], allocation.describe()]
+                self._forget(allocation.id)
+        live = [a for a in allocations if a.state != "ended"]
+        errors: list[str] = []
+        while len(self._live) < self.target:
+            try:
+                started = self.launcher.start(self.request)
+            except LauncherError as exc:
+                errors.append(f"cannot start a machine: {exc}")
+                break
+            self._live.append(started.id)
+            assert self.watchdog is not None
+            self.watchdog.add(started.id, self.launcher.orphan_cleanup(started.id))
+            live.append(started)
+        if len(self._live) > self.target:
+            pending = [a.id for a in live if a.state == "pending"]
+            # what has not started is given back first, then the newest machines
+            order = [i for i in reversed(self._live) if i in pending] + \
+                [i for i in reversed(self._live) if i not in pending]
+            for allocation_id in order[:len(self._live) - self.target]:
+                if allocation_id in pending or self.release is None:
+                    self._cancel(allocation_id)
+                    live = [a for a in live if a.id != allocation_id]
+                else:  # it leaves at the job's next commit, then is cancelled
+                    self._live.remove(allocation_id)
+                    self._releasing.append(allocation_id)
+                    self.release(allocation_id)
+        self._show(tuple(a.describe() for a in live) + tuple(self._ended) + tuple(errors))
+
+    def _cancel(self, allocation_id: str) -> None:
+        try:
+            self.launcher.cancel(allocation_id)
+        except LauncherError as exc:
+            self._ended = [*self._ended[-4:], f"{allocation_id}: cancel failed: {exc}"]
+        self._forget(allocation_id)
+
+    def _forget(self, allocation_id: str) -> None:
+        if allocation_id in self._live:
+            self._live.remove(allocation_id)
+        if self.watchdog is not None:
+            self.watchdog.drop(allocation_id)
+
+    def _show(self, lines: tuple[str, ...]) -> None:
+        lines += tuple(f"{i}: leaving at the next commit" for i in self._releasing)
+        if lines != self._shown:
+            self._shown = lines
+            self.publish(lines)
+
+    def allocations(self) -> list[Allocation]:
+        return self.launcher.allocations()
+
+    def close(self) -> None:
+        """Every allocation ended (the launcher's cancel_all), the watchdog let go; safe
+        to call twice."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._wake.set()
+        with self._lock:  # a start under way finishes first, so nothing is missed
+            try:
+                self.launcher.cancel_all()
+                self._live.clear()
+                self._releasing.clear()
+                if self.watchdog is not None:
+                    self.watchdog.close()  # only now: a failed cancel_all leaves it on guard
+            finally:
+                self._show(())
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+
+def start_cluster(spec: JobSpec, endpoint: str, token: str, run_id: str,
+                  publish: Callable[[tuple[str, ...]], None],
+                  release: Callable[[str], None] | None = None) -> Cluster:
+    """The job's machines asked of its --launcher: all but the head, at once."""
+    assert spec.launcher is not None
+    launcher = make_launcher(spec.launcher, spec.launch)
+    request = JoinRequest(endpoint, token, run_id)
+    return Cluster(launcher, request, machines=spec.max_nodes - 1, publish=publish,
+                   release=release).start()

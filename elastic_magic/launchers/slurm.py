@@ -1,0 +1,151 @@
+"""``--launcher slurm``: each machine is one Slurm job of one node, submitted with ``sbatch``.
+
+The batch script (given to ``sbatch`` on stdin) runs ``srun elastic-magic join ENDPOINT
+--token-file FILE``: the token is in a file only its owner can read, in a folder the
+cluster's nodes share with the notebook (the home folder by default), removed when the
+allocations end; it is in no command line, script or ``squeue`` field. ``squeue`` gives each
+job's state and, while it waits, Slurm's Reason; ``scancel`` ends it, and Slurm's SIGTERM
+(a cancel, or a preemption with its grace time) makes the join leave the job.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..checks import SpecError
+from . import Allocation, JoinRequest, LauncherError, known_options
+
+OPTIONS = {
+    "partition": "sbatch --partition",
+    "account": "sbatch --account",
+    "time": "sbatch --time (the allocation's limit, e.g. 1:00:00)",
+    "qos": "sbatch --qos",
+    "sbatch_options": "further sbatch arguments, shell-quoted (e.g. --gres=gpu:4 "
+                      "--exclusive)",
+    "python": "the interpreter on the nodes that has elastic_magic (default: this one)",
+    "nproc": "each machine's workers: N, auto, cpu or gpu (default: its own)",
+    "token_dir": "a folder the nodes share, for the token file (default "
+                 "~/.cache/elastic_magic/tokens)",
+    "workdir": "the jobs' working directory (default: the notebook's)",
+}
+_STATES = {"PENDING": "pending", "CONFIGURING": "pending", "RUNNING": "running",
+           "COMPLETING": "ended", "COMPLETED": "ended", "CANCELLED": "ended",
+           "FAILED": "ended", "TIMEOUT": "ended", "PREEMPTED": "ended",
+           "NODE_FAIL": "ended", "OUT_OF_MEMORY": "ended"}
+
+
+def _run(argv: list[str], stdin: str | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
+    try:
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LauncherError(f"{argv[0]}: {exc}") from None
+    if done.returncode:
+        raise LauncherError(f"{shlex.join(argv)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+class SlurmLauncher:
+    name = "slurm"
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        known_options(self.name, options, OPTIONS)
+        self.options = dict(options)
+        try:
+            extra = shlex.split(options.get("sbatch_options", ""))
+        except ValueError as exc:
+            raise SpecError(f"--launch sbatch_options: {exc}") from None
+        self.sbatch = ["sbatch", "--parsable", "--nodes=1", "--ntasks=1", *extra, *(
+            f"--{flag}={options[key]}" for key, flag in
+            (("partition", "partition"), ("account", "account"), ("time", "time"),
+             ("qos", "qos")) if options.get(key))]
+        self.python = options.get("python", sys.executable)
+        self.token_dir = Path(options.get("token_dir") or
+                              Path.home() / ".cache" / "elastic_magic" / "tokens")
+        self.workdir = options.get("workdir") or os.getcwd()
+        self._jobs: list[str] = []
+        self._token_file: Path | None = None
+        self._lock = threading.Lock()
+
+    def _write_token(self, request: JoinRequest) -> Path:
+        """The token in a 0600 file of a 0700 folder, made without following links."""
+        if self._token_file is None:
+            self.token_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if self.token_dir.stat().st_uid != os.getuid() or \
+                    self.token_dir.stat().st_mode & 0o077:
+                raise LauncherError(f"{self.token_dir} must be yours and private (chmod "
+                                    "700) to hold the job's token.")
+            fd, name = tempfile.mkstemp(prefix=f"{request.run_id}-", dir=self.token_dir)
+            with os.fdopen(fd, "w") as file:  # mkstemp makes it 0600
+                file.write(request.token)
+            self._token_file = Path(name)
+        return self._token_file
+
+    def script(self, request: JoinRequest, token_file: Path) -> str:
+        nproc = self.options.get("nproc") or request.nproc
+        join = [self.python, "-m", "elastic_magic.cli", "join", request.endpoint,
+                "--token-file", str(token_file), *(("--nproc", nproc) if nproc else ())]
+        return ("#!/bin/sh\n"
+                f"cd {shlex.quote(self.workdir)} || exit 1\n"
+                f"exec srun --ntasks=1 --kill-on-bad-exit=1 {shlex.join(join)}\n")
+
+    def start(self, request: JoinRequest) -> Allocation:
+        with self._lock:
+            token_file = self._write_token(request)
+            out = _run([*self.sbatch, f"--job-name=elastic-{request.run_id}",
+                        f"--chdir={self.workdir}"], stdin=self.script(request, token_file))
+            job_id = out.strip().split(";")[0]
+            self._jobs.append(job_id)
+        return Allocation(job_id, "pending")
+
+    def allocations(self) -> list[Allocation]:
+        with self._lock:
+            jobs = list(self._jobs)
+        if not jobs:
+            return []
+        out = _run(["squeue", "--noheader", f"--jobs={','.join(jobs)}",
+                    "--format=%i|%T|%r|%N", "--states=all"])
+        seen = {}
+        for line in out.splitlines():
+            job_id, state, reason, nodes = [*line.split("|"), "", "", ""][:4]
+            described = _STATES.get(state.strip(), state.strip().lower())
+            seen[job_id.strip()] = Allocation(
+                job_id.strip(), described,
+                reason.strip() if reason.strip() not in ("None", "") else
+                ("" if described != "ended" else state.strip()), nodes.strip())
+        return [seen.get(j, Allocation(j, "ended")) for j in jobs]
+
+    def cancel(self, allocation_id: str) -> None:
+        with self._lock:
+            if allocation_id not in self._jobs:
+                return
+            self._jobs.remove(allocation_id)
+        try:
+            _run(["scancel", allocation_id])
+        except LauncherError as exc:
+            ended = ("Invalid job id", "already completing or completed")
+            if not any(words in str(exc) for words in ended):  # ended already: nothing to do
+                raise
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+            token_file, self._token_file = self._token_file, None
+        try:
+            if jobs:
+                _run(["scancel", *jobs])
+        finally:
+            if token_file is not None:
+                token_file.unlink(missing_ok=True)
+
+    def orphan_cleanup(self, allocation_id: str) -> list[list[str]]:
+        token = [["rm", "-f", "--", str(self._token_file)]] if self._token_file else []
+        return [["scancel", allocation_id], *token]

@@ -1,0 +1,380 @@
+"""Launchers: the notebook starts its job's other machines through a scheduler and leaves
+nothing behind. The SSH launcher runs the system's ssh against an OpenSSH server in each
+network namespace (tests/netns.py, tests/sshd.py); Slurm's run in test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from netns import network as network  # the fixture
+from sshd import start_sshd
+from test_elastic import STEPS, TRAIN, assert_same_parameters, done_steps
+from test_elastic import baseline as baseline  # the module-scoped fixture
+
+import elastic_magic as em
+from elastic_magic.agent.handles.job import Job
+from elastic_magic.checks import SpecError
+from elastic_magic.events import NodeConnected, RendezvousCompleted
+from elastic_magic.launchers import CONFIG_VARIABLE, Allocation, JoinRequest, launcher_names
+from elastic_magic.launchers.cluster import Cluster
+from elastic_magic.launchers.watchdog import Watchdog
+from elastic_magic.payload import build_payload
+from elastic_magic.ui.state import DashboardState
+
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
+
+
+# -- options, before anything starts ---------------------------------------------------
+
+
+def test_options_come_from_the_config_file_and_flags_win(tmp_path, monkeypatch):
+    config = tmp_path / "launchers.ini"
+    config.write_text("[slurm]\npartition = debug\naccount = lab\n\n[ssh]\nhosts = a, b\n")
+    monkeypatch.setenv(CONFIG_VARIABLE, str(config))
+    spec = em.JobSpec.create(1, nnodes="1:3", launcher="slurm", launch=["account=other"])
+    assert spec.launch == {"partition": "debug", "account": "other"}
+    assert em.JobSpec.create(1, nnodes="1:3", launcher="ssh").launch == {"hosts": "a, b"}
+    assert {"local", "slurm", "ssh"} <= set(launcher_names())
+
+
+@pytest.mark.parametrize(("options", "fragment"), [
+    ({"launcher": "ssh", "launch": ["hosts=a"]}, "add --nnodes MIN:MAX"),
+    ({"launcher": "ssh", "nnodes": "1:2"}, "needs hosts: --launch hosts="),
+    ({"launcher": "pbs", "nnodes": "1:2"}, "no such launcher; the launchers are local, slurm"),
+    ({"launch": ["hosts=a"], "nnodes": "1:2"}, "--launch is for a --launcher"),
+    ({"launcher": "slurm", "nnodes": "1:2", "launch": ["partiton=x"]}, "no option 'partiton'"),
+    ({"launcher": "slurm", "nnodes": "1:2", "launch": ["partition"]}, "write KEY=VALUE"),
+])
+def test_bad_launcher_options_say_what_to_do(options, fragment, tmp_path, monkeypatch):
+    monkeypatch.setenv(CONFIG_VARIABLE, str(tmp_path / "none.ini"))
+    with pytest.raises(SpecError, match=fragment):
+        em.JobSpec.create(1, **options)
+
+
+def test_scaling_machines_needs_a_launcher_and_stays_within_nnodes(log_dir):
+    job = Job(em.JobSpec.create(1, nnodes="1:3", log_dir=log_dir),
+              build_payload("1", em.JobSpec.create(1, log_dir=log_dir)))
+    with pytest.raises(SpecError, match="needs a job started with --launcher"):
+        job.scale_nodes(2)
+    job = Job(em.JobSpec.create(1, nnodes="1:3", log_dir=log_dir, launcher="ssh",
+                                launch=["hosts=a"]), build_payload("1", job.spec))
+    with pytest.raises(SpecError, match="between 1 and 3 machines"):
+        job.scale_nodes(4)
+
+
+# -- the watchdog ----------------------------------------------------------------------
+
+
+def test_the_watchdog_runs_what_is_left_when_the_kernel_is_gone(tmp_path):
+    canary, dropped = tmp_path / "cancelled", tmp_path / "dropped"
+    # A kernel that dies (SIGKILL): its watchdog runs what it still held.
+    kernel = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, sys
+        from elastic_magic.launchers.watchdog import Watchdog
+        dog = Watchdog()
+        dog.add("1", [["touch", {str(canary)!r}]])
+        dog.add("2", [["touch", {str(dropped)!r}]])
+        dog.drop("2")
+        print(dog.proc.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+    out, _ = kernel.communicate(timeout=60)
+    watchdog_pid = int(out.split()[0])
+    deadline = time.monotonic() + 30
+    while not canary.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert canary.exists() and not dropped.exists()
+    while Path(f"/proc/{watchdog_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # reaped by init: it was in a session of its own
+    # A job that ended cleanly: nothing is run.
+    dog = Watchdog()
+    dog.add("1", [["touch", str(dropped)]])
+    dog.close()
+    assert dog.proc.returncode == 0 and not dropped.exists()
+
+
+# -- SSH, against real servers in network namespaces ------------------------------------
+
+
+def _processes_holding(secret: str) -> list[str]:
+    """Every process on this machine whose command line holds ``secret``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if secret.encode() in cmdline:
+                found.append(f"{entry.name}: {cmdline!r}")
+    return found
+
+
+def _in_namespaces(network, program: str) -> list[str]:
+    """PIDs in the machines' namespaces whose command line names ``program``."""
+    found = []
+    for i in range(1, network.machines + 1):
+        pids = subprocess.run(["ip", "netns", "pids", network.namespace(i)],
+                              capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if program.encode() in cmdline:
+                found.append(f"{i}:{pid}:{cmdline!r}")
+    return found
+
+
+@pytest.mark.parametrize("network", [2], indirect=True)
+def test_ssh_grows_a_training_job_from_one_machine_to_three(
+        baseline, network, tmp_path, log_dir, recorder):
+    options = start_sshd(network, tmp_path / "ssh")
+    spec = em.JobSpec.create(1, nnodes="1:3", rdzv_endpoint=network.head_address,
+                             launcher="ssh", launch=[f"{k}={v}" for k, v in options.items()],
+                             log_dir=log_dir, timeout=60)
+    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.3})
+    job = Job(spec, payload).start()
+    seen: dict[str, object] = {}
+
+    def watch() -> None:  # once every machine trains: where the token is, what status says
+        status = job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
+        seen["nnodes"] = status.nnodes
+        seen["machines"] = status.machines
+        seen["status"] = job.status()
+        seen["holding"] = _processes_holding(job.token or "?")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    result = job.wait(recorder)
+    watcher.join(timeout=10)
+    assert result.ok, result
+    # Machines joined as their ssh sessions came up: it began smaller and grew to three.
+    sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
+    assert sizes[0] < 3 and sizes[-1] == 3, sizes
+    assert seen["nnodes"] == 3
+    assert len(seen["machines"]) == 2 and all("running" in m for m in seen["machines"]), seen
+    assert "machines" in seen["status"]
+    assert seen["holding"] == [], seen["holding"]  # the token in no command line
+    # The dashboard's timeline (and the text output) says what the launcher holds.
+    dashboard = DashboardState(result.run_id, str(result.log_dir), 0)
+    for event in recorder.events:
+        dashboard.apply(event)
+    lines = [e["text"] for e in dashboard.timeline if e["text"].startswith("launcher: ")]
+    assert any(f"{network.address(2)}#2: running on {network.address(2)}" in line
+               for line in lines), lines
+    assert lines[-1] == "launcher: no allocation left"
+    assert done_steps(recorder) == list(range(1, STEPS + 1))
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+    # Nothing left: no join, no ssh session on any machine (sshd itself stays).
+    deadline = time.monotonic() + 30
+    while _in_namespaces(network, "elastic_magic.cli") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _in_namespaces(network, "elastic_magic.cli") == []
+    assert job.status_snapshot.machines == ()
+
+
+HEAD = textwrap.dedent("""
+    import json, sys, time
+    import elastic_magic as em
+    from elastic_magic.agent.handles.job import Job
+    from elastic_magic.payload import build_payload
+    spec = em.JobSpec.create(1, nnodes=sys.argv[5], rdzv_endpoint=sys.argv[1],
+                             launcher=sys.argv[2], launch=json.loads(sys.argv[3]),
+                             log_dir=sys.argv[4], timeout=60)
+    job = Job(spec, build_payload("import time\\nwhile True: time.sleep(0.1)", spec)).start()
+    while True:
+        print(json.dumps({"nnodes": job.status_snapshot.nnodes,
+                          "machines": job.status_snapshot.machines}), flush=True)
+        if job.done:
+            sys.exit(f"the job ended: {job.result}")
+        time.sleep(0.5)
+""")
+
+
+def start_head(network, tmp_path, launcher: str, options: dict[str, str],
+               nnodes: str = "1:3") -> subprocess.Popen[str]:
+    """A kernel stand-in: a process whose thread runs the head of a job with a launcher
+    (the job's cell never ends), printing its status twice a second."""
+    return subprocess.Popen(
+        [sys.executable, "-c", HEAD, network.head_address, launcher,
+         json.dumps([f"{k}={v}" for k, v in options.items()]), str(tmp_path / "head-logs"),
+         nnodes],
+        stdout=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+
+
+def wait_for_status(head: subprocess.Popen[str], ready, timeout: float = 120) -> dict:
+    assert head.stdout is not None
+    deadline = time.monotonic() + timeout
+    for line in head.stdout:
+        status = json.loads(line)
+        if ready(status):
+            return status
+        assert time.monotonic() < deadline, status
+    raise AssertionError(f"the head exited ({head.wait()})")
+
+
+def end(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()  # ours, by PID
+    proc.wait()
+
+
+@pytest.mark.parametrize("network", [2], indirect=True)
+def test_a_kernel_killed_outright_leaves_no_remote_process(network, tmp_path):
+    options = start_sshd(network, tmp_path / "ssh")
+    head = start_head(network, tmp_path, "ssh", options)
+    try:
+        wait_for_status(head, lambda s: s["nnodes"] == 3)
+        assert len(_in_namespaces(network, "elastic_magic.cli")) == 2
+        assert len(_in_namespaces(network, "sshd: root@")) == 2  # their sessions
+        head.kill()  # SIGKILL: no cleanup of its own runs
+        head.wait()
+        deadline = time.monotonic() + 30  # the joins leave at their stdin's end, at once
+        while (_in_namespaces(network, "elastic_magic.cli")
+               or _in_namespaces(network, "sshd: root@")) and time.monotonic() < deadline:
+            time.sleep(0.2)  # then their sessions close
+        assert _in_namespaces(network, "elastic_magic.cli") == []
+        assert _in_namespaces(network, "sshd: root@") == []  # no session left either
+    finally:
+        end(head)
+
+
+@pytest.mark.parametrize("network", [2], indirect=True)
+def test_scale_gives_a_machine_back_at_a_commit_and_ends_its_session(
+        baseline, network, tmp_path, log_dir, recorder):
+    options = start_sshd(network, tmp_path / "ssh")
+    spec = em.JobSpec.create(1, nnodes="1:3", rdzv_endpoint=network.head_address,
+                             launcher="ssh", launch=[f"{k}={v}" for k, v in options.items()],
+                             log_dir=log_dir, timeout=60)
+    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.3})
+    job = Job(spec, payload).start()
+    seen: dict[str, object] = {}
+
+    def drive() -> None:  # once three machines train: give one back
+        job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
+        job.scale_nodes(2)
+        job._board.wait_for(lambda s: s.nnodes == 2, timeout=120)
+        deadline = time.monotonic() + 30  # the one given back exits once it has left
+        while len(_in_namespaces(network, "elastic_magic.cli")) > 1 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen["joins"] = len(_in_namespaces(network, "elastic_magic.cli"))
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    result = job.wait(recorder)
+    driver.join(timeout=10)
+    assert result.ok, result
+    sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
+    assert 3 in sizes and sizes[-1] == 2, sizes
+    assert result.restarts == 0  # a membership change at a commit, not a failure
+    left = [e for e in recorder.of(NodeConnected) if not e.connected]
+    assert any("left at a commit: given back to the scheduler" in e.reason for e in left), left
+    assert seen["joins"] <= 1  # its join exited (the job may have ended meanwhile too)
+    assert done_steps(recorder) == list(range(1, STEPS + 1))  # no step lost or run twice
+    assert_same_parameters(result.values[0], baseline, atol=1e-5)
+
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_a_machine_preempted_below_min_fails_the_job_naming_it(network, tmp_path, log_dir,
+                                                                recorder):
+    options = start_sshd(network, tmp_path / "ssh")
+    spec = em.JobSpec.create(1, nnodes="2:2", rdzv_endpoint=network.head_address,
+                             launcher="ssh", launch=[f"{k}={v}" for k, v in options.items()],
+                             log_dir=log_dir, timeout=60)
+    job = Job(spec, build_payload("import time\nwhile True: time.sleep(0.1)", spec)).start()
+
+    def preempt() -> None:  # the scheduler's SIGTERM to the machine's join
+        job.wait_for_running(timeout=120)
+        (found,) = _in_namespaces(network, "elastic_magic.cli")
+        os.kill(int(found.split(":")[1]), signal.SIGTERM)
+
+    threading.Thread(target=preempt, daemon=True).start()
+    result = job.wait(recorder)
+    assert not result.ok
+    assert "scheduler sent SIGTERM (preempted or cancelled)" in result.failure.reason, result
+
+
+# -- the Cluster's policy, with a launcher that records (no scheduler) -------------------
+
+
+class Recording:
+    """A launcher whose allocations the test moves by hand."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.states: dict[str, str] = {}
+        self.cancelled: list[str] = []
+        self.all_cancelled = False
+
+    def start(self, request):
+        allocation_id = str(len(self.states) + 1)
+        self.states[allocation_id] = "pending"
+        return Allocation(allocation_id, "pending")
+
+    def allocations(self):
+        return [Allocation(i, s, "Priority" if s == "pending" else "")
+                for i, s in self.states.items() if i not in self.cancelled]
+
+    def cancel(self, allocation_id):
+        self.cancelled.append(allocation_id)
+
+    def cancel_all(self):
+        self.all_cancelled = True
+
+    def orphan_cleanup(self, allocation_id):
+        return [["true"]]
+
+
+def test_the_cluster_grows_replaces_and_gives_back_pending_ones_first():
+    launcher = Recording()
+    shown: list[tuple[str, ...]] = []
+    released: list[str] = []
+    cluster = Cluster(launcher, JoinRequest("h:1", "t", "run"), machines=3,
+                      publish=shown.append, release=released.append, poll_interval=0.02)
+    cluster.start()
+
+    def settle(check) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, (launcher.states, shown)
+            time.sleep(0.02)
+
+    settle(lambda: len(launcher.states) == 3)
+    settle(lambda: shown and "1: pending (Priority)" in shown[-1])
+    launcher.states["1"] = launcher.states["2"] = "running"
+    launcher.states["3"] = "ended"  # preempted, say: replaced
+    settle(lambda: len(launcher.states) == 4)
+    cluster.scale(1)  # 4 waits, so it goes first; then the newest running one leaves
+    settle(lambda: launcher.cancelled == ["4"] and released == ["2"])
+    assert shown[-1][-1] == "2: leaving at the next commit"
+    cluster.cancel_later("2")  # the head: it has left the job
+    settle(lambda: launcher.cancelled == ["4", "2"])
+    cluster.close()
+    assert launcher.all_cancelled and shown[-1] == ()
+    assert cluster.watchdog is not None and cluster.watchdog.proc.returncode == 0
+
+
+def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes="2:2", launcher="local", log_dir=log_dir, timeout=60)
+    source = ("import os, torch.distributed as dist\n"
+              "(dist.get_world_size(), os.environ['GROUP_WORLD_SIZE'])")
+    job = Job(spec, build_payload(source, spec)).start()
+    result = job.wait(recorder)
+    assert result.ok, result
+    assert set(result.values.values()) == {(2, "2")}
+    endpoint = next(e.endpoint for e in recorder.events if type(e).__name__ == "AcceptingNodes")
+    assert _processes_holding(endpoint) == []  # its join exited with the job
+    assert job.status_snapshot.machines == ()
