@@ -66,3 +66,6 @@ class EndedJob:
 
     def scale(self, nproc: int, immediate: bool = False, include: Iterable[int] = ()) -> None:
         raise ValueError(f"{self.run_id} has already ended.")
+
+    def scale_nodes(self, nodes: int) -> None:
+        raise ValueError(f"{self.run_id} has already ended.")
