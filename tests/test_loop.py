@@ -147,7 +147,8 @@ class ScriptedGroup(WorkerGroup):
     world: World
     inbox: Inbox
 
-    def start(self, payload, env_for, *, cwd, key, run_folder, inbox, emit, pool=True):
+    def start(self, payload, env_for, *, cwd, key, run_folder, inbox, emit, pool=True,
+              preload=()):
         self.persistent = payload.session
         self.inbox, self.emit = inbox, emit
         slots = [int(env_for(w)["ELASTIC_MAGIC_SLOT"]) for w in self.workers]
