@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 
 from ...events import Event, EventSink
@@ -53,8 +54,15 @@ def job_agent(spec: JobSpec, payload: Payload, run_id: str, emit: EventSink, inb
 
 def _engine(engine: Engine) -> Engine:
     """The role asks the engine whether its group commits State: a machine given back
-    then leaves at the next commit rather than at once."""
-    engine.role.graceful = lambda: engine.graceful
+    then leaves at the next commit rather than at once. Asked through a weak reference:
+    the engine holds its role, and a cycle would keep a finished job for the collector."""
+    ref = weakref.ref(engine)
+
+    def graceful() -> bool:
+        alive = ref()
+        return alive is not None and alive.graceful
+
+    engine.role.graceful = graceful
     return engine
 
 
