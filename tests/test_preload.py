@@ -299,3 +299,22 @@ def test_the_pool_forgets_what_it_learned(pool, log_dir, ip, capsys):
     assert not value["seen"]["xml.dom.minidom"] and value["zygote"] not in served
     with pytest.raises(UsageError, match="pool forget"):
         ip.run_line_magic("elastic", "pool")
+
+
+def test_modules_an_earlier_one_imports_are_not_kept_on_the_list(pool, log_dir, tmp_path,
+                                                                 monkeypatch):
+    """A package's import brings its submodules: the worker reports each (hundreds, for a
+    big package), the zygote says which came with an earlier one, and the list keeps only
+    the others; the next cell still has them all."""
+    packages = tmp_path / "site-packages"
+    _write(packages / "big_package", "__init__", "from . import one, two, three")
+    for name in ("one", "two", "three"):
+        _write(packages / "big_package", name, "")
+    monkeypatch.syspath_prepend(str(packages))
+    names = ["big_package.one", "big_package.two", "big_package.three"]
+    _run(["big_package"], log_dir)
+    assert set(names) <= dict(pool.preload.modules()).keys()  # as the worker reported
+    assert pool.wait_rebuilt(REBUILD_TIMEOUT)
+    assert len(set(names) & dict(pool.preload.modules()).keys()) == 1
+    (value,) = _run(names, log_dir)
+    assert all(value["seen"].values())

@@ -12,7 +12,8 @@ checked (``import_checks``: CUDA, threads, files left open, per-rank variables r
 one that broke a rule cannot be undone, so the zygote
 answers ``{"tainted": name, "why": ...}`` and exits (the pool rebuilds without it); one
 left out answers ``{"left_out": name, "why": ...}``; ``{"importing": name}`` comes before
-each (the pool leaves out one the zygote dies or hangs on); then ``{"ready": pid}``. Then
+each (the pool leaves out one the zygote dies or hangs on); then ``{"implied": [name,
+...]}``, in parts, for those an earlier module imported, and ``{"ready": pid}``. Then
 requests:
 
 - ``{"op": "fork", "env": {...}, "cwd": "..."}`` with the worker's descriptors attached
@@ -86,8 +87,10 @@ def preload(sock: socket.socket) -> None:
         if not request["more"]:
             break
     roots, cwd = imports.trusted_roots(sys.path), os.getcwd()
+    implied = []  # imported with an earlier module: the pool need not list them
     for name, origin in entries:
         if name in sys.modules:
+            implied.append(name)
             continue
         _send(sock, {"importing": name})  # should it crash or hang, the pool knows why
         parts = name.split(".")
@@ -104,6 +107,8 @@ def preload(sock: socket.socket) -> None:
             if why is not None:
                 _send(sock, {"left_out": prefix, "why": why})
                 break
+    for i in range(0, len(implied), 100):  # in parts: each answer must stay short
+        _send(sock, {"implied": implied[i:i + 100]})
     assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
     _no_operator_cleanup_at_exit()
     imports.BASELINE = frozenset(sys.modules)  # what a forked worker has without importing

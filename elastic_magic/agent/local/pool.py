@@ -123,6 +123,7 @@ class WarmPool:
     def _install(self, zygote: Zygote) -> None:
         for name, why in zygote.left_out.items():
             self.preload.leave_out(name, why)
+        self.preload.drop_implied(zygote.implied)
         self._current = zygote
 
     def _rebuild_if_grown(self) -> None:

@@ -55,6 +55,14 @@ class PreloadList:
                 grew = True
         return grew
 
+    def drop_implied(self, names: Iterable[str]) -> None:
+        """Unlist learned modules a zygote imported with an earlier one (most of a big
+        package's): the list stays short and still yields the same zygote. Should that
+        stop being so, a worker reports the module again."""
+        for name in names:
+            if name not in DEFAULT and name not in self.named:
+                self._wanted.pop(name, None)
+
     def leave_out(self, name: str, why: str) -> None:
         self.left_out.setdefault(name, why)
 

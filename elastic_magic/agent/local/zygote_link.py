@@ -56,6 +56,7 @@ class Zygote:
         self.inputs = (env, cwd, list(sys_path))  # what it was made from: for a successor
         self.modules = modules
         self.left_out: dict[str, str] = {}  # module -> why, as the zygote reported
+        self.implied: set[str] = set()  # listed, and imported with an earlier module
         self.pid = -1  # once ready
         self._cancelled = False
         self.retired = False
@@ -94,6 +95,8 @@ class Zygote:
                     importing = str(reply["importing"])
                 elif "left_out" in reply:
                     self.left_out[str(reply["left_out"])] = str(reply["why"])
+                elif "implied" in reply:
+                    self.implied.update(str(name) for name in reply["implied"])
                 elif "tainted" in reply:
                     raise Tainted(str(reply["tainted"]), str(reply["why"]))
                 else:
