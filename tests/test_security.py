@@ -422,14 +422,17 @@ PLANTED = ("cloudpickle", "torch", "numpy", "elastic_magic")
 PLANT = "open({marker!r}, 'a').write(__name__ + ' imported from ' + __file__ + '\\n')\n"
 # The kernel: a script from elsewhere, run in the planted folder, with a copy of
 # elastic_magic of its own. Its own imports done, the current directory goes first on its
-# path, as in a Jupyter kernel and `elastic-magic join`.
+# path, as in a Jupyter kernel and `elastic-magic join`; and the workers' PYTHONPATH gets an
+# empty and a relative entry (`export PYTHONPATH=$PYTHONPATH:lib` with it unset), which
+# Python turns into the current directory and a folder inside it.
 KERNEL = """
-import json, sys
+import json, os, sys
 log_dir, users, copy, pool = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "pool"
 sys.path.insert(0, copy)
 import cloudpickle, numpy, torch
 import elastic_magic as em
 sys.path[:0] = ["", users]
+os.environ["PYTHONPATH"] = ":lib:" + os.environ.get("PYTHONPATH", "")
 result = em.launch(CELL, nproc=2, backend="gloo", pool=pool, log_dir=log_dir,
                    render=lambda events: None)
 print(json.dumps({"kernel": em.__file__, "ranks": result.values}), flush=True)
@@ -460,6 +463,8 @@ def test_modules_planted_in_the_start_folder_never_run(pool, tmp_path, log_dir):
     marker = tmp_path / "marker"
     for name in PLANTED:
         (shared / f"{name}.py").write_text(PLANT.format(marker=str(marker)))
+        (shared / "lib").mkdir(exist_ok=True)
+        (shared / "lib" / f"{name}.py").write_text(PLANT.format(marker=str(marker)))
     (shared / "from_the_kernels_cwd.py").write_text("VALUE = 'cwd'\n")
     (users / "from_the_kernels_path.py").write_text("VALUE = 'path'\n")
     script = scripts / "kernel.py"

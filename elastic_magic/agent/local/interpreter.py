@@ -4,9 +4,12 @@ workers.
 ``python -m`` puts the current directory first on ``sys.path``: a ``cloudpickle.py`` or
 ``torch.py`` in the folder a job was started from (a shared folder, say) would run as the
 user in every worker, before any cell. Neither ``python script.py`` nor a console script
-does that, and neither may we. So our interpreters start with ``-c`` and a small runner that
-removes the current directory ``-c`` puts first (before anything is imported; the same on
-every Python version, where ``-P`` exists only from 3.11), imports elastic_magic from the
+does that, and neither may we. So our interpreters start with ``-c`` and a small runner that,
+before anything is imported (the same on every Python version, where ``-P`` exists only
+from 3.11), removes from the path the current directory ``-c`` puts first and every entry
+that is empty or relative (``PYTHONPATH=:/x`` or ``PYTHONPATH=lib`` would put the current
+directory back), the current directory itself, or inside it (unless it is the
+interpreter's own installation: a project's ``.venv``), then imports elastic_magic from the
 folder the kernel imported it from (so workers always run the kernel's copy, whatever their
 path finds first), then calls the module's ``main()``. The module's name stays a word of
 the command line, as with ``-m``. The cell gets the kernel's cwd and ``sys.path`` only when
@@ -25,9 +28,17 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(elastic_magic.__file__))
 
 # argv: PACKAGE_DIR MODULE ARGS...; the module's main() sees sys.argv[1:] == ARGS.
 RUNNER = """\
-import sys
-if sys.path[:1] == [""]:
-    del sys.path[0]
+import os, sys
+def _under(path, folder):
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+def _ours(entry, here, own):
+    if not entry or not os.path.isabs(entry):
+        return False
+    real = os.path.realpath(entry)
+    return real != here and (not _under(real, here) or any(_under(real, o) for o in own))
+here = os.path.realpath(os.getcwd())
+own = [os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix)]
+sys.path[:] = [entry for entry in sys.path if _ours(entry, here, own)]
 import importlib.util
 package, module = sys.argv[1:3]
 del sys.argv[1:3]
