@@ -19,6 +19,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..agent.local import interpreter
 from ..checks import SpecError
 from . import Allocation, JoinRequest, LauncherError, known_options
 
@@ -91,8 +92,10 @@ class SlurmLauncher:
 
     def script(self, request: JoinRequest, token_file: Path) -> str:
         nproc = self.options.get("nproc") or request.nproc
-        join = [self.python, "-m", "elastic_magic.cli", "join", request.endpoint,
-                "--token-file", str(token_file), *(("--nproc", nproc) if nproc else ())]
+        # not ``-m``: that would import from the workdir first
+        join = interpreter.remote_command(
+            self.python, "elastic_magic.cli", "join", request.endpoint, "--token-file",
+            str(token_file), *(("--nproc", nproc) if nproc else ()))
         return ("#!/bin/sh\n"
                 f"cd {shlex.quote(self.workdir)} || exit 1\n"
                 f"exec srun --ntasks=1 --kill-on-bad-exit=1 {shlex.join(join)}\n")
