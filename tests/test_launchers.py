@@ -137,6 +137,35 @@ def test_the_watchdog_fires_when_the_kernel_dies_while_another_process_holds_its
         os.kill(holder, signal.SIGKILL)  # the kernel's, now init's to reap
 
 
+def test_a_token_file_is_removed_when_the_kernel_dies_whatever_its_allocations(tmp_path):
+    token = tmp_path / "token"
+    # The launcher wrote its token file, then the scheduler refused the job: no allocation
+    # holds the file, and the kernel dies.
+    kernel = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, queue, signal
+        from elastic_magic.launchers import JoinRequest, LauncherError
+        from elastic_magic.launchers.cluster import Cluster
+        class Refused:
+            def start(self, request):
+                open({str(token)!r}, "w").close()
+                raise LauncherError("sbatch: error: invalid partition")
+            def allocations(self): return []
+            def orphan_cleanup(self, allocation_id): return []
+            def orphan_files(self): return [{str(token)!r}]
+        shown = queue.Queue()
+        Cluster(Refused(), JoinRequest("h:1", "t", "run"), machines=1,
+                publish=shown.put).start()
+        while "invalid partition" not in "".join(shown.get(timeout=30)):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)], env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+    assert kernel.wait(timeout=60) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while token.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not token.exists()
+
+
 def test_a_child_the_kernel_forks_does_not_hold_a_lifeline():
     read_end, write_end = os.pipe()
     pipe = os.fdopen(write_end, "wb")
@@ -473,6 +502,9 @@ class Recording:
 
     def orphan_cleanup(self, allocation_id):
         return [["true"]]
+
+    def orphan_files(self):
+        return []
 
 
 def test_the_cluster_grows_replaces_and_gives_back_pending_ones_first():

@@ -3,10 +3,10 @@
 A job with ``--nnodes MIN:MAX --launcher NAME`` asks a scheduler (Slurm, SSH to a list of
 hosts; others by entry point) for machines that run ``elastic-magic join`` for it. A launcher
 is small: start one machine's join, list its allocations with the scheduler's own reason
-for those that wait, cancel one, cancel all, and name what a watchdog must run if the
-kernel dies before it could cancel them. Everything else (how many, when, giving machines
-back, the watchdog) is the :class:`~elastic_magic.launchers.cluster.Cluster`'s, the same
-for every scheduler.
+for those that wait, cancel one, cancel all, and name what a watchdog must run (and the
+files it must remove) if the kernel dies before it could cancel them. Everything else (how
+many, when, giving machines back, the watchdog) is the
+:class:`~elastic_magic.launchers.cluster.Cluster`'s, the same for every scheduler.
 
 Another scheduler is a class with this interface, registered under the
 ``elastic_magic.launchers`` entry-point group of its distribution::
@@ -96,6 +96,10 @@ class Launcher(Protocol):
     def orphan_cleanup(self, allocation_id: str) -> list[list[str]]:
         """The commands a watchdog runs for this allocation if the kernel dies first (none
         where the allocation ends by itself when the kernel is gone)."""
+
+    def orphan_files(self) -> list[str]:
+        """The files of the job's that ``start`` made (a token file), which a watchdog
+        removes if the kernel dies first, whatever became of the allocations."""
 
 
 def _registry() -> dict[str, str]:

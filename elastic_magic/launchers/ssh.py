@@ -29,7 +29,8 @@ OPTIONS = {
     "python": "the remote interpreter that has elastic_magic (default: the elastic-magic "
               "command on the remote PATH)",
     "workdir": "the remote working directory (default: the remote login's)",
-    "env": "remote environment, space-separated K=V (e.g. PYTHONPATH=/src)",
+    "env": "remote environment, space-separated K=V (e.g. PYTHONPATH=/src); words of the "
+           "remote command line, which other users there can read: no secrets",
     "ssh": "the ssh program (default ssh)",
     "ssh_options": "extra ssh arguments, shell-quoted (e.g. -i ~/.ssh/lab -o "
                    "UserKnownHostsFile=~/.ssh/lab_hosts)",
@@ -186,4 +187,7 @@ class SshLauncher:
 
     def orphan_cleanup(self, allocation_id: str) -> list[list[str]]:
         return []  # the kernel's end closes the ssh client's stdin: the join leaves
+
+    def orphan_files(self) -> list[str]:
+        return []  # the token goes on stdin
 
