@@ -6,13 +6,14 @@ workers, the launchers' watchdog and joins.
 user in every worker, before any cell. Neither ``python script.py`` nor a console script
 does that, and neither may we. So our interpreters start with ``-c`` and a small runner that,
 before anything is imported (the same on every Python version, where ``-P`` exists only
-from 3.11), removes from the path the current directory ``-c`` puts first and every entry
-that is empty or relative (``PYTHONPATH=:/x`` or ``PYTHONPATH=lib`` would put the current
-directory back), the current directory itself, or inside it (unless it is the
-interpreter's own installation: a project's ``.venv``), then imports elastic_magic from the
-folder the kernel imported it from (so workers always run the kernel's copy, whatever their
-path finds first), then exits with what the module's ``main()`` returns. The module's name
-stays a word of the command line, as with ``-m``. The cell gets the kernel's cwd and
+from 3.11), removes from the path the current directory ``-c`` puts first, the current
+directory itself, and what PYTHONPATH's empty or relative entries made of it
+(``PYTHONPATH=:/x`` or ``PYTHONPATH=lib`` would put the start folder back). Absolute entries
+the user chose stay, inside the start folder too (a project's ``src`` or ``.venv``, a user
+site in the home folder): the kernel imports from them as well. Then it imports
+elastic_magic from the folder the kernel imported it from (so workers always run the
+kernel's copy, whatever their path finds first), then exits with what the module's
+``main()`` returns. The module's name stays a word of the command line, as with ``-m``. The cell gets the kernel's cwd and
 ``sys.path`` only when it runs, after the worker's own imports (``worker/runner.py``). The
 launchers start the watchdog and joins the same way (a remote one: ``remote_command``).
 """
@@ -30,16 +31,13 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(elastic_magic.__file__))
 # argv: PACKAGE_DIR MODULE ARGS...; the module's main() sees sys.argv[1:] == ARGS.
 RUNNER = """\
 import os, sys
-def _under(path, folder):
-    return path == folder or path.startswith(folder.rstrip("/") + "/")
-def _ours(entry, here, own):
-    if not entry or not os.path.isabs(entry):
-        return False
-    real = os.path.realpath(entry)
-    return real != here and (not _under(real, here) or any(_under(real, o) for o in own))
 here = os.path.realpath(os.getcwd())
-own = [os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix)]
-sys.path[:] = [entry for entry in sys.path if _ours(entry, here, own)]
+# PYTHONPATH's empty and relative entries name the start folder: Python made them absolute.
+relative = {os.path.realpath(os.path.join(here, entry))
+            for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if not os.path.isabs(entry)}
+sys.path[:] = [entry for entry in sys.path if entry and os.path.isabs(entry)
+               and os.path.realpath(entry) != here and os.path.realpath(entry) not in relative]
 import importlib.util
 package, module = sys.argv[1:3]
 del sys.argv[1:3]
