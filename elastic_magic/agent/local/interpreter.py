@@ -14,8 +14,9 @@ site in the home folder): the kernel imports from them as well. Then it imports
 elastic_magic from the folder the kernel imported it from (so workers always run the
 kernel's copy, whatever their path finds first), then exits with what the module's
 ``main()`` returns. The module's name stays a word of the command line, as with ``-m``.
-The cell gets the kernel's cwd and ``sys.path`` only when it runs, after the worker's own imports (``worker/runner.py``). The
-launchers start the watchdog and joins the same way (a remote one: ``remote_command``).
+The cell gets the kernel's cwd and ``sys.path`` only when it runs, after the worker's own
+imports (``worker/runner.py``). The launchers start the watchdog and joins the same way (a
+remote one: ``remote_command``).
 """
 
 from __future__ import annotations
