@@ -447,6 +447,27 @@ dict(cwd=os.getcwd(), modules=[from_the_kernels_cwd.VALUE, from_the_kernels_path
 """
 
 
+def test_our_interpreters_keep_absolute_path_entries_the_user_chose_in_the_start_folder(
+        tmp_path):
+    """A kernel started in the home folder with packages in ~/.local, or a project's src on
+    PYTHONPATH: entries the user named absolutely stay on our interpreters' path, inside the
+    start folder too; what a relative entry names does not (a shared folder's ``lib``)."""
+    from elastic_magic.agent.local import interpreter
+
+    (tmp_path / "chosen").mkdir()
+    (tmp_path / "chosen" / "em_chosen.py").write_text("def main():\n    print('ran')\n")
+
+    def run(pythonpath: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(interpreter.command("em_chosen"), cwd=tmp_path, text=True,
+                              capture_output=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": pythonpath})
+
+    chosen = run(f"{tmp_path / 'chosen'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert chosen.returncode == 0 and chosen.stdout == "ran\n", chosen.stderr
+    relative = run(f"chosen{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert relative.returncode != 0 and "No module named 'em_chosen'" in relative.stderr
+
+
 @pytest.mark.parametrize("pool", ["pool", "no-pool"])
 def test_modules_planted_in_the_start_folder_never_run(pool, tmp_path, log_dir):
     """`python -m` puts the current directory first on sys.path: a `cloudpickle.py` in the
