@@ -26,6 +26,8 @@ USAGE = """\
 %elastic jobs                     list this kernel's jobs
 %elastic status [JOB]             state, world size, restarts, worker PIDs; the warm
                                   pool: what it preloads, what it left out and why
+%elastic pool forget              forget the modules the pool learned from cells and left
+                                  out; the next job's zygote preloads only the defaults
 %elastic stop [JOB]               stop a job's workers (SIGINT, SIGTERM, SIGKILL)
 %elastic scale N [JOB] [--now] [--include S,...]   resize to N workers (at the next commit,
                                   or --now); --include brings back worker slots left out

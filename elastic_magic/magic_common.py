@@ -57,6 +57,16 @@ def print_pool() -> None:
         print(f"{'pool':>10}: {line}")
 
 
+def forget_pool(words: list[str]) -> None:
+    """``%elastic pool forget``: the pool forgets what it learned and left out."""
+    if words != ["forget"]:
+        raise UsageError("%elastic pool: expected `%elastic pool forget`")
+    from .agent.local.pool import warm_pool
+
+    warm_pool().forget()
+    print("the pool forgot what it learned; the next job's zygote preloads the defaults")
+
+
 def print_stacks(stacks: dict[int, str]) -> None:
     for rank, text in stacks.items():
         print(f"==> rank {rank} <==\n{text}\n")

@@ -21,6 +21,7 @@ from .job_commands import JobCommands
 from .magic_common import (
     cell_value,
     finish_view,
+    forget_pool,
     make_view,
     parse_flags,
     require_plain_python,
@@ -173,12 +174,12 @@ class ElasticMagics(Magics):
         """Manage elastic jobs of this kernel.
 
         %elastic jobs | status [JOB] | stop [JOB] | scale N [JOB] [--now] [--include S,...]
-        %elastic logs RANK [JOB] [-n N] [--stderr] | stacks [JOB]
+        %elastic logs RANK [JOB] [-n N] [--stderr] | stacks [JOB] | pool forget
         %elastic session start [flags] | stop | status; push|pull|gather NAME
         """
         words = shlex.split(line)
         if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs", "stacks",
-                                         "session", "push", "pull", "gather"):
+                                         "session", "push", "pull", "gather", "pool"):
             raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")
         command, rest = words[0], words[1:]
         jobs = self.job_commands
@@ -190,6 +191,8 @@ class ElasticMagics(Magics):
             self.sessions.scale(rest)
         elif command == "stacks" and self.sessions.active and not rest:
             self.sessions.print_stacks()
+        elif command == "pool":
+            forget_pool(rest)
         elif command == "jobs":
             jobs.print_jobs()
         elif command == "status":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -24,9 +25,16 @@ import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.checks import SpecError
 from elastic_magic.events import NodeConnected, RendezvousCompleted
-from elastic_magic.launchers import CONFIG_VARIABLE, Allocation, JoinRequest, launcher_names
+from elastic_magic.launchers import (
+    CONFIG_VARIABLE,
+    Allocation,
+    JoinRequest,
+    launcher_names,
+    launcher_options,
+    make_launcher,
+)
 from elastic_magic.launchers.cluster import Cluster
-from elastic_magic.launchers.watchdog import Watchdog
+from elastic_magic.launchers.watchdog import Watchdog, lifeline
 from elastic_magic.payload import build_payload
 from elastic_magic.ui.state import DashboardState
 
@@ -100,6 +108,164 @@ def test_the_watchdog_runs_what_is_left_when_the_kernel_is_gone(tmp_path):
     dog.add("1", [["touch", str(dropped)]])
     dog.close()
     assert dog.proc.returncode == 0 and not dropped.exists()
+
+
+def test_the_watchdog_fires_when_the_kernel_dies_while_another_process_holds_its_pipe(
+        tmp_path):
+    canary = tmp_path / "cancelled"
+    # The kernel passed its end of the watchdog's pipe to a process that outlives it (as a
+    # forked child would): the watchdog sees the kernel's own end through its pidfd.
+    kernel = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, subprocess, sys
+        from elastic_magic.launchers.watchdog import Watchdog
+        dog = Watchdog()
+        dog.add("1", [["touch", {str(canary)!r}]])
+        holder = subprocess.Popen(["sleep", "600"], pass_fds=[dog.proc.stdin.fileno()],
+                                  stdout=subprocess.DEVNULL)
+        print(holder.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+    out, _ = kernel.communicate(timeout=60)
+    holder = int(out.split()[0])
+    try:
+        deadline = time.monotonic() + 30
+        while not canary.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert canary.exists()
+        assert Path(f"/proc/{holder}").exists()  # the pipe was still open
+    finally:
+        os.kill(holder, signal.SIGKILL)  # the kernel's, now init's to reap
+
+
+def test_a_token_file_is_removed_when_the_kernel_dies_whatever_its_allocations(tmp_path):
+    token = tmp_path / "token"
+    # The launcher wrote its token file, then the scheduler refused the job: no allocation
+    # holds the file, and the kernel dies.
+    kernel = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, queue, signal
+        from elastic_magic.launchers import JoinRequest, LauncherError
+        from elastic_magic.launchers.cluster import Cluster
+        class Refused:
+            def start(self, request):
+                open({str(token)!r}, "w").close()
+                raise LauncherError("sbatch: error: invalid partition")
+            def allocations(self): return []
+            def orphan_cleanup(self, allocation_id): return []
+            def orphan_files(self): return [{str(token)!r}]
+        shown = queue.Queue()
+        Cluster(Refused(), JoinRequest("h:1", "t", "run"), machines=1,
+                publish=shown.put).start()
+        while "invalid partition" not in "".join(shown.get(timeout=30)):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)], env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+    assert kernel.wait(timeout=60) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while token.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not token.exists()
+
+
+def test_a_child_the_kernel_forks_does_not_hold_a_lifeline():
+    read_end, write_end = os.pipe()
+    pipe = os.fdopen(write_end, "wb")
+    lifeline(pipe)
+    child = os.fork()
+    if child == 0:  # the lifeline's descriptor is /dev/null here
+        os._exit(0 if stat.S_ISCHR(os.fstat(write_end).st_mode) else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    assert stat.S_ISFIFO(os.fstat(write_end).st_mode)  # the kernel's own is untouched
+    pipe.close()
+    assert os.read(read_end, 1) == b""  # no one else holds it
+    os.close(read_end)
+
+
+# -- what the notebook's folder and the config file may decide --------------------------
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch) -> Path:
+    """The notebook's folder (a shared one) holds modules that the watchdog and a join
+    import (configparser, getpass): each would leave a file saying it ran."""
+    start = tmp_path / "start"
+    start.mkdir()
+    for name in ("configparser", "getpass", "json"):
+        (start / f"{name}.py").write_text(
+            f"open({str(tmp_path / ('ran-' + name))!r}, 'w').close()\n")
+    monkeypatch.chdir(start)
+    return tmp_path
+
+
+def _ran(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("ran-*"))
+
+
+def test_nothing_is_imported_from_the_notebooks_folder(planted):
+    dog = Watchdog()
+    dog.add("1", [["true"]])
+    dog.close()
+    assert dog.proc.returncode == 0
+    launcher = make_launcher("local", {"machines": "1"})
+    launcher.start(JoinRequest("not-an-endpoint", "token", "run"))
+    deadline = time.monotonic() + 60
+    while (state := launcher.allocations()[0]).state != "ended" and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.cancel_all()
+    assert "exit 2: elastic-magic join: 'not-an-endpoint' is not HOST:PORT" in state.reason
+    assert _ran(planted) == []
+
+
+def test_remote_joins_import_nothing_from_their_working_directory(planted, tmp_path):
+    request = JoinRequest("not-an-endpoint", "token", "run")
+    start = Path.cwd()
+    # The command an ssh login runs, in its shell, in the (hostile) workdir.
+    ssh = make_launcher("ssh", {"hosts": "lab1", "python": sys.executable,
+                                "workdir": str(start)})
+    argv, _ = ssh._command("lab1", request, "lab1#1")
+    assert argv[-3:-1] == ["--", "lab1"]  # after --: a host, never an option
+    done = subprocess.run(["sh", "-c", argv[-1]], input="token\n", capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+    assert done.returncode == 2 and "is not HOST:PORT" in done.stderr
+    # The Slurm batch script, with an srun that runs its command where it is.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\n'
+                                  'exec "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    slurm = make_launcher("slurm", {"workdir": str(start)})
+    script = slurm.script(request, tmp_path / "token")
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, cwd="/",
+                          env={**os.environ, "PYTHONPATH": PACKAGE_PARENT,
+                               "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 2 and "is not HOST:PORT" in done.stderr
+    assert _ran(planted) == []
+
+
+def test_a_launcher_config_another_user_could_write_is_refused(tmp_path, monkeypatch):
+    config = tmp_path / "launchers.ini"
+    config.write_text("[ssh]\nhosts = lab1\nssh = /tmp/their-ssh\n")
+    monkeypatch.setenv(CONFIG_VARIABLE, str(config))
+    assert launcher_options("ssh", {})["hosts"] == "lab1"  # the user's own: read
+    config.chmod(0o666)
+    with pytest.raises(SpecError, match=r"open to other users .* chmod go-w"):
+        em.JobSpec.create(1, nnodes="1:2", launcher="ssh")
+    config.chmod(0o644)
+    if os.geteuid() == 0:  # root can give the file away
+        os.chown(config, 65534, -1)
+        with pytest.raises(SpecError, match="belongs to user id 65534, not to you"):
+            launcher_options("ssh", {})
+        os.chown(config, 0, -1)
+    link = tmp_path / "link.ini"
+    link.symlink_to(config)
+    monkeypatch.setenv(CONFIG_VARIABLE, str(link))
+    with pytest.raises(SpecError, match="is a symbolic link"):
+        launcher_options("ssh", {})
+    monkeypatch.setenv(CONFIG_VARIABLE, "launchers.ini")  # in whatever folder the kernel is
+    with pytest.raises(SpecError, match="by its absolute path"):
+        launcher_options("ssh", {})
+    with pytest.raises(SpecError, match="is not a host name"):
+        make_launcher("ssh", {"hosts": "lab1,-oProxyCommand=evil"})
 
 
 # -- SSH, against real servers in network namespaces ------------------------------------
@@ -336,6 +502,9 @@ class Recording:
 
     def orphan_cleanup(self, allocation_id):
         return [["true"]]
+
+    def orphan_files(self):
+        return []
 
 
 def test_the_cluster_grows_replaces_and_gives_back_pending_ones_first():

@@ -10,11 +10,12 @@ import sys
 import textwrap
 
 import pytest
+from IPython.core.error import UsageError
 
 import elastic_magic as em
 from elastic_magic.agent.local import pool as pool_module
 from elastic_magic.agent.local.pool import WarmPool
-from elastic_magic.worker import imports
+from elastic_magic.worker import import_checks, imports
 
 # A cell's view, before its first line of its own: what it already has, and which zygote
 # forked it (its shepherd's parent).
@@ -204,3 +205,116 @@ def test_only_the_interpreters_own_files_are_trusted(tmp_path):
     assert imports.is_trusted("built-in", roots, str(tmp_path))
     assert imports.origin_of(os.path, "os.path") is None  # an alias of posixpath
     assert imports.origin_of(textwrap, "textwrap") == textwrap.__file__
+
+
+def test_a_module_that_leaves_a_file_open_or_reads_the_rank_is_left_out(
+        pool, log_dir, tmp_path, monkeypatch):
+    """A forked worker has none of the zygote's descriptors (the cell's next open() would
+    reuse the number a module's file object holds) and none of its rank (a module that
+    reads RANK when imported keeps the zygote's answer): a learned module that does either
+    taints the zygote being built and is left out, with its package's other modules;
+    without the pool, each rank reads its own RANK."""
+    packages = tmp_path / "lib" / "site-packages"
+    _write(packages, "keeps_a_file", f"""
+        LOG = open({str(tmp_path / "library.log")!r}, "a")
+    """)
+    _write(packages / "rank_reader", "__init__", """
+        import os
+        RANK = int(os.environ.get("RANK", "0"))
+    """)
+    _write(packages / "rank_reader", "helpers", "")
+    monkeypatch.syspath_prepend(str(packages))
+    cell = textwrap.dedent("""
+        import os, keeps_a_file, rank_reader, rank_reader.helpers
+        mine = open(os.devnull)  # takes the lowest free descriptor
+        held = os.readlink(f"/proc/self/fd/{keeps_a_file.LOG.fileno()}")
+        mine.close()
+        (held, rank_reader.RANK)
+    """)
+    for _ in range(2):
+        result = em.launch(cell, nproc=2, backend="gloo", log_dir=log_dir,
+                           render=lambda e: None)
+        assert result.values == {0: (str(tmp_path / "library.log"), 0),
+                                 1: (str(tmp_path / "library.log"), 1)}
+        assert pool.wait_rebuilt(REBUILD_TIMEOUT)
+    assert "leaves 1 file(s) open when imported" in pool.preload.left_out["keeps_a_file"]
+    assert "library.log" in pool.preload.left_out["keeps_a_file"]
+    assert pool.preload.left_out["rank_reader"].startswith("reads RANK when imported")
+    learned = dict(pool.preload.modules())
+    assert not {"keeps_a_file", "rank_reader", "rank_reader.helpers"} & learned.keys()
+    (value,) = _run(["keeps_a_file", "rank_reader"], log_dir)
+    assert value["seen"] == {"keeps_a_file": False, "rank_reader": False}
+
+
+def test_lightning_keeps_each_ranks_own_rank_after_the_pool_learned_it(pool, log_dir):
+    """lightning_fabric sets rank_zero_only.rank from RANK when imported: once the pool
+    has learned what a cell importing it imported, rank 1 is still rank 1."""
+    pytest.importorskip("lightning_fabric")
+    cell = textwrap.dedent("""
+        from lightning_fabric.utilities.rank_zero import rank_zero_only
+        rank_zero_only.rank
+    """)
+    for _ in range(2):
+        result = em.launch(cell, nproc=2, backend="gloo", log_dir=log_dir,
+                           render=lambda e: None)
+        assert result.values == {0: 0, 1: 1}
+        assert pool.wait_rebuilt(REBUILD_TIMEOUT)
+    assert "reads " in pool.preload.left_out["lightning_fabric"]
+
+
+def test_the_checks_see_files_left_open_and_per_round_reads(tmp_path):
+    """The zygote's checks themselves, in this process: a file left open and a rank read
+    (through os.environ, os.getenv, or a kept reference) are seen; a file closed again, or
+    another variable read, is not."""
+    with import_checks.watched() as unsafe:
+        with open(tmp_path / "closed", "w"):
+            pass
+        os.environ.get("HOME")
+    assert unsafe == []
+    with import_checks.watched() as unsafe:
+        kept = os.environ
+        os.getenv("LOCAL_RANK")
+        "TORCHELASTIC_RUN_ID" in os.environ  # noqa: B015
+        left = open(tmp_path / "open", "w")  # noqa: SIM115
+    try:
+        assert any(why.startswith("leaves 1 file(s) open") for why in unsafe)
+        assert any(why.startswith("reads LOCAL_RANK, TORCHELASTIC_RUN_ID") for why in unsafe)
+    finally:
+        left.close()
+    assert os.environ is not kept and kept.get("HOME") == os.environ.get("HOME")
+
+
+def test_the_pool_forgets_what_it_learned(pool, log_dir, ip, capsys):
+    """`%elastic pool forget`: the learned modules and those left out are forgotten; the
+    next job's zygote is a new one with the defaults only. Anything else is refused."""
+    _run(["xml.dom.minidom"], log_dir)
+    assert pool.wait_rebuilt(REBUILD_TIMEOUT)
+    pool.preload.leave_out("some_module", "a reason")
+    served = pool.pids
+    ip.run_line_magic("elastic", "pool forget")
+    assert "forgot" in capsys.readouterr().out
+    assert not pool.preload.left_out
+    assert "xml.dom.minidom" not in dict(pool.preload.modules())
+    (value,) = _run(["xml.dom.minidom"], log_dir)
+    assert not value["seen"]["xml.dom.minidom"] and value["zygote"] not in served
+    with pytest.raises(UsageError, match="pool forget"):
+        ip.run_line_magic("elastic", "pool")
+
+
+def test_modules_an_earlier_one_imports_are_not_kept_on_the_list(pool, log_dir, tmp_path,
+                                                                 monkeypatch):
+    """A package's import brings its submodules: the worker reports each (hundreds, for a
+    big package), the zygote says which came with an earlier one, and the list keeps only
+    the others; the next cell still has them all."""
+    packages = tmp_path / "site-packages"
+    _write(packages / "big_package", "__init__", "from . import one, two, three")
+    for name in ("one", "two", "three"):
+        _write(packages / "big_package", name, "")
+    monkeypatch.syspath_prepend(str(packages))
+    names = ["big_package.one", "big_package.two", "big_package.three"]
+    _run(["big_package"], log_dir)
+    assert set(names) <= dict(pool.preload.modules()).keys()  # as the worker reported
+    assert pool.wait_rebuilt(REBUILD_TIMEOUT)
+    assert len(set(names) & dict(pool.preload.modules()).keys()) == 1
+    (value,) = _run(names, log_dir)
+    assert all(value["seen"].values())

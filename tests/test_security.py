@@ -422,14 +422,17 @@ PLANTED = ("cloudpickle", "torch", "numpy", "elastic_magic")
 PLANT = "open({marker!r}, 'a').write(__name__ + ' imported from ' + __file__ + '\\n')\n"
 # The kernel: a script from elsewhere, run in the planted folder, with a copy of
 # elastic_magic of its own. Its own imports done, the current directory goes first on its
-# path, as in a Jupyter kernel and `elastic-magic join`.
+# path, as in a Jupyter kernel and `elastic-magic join`; and the workers' PYTHONPATH gets an
+# empty and a relative entry (`export PYTHONPATH=$PYTHONPATH:lib` with it unset), which
+# Python turns into the current directory and a folder inside it.
 KERNEL = """
-import json, sys
+import json, os, sys
 log_dir, users, copy, pool = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "pool"
 sys.path.insert(0, copy)
 import cloudpickle, numpy, torch
 import elastic_magic as em
 sys.path[:0] = ["", users]
+os.environ["PYTHONPATH"] = ":lib:" + os.environ.get("PYTHONPATH", "")
 result = em.launch(CELL, nproc=2, backend="gloo", pool=pool, log_dir=log_dir,
                    render=lambda events: None)
 print(json.dumps({"kernel": em.__file__, "ranks": result.values}), flush=True)
@@ -442,6 +445,27 @@ import from_the_kernels_cwd, from_the_kernels_path
 dict(cwd=os.getcwd(), modules=[from_the_kernels_cwd.VALUE, from_the_kernels_path.VALUE],
      package=elastic_magic.__file__, torch=torch.__file__)
 """
+
+
+def test_our_interpreters_keep_absolute_path_entries_the_user_chose_in_the_start_folder(
+        tmp_path):
+    """A kernel started in the home folder with packages in ~/.local, or a project's src on
+    PYTHONPATH: entries the user named absolutely stay on our interpreters' path, inside the
+    start folder too; what a relative entry names does not (a shared folder's ``lib``)."""
+    from elastic_magic.agent.local import interpreter
+
+    (tmp_path / "chosen").mkdir()
+    (tmp_path / "chosen" / "em_chosen.py").write_text("def main():\n    print('ran')\n")
+
+    def run(pythonpath: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(interpreter.command("em_chosen"), cwd=tmp_path, text=True,
+                              capture_output=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": pythonpath})
+
+    chosen = run(f"{tmp_path / 'chosen'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert chosen.returncode == 0 and chosen.stdout == "ran\n", chosen.stderr
+    relative = run(f"chosen{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert relative.returncode != 0 and "No module named 'em_chosen'" in relative.stderr
 
 
 @pytest.mark.parametrize("pool", ["pool", "no-pool"])
@@ -460,6 +484,8 @@ def test_modules_planted_in_the_start_folder_never_run(pool, tmp_path, log_dir):
     marker = tmp_path / "marker"
     for name in PLANTED:
         (shared / f"{name}.py").write_text(PLANT.format(marker=str(marker)))
+        (shared / "lib").mkdir(exist_ok=True)
+        (shared / "lib" / f"{name}.py").write_text(PLANT.format(marker=str(marker)))
     (shared / "from_the_kernels_cwd.py").write_text("VALUE = 'cwd'\n")
     (users / "from_the_kernels_path.py").write_text("VALUE = 'path'\n")
     script = scripts / "kernel.py"

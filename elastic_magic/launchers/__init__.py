@@ -3,10 +3,10 @@
 A job with ``--nnodes MIN:MAX --launcher NAME`` asks a scheduler (Slurm, SSH to a list of
 hosts; others by entry point) for machines that run ``elastic-magic join`` for it. A launcher
 is small: start one machine's join, list its allocations with the scheduler's own reason
-for those that wait, cancel one, cancel all, and name what a watchdog must run if the
-kernel dies before it could cancel them. Everything else (how many, when, giving machines
-back, the watchdog) is the :class:`~elastic_magic.launchers.cluster.Cluster`'s, the same
-for every scheduler.
+for those that wait, cancel one, cancel all, and name what a watchdog must run (and the
+files it must remove) if the kernel dies before it could cancel them. Everything else (how
+many, when, giving machines back, the watchdog) is the
+:class:`~elastic_magic.launchers.cluster.Cluster`'s, the same for every scheduler.
 
 Another scheduler is a class with this interface, registered under the
 ``elastic_magic.launchers`` entry-point group of its distribution::
@@ -22,6 +22,7 @@ launcher, ``key = value`` lines) and from ``--launch KEY=VALUE`` flags, which wi
 from __future__ import annotations
 
 import configparser
+import errno
 import importlib
 import os
 from collections.abc import Mapping
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 from ..checks import SpecError
+from ..folders import READ_FILE, describe
 
 ENTRY_POINT_GROUP = "elastic_magic.launchers"
 CONFIG_VARIABLE = "ELASTIC_MAGIC_LAUNCHERS"
@@ -95,6 +97,10 @@ class Launcher(Protocol):
         """The commands a watchdog runs for this allocation if the kernel dies first (none
         where the allocation ends by itself when the kernel is gone)."""
 
+    def orphan_files(self) -> list[str]:
+        """The files of the job's that ``start`` made (a token file), which a watchdog
+        removes if the kernel dies first, whatever became of the allocations."""
+
 
 def _registry() -> dict[str, str]:
     found = dict(BUILT_IN)
@@ -120,23 +126,41 @@ def launcher_class(name: str) -> type[Launcher]:
 
 def config_path() -> Path:
     if os.environ.get(CONFIG_VARIABLE):
-        return Path(os.environ[CONFIG_VARIABLE])
+        path = Path(os.environ[CONFIG_VARIABLE])
+        if not path.is_absolute():  # relative: to whatever folder the notebook runs in
+            raise SpecError(f"${CONFIG_VARIABLE}={path}: name the launcher config by its "
+                            f"absolute path (e.g. {Path.home() / path}).")
+        return path
     base = os.environ.get("XDG_CONFIG_HOME", "")
     root = Path(base) if os.path.isabs(base) else Path.home() / ".config"
     return root / "elastic_magic" / "launchers.ini"
 
 
 def configured_options(name: str, path: Path | None = None) -> dict[str, str]:
-    """The launcher's section of the config file (none: empty)."""
+    """The launcher's section of the config file (none: empty). Its ssh, python and hosts
+    decide which program or machine gets the job's token: a file another user owns or may
+    write is refused, and so is a link (checked on the descriptor that is read)."""
     path = path or config_path()
     parser = configparser.ConfigParser(interpolation=None)
     try:
-        with path.open() as file:
-            parser.read_file(file)
+        fd = os.open(path, READ_FILE)
     except FileNotFoundError:
         return {}
-    except (OSError, configparser.Error) as exc:
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SpecError(f"the launcher config {path} is a symbolic link: put the file "
+                            "itself there (it says who gets the job's token).") from None
         raise SpecError(f"the launcher config {path} cannot be read: {exc}") from None
+    with os.fdopen(fd) as file:
+        problem = describe(os.fstat(fd), path, private=False)
+        if problem:
+            raise SpecError(f"the launcher config {problem}; it says which program and "
+                            "machines get the job's token, so it must be yours and writable "
+                            f"by you alone (chown, then chmod go-w {path}).")
+        try:
+            parser.read_file(file)
+        except (OSError, UnicodeDecodeError, configparser.Error) as exc:
+            raise SpecError(f"the launcher config {path} cannot be read: {exc}") from None
     if not parser.has_section(name):
         return {}
     return {key.replace("-", "_"): value for key, value in parser.items(name)}

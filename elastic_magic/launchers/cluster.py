@@ -45,6 +45,7 @@ class Cluster:
         self.watchdog: Watchdog | None = None  # started by the thread (see _run)
         self._live: list[str] = []  # allocation ids, oldest first
         self._ended: list[str] = []  # what ended unasked, described, for the status
+        self._files: list[str] = []  # the launcher's, given to the watchdog to remove
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -108,6 +109,8 @@ class Cluster:
             except LauncherError as exc:
                 errors.append(f"cannot start a machine: {exc}")
                 break
+            finally:  # a token file written for a start that failed is the job's too
+                self._guard_files()
             self._live.append(started.id)
             assert self.watchdog is not None
             self.watchdog.add(started.id, self.launcher.orphan_cleanup(started.id))
@@ -126,6 +129,13 @@ class Cluster:
                     self._releasing.append(allocation_id)
                     self.release(allocation_id)
         self._show(tuple(a.describe() for a in live) + tuple(self._ended) + tuple(errors))
+
+    def _guard_files(self) -> None:
+        assert self.watchdog is not None
+        for path in self.launcher.orphan_files():
+            if path not in self._files:
+                self._files.append(path)
+                self.watchdog.remove(path)
 
     def _cancel(self, allocation_id: str) -> None:
         try:

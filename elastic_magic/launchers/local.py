@@ -6,10 +6,9 @@ mechanism it shares (the token on the join's stdin, the end of stdin its end).""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 
+from ..agent.local import interpreter
 from ..checks import SpecError
 from . import JoinRequest, known_options
 from .ssh import SshLauncher
@@ -33,11 +32,10 @@ class LocalLauncher(SshLauncher):
 
     def _command(self, host: str, request: JoinRequest, allocation_id: str
                  ) -> tuple[list[str], dict[str, str]]:
-        package_parent = str(Path(__file__).resolve().parents[2])
         env = {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent,
-                                                          env.get("PYTHONPATH")]))
         env["ELASTIC_MAGIC_ALLOCATION"] = allocation_id
-        argv = [sys.executable, "-m", "elastic_magic.cli", "join", request.endpoint,
-                "--token-stdin", "--nproc", self.nproc or request.nproc or "1"]
+        # this elastic_magic, and nothing from the notebook's folder (its cwd)
+        argv = interpreter.command("elastic_magic.cli", "join", request.endpoint,
+                                   "--token-stdin", "--nproc",
+                                   self.nproc or request.nproc or "1")
         return argv, env

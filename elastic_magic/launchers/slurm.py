@@ -1,11 +1,13 @@
 """``--launcher slurm``: each machine is one Slurm job of one node, submitted with ``sbatch``.
 
-The batch script (given to ``sbatch`` on stdin) runs ``srun elastic-magic join ENDPOINT
---token-file FILE``: the token is in a file only its owner can read, in a folder the
-cluster's nodes share with the notebook (the home folder by default), removed when the
-allocations end; it is in no command line, script or ``squeue`` field. ``squeue`` gives each
-job's state and, while it waits, Slurm's Reason; ``scancel`` ends it, and Slurm's SIGTERM
-(a cancel, or a preemption with its grace time) makes the join leave the job.
+The batch script (given to ``sbatch`` on stdin) runs ``srun PYTHON -c RUNNER
+elastic_magic.cli join ENDPOINT --token-file FILE`` (``interpreter.remote_command``: not
+``-m``, which imports from the workdir first): the token is in a file only its owner can
+read, in a folder the cluster's nodes share with the notebook (the home folder by default),
+removed when the allocations end; it is in no command line, script or ``squeue`` field.
+``squeue`` gives each job's state and, while it waits, Slurm's Reason; ``scancel`` ends it,
+and Slurm's SIGTERM (a cancel, or a preemption with its grace time) makes the join leave
+the job.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..agent.local import interpreter
 from ..checks import SpecError
 from . import Allocation, JoinRequest, LauncherError, known_options
 
@@ -91,8 +94,10 @@ class SlurmLauncher:
 
     def script(self, request: JoinRequest, token_file: Path) -> str:
         nproc = self.options.get("nproc") or request.nproc
-        join = [self.python, "-m", "elastic_magic.cli", "join", request.endpoint,
-                "--token-file", str(token_file), *(("--nproc", nproc) if nproc else ())]
+        # not ``-m``: that would import from the workdir first
+        join = interpreter.remote_command(
+            self.python, "elastic_magic.cli", "join", request.endpoint, "--token-file",
+            str(token_file), *(("--nproc", nproc) if nproc else ()))
         return ("#!/bin/sh\n"
                 f"cd {shlex.quote(self.workdir)} || exit 1\n"
                 f"exec srun --ntasks=1 --kill-on-bad-exit=1 {shlex.join(join)}\n")
@@ -147,5 +152,7 @@ class SlurmLauncher:
                 token_file.unlink(missing_ok=True)
 
     def orphan_cleanup(self, allocation_id: str) -> list[list[str]]:
-        token = [["rm", "-f", "--", str(self._token_file)]] if self._token_file else []
-        return [["scancel", allocation_id], *token]
+        return [["scancel", allocation_id]]
+
+    def orphan_files(self) -> list[str]:
+        return [str(self._token_file)] if self._token_file else []

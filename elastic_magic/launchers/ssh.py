@@ -19,15 +19,18 @@ import subprocess
 import threading
 from collections.abc import Mapping
 
+from ..agent.local import interpreter
 from ..checks import SpecError
 from . import Allocation, JoinRequest, LauncherError, known_options
+from .watchdog import lifeline
 
 OPTIONS = {
     "hosts": "the machines, comma-separated ([user@]host[:port]); each runs one join",
     "python": "the remote interpreter that has elastic_magic (default: the elastic-magic "
               "command on the remote PATH)",
     "workdir": "the remote working directory (default: the remote login's)",
-    "env": "remote environment, space-separated K=V (e.g. PYTHONPATH=/src)",
+    "env": "remote environment, space-separated K=V (e.g. PYTHONPATH=/src); words of the "
+           "remote command line, which other users there can read: no secrets",
     "ssh": "the ssh program (default ssh)",
     "ssh_options": "extra ssh arguments, shell-quoted (e.g. -i ~/.ssh/lab -o "
                    "UserKnownHostsFile=~/.ssh/lab_hosts)",
@@ -83,6 +86,10 @@ class SshLauncher:
         if not self.hosts:
             raise SpecError("--launcher ssh needs hosts: --launch hosts=HOST1,HOST2 (or "
                             "hosts in the [ssh] table of the launcher config).")
+        for host in self.hosts:
+            if host.startswith("-"):  # ssh would read it as an option (-oProxyCommand=...)
+                raise SpecError(f"--launch hosts: {host!r} is not a host name ([user@]host"
+                                "[:port]); ssh options go in ssh_options.")
         try:
             self.ssh = [options.get("ssh", "ssh"), *shlex.split(options.get("ssh_options", ""))]
             env = shlex.split(options.get("env", ""))
@@ -100,11 +107,11 @@ class SshLauncher:
 
     def _remote_command(self, request: JoinRequest, allocation_id: str) -> str:
         """The command line the remote shell runs: no token in it."""
-        program = [self.python, "-m", "elastic_magic.cli"] if self.python \
-            else ["elastic-magic"]
         nproc = self.nproc or request.nproc
-        join = [*program, "join", request.endpoint, "--token-stdin",
-                *(("--nproc", nproc) if nproc else ())]
+        args = ["join", request.endpoint, "--token-stdin", *(("--nproc", nproc) if nproc else ())]
+        # not ``-m``: that would import from the workdir first
+        join = interpreter.remote_command(self.python, "elastic_magic.cli", *args) \
+            if self.python else ["elastic-magic", *args]
         words = ["exec", "env", f"ELASTIC_MAGIC_ALLOCATION={allocation_id}", *self.env, *join]
         command = shlex.join(words)
         return f"cd {shlex.quote(self.workdir)} && {command}" if self.workdir else command
@@ -114,7 +121,7 @@ class SshLauncher:
         """The ssh client's argv and environment (without the token)."""
         target, _, port = host.partition(":")
         argv = [*self.ssh, "-o", "BatchMode=yes", *(("-p", port) if port else ()),
-                target, self._remote_command(request, allocation_id)]
+                "--", target, self._remote_command(request, allocation_id)]
         return argv, {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
 
     def _free_host(self) -> str:
@@ -138,6 +145,7 @@ class SshLauncher:
             except OSError as exc:
                 raise LauncherError(f"cannot run {argv[0]}: {exc}") from None
             assert proc.stdin is not None
+            lifeline(proc.stdin)  # its end is the remote join's: no forked child holds it
             with contextlib.suppress(OSError):  # a client that failed at once says why
                 proc.stdin.write(request.token.encode() + b"\n")
                 proc.stdin.flush()
@@ -179,4 +187,7 @@ class SshLauncher:
 
     def orphan_cleanup(self, allocation_id: str) -> list[list[str]]:
         return []  # the kernel's end closes the ssh client's stdin: the join leaves
+
+    def orphan_files(self) -> list[str]:
+        return []  # the token goes on stdin
 

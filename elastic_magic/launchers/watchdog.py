@@ -1,12 +1,15 @@
 """The launchers' watchdog: cancels a job's allocations if the kernel dies before it could.
 
-The kernel starts ``python -m elastic_magic.launchers.watchdog`` in a session of its own
-(a kernel killed with its process group leaves it running) with its stdin a pipe that only
-the kernel writes. The kernel sends one JSON line per change: ``{"add": ID, "run":
-[ARGV, ...]}`` when an allocation starts (what would end it), ``{"drop": ID}`` when it was
-ended normally, ``{"exit": true}`` when the job has ended cleanly. If stdin ends without
-``exit`` (the kernel died, however), every command still held is run, and the watchdog
-exits. Nothing here reads anything but that pipe.
+The kernel starts the watchdog (``interpreter.command``: never ``python -m``, which would
+import from the kernel's working directory) in a session of its own (a kernel killed with
+its process group leaves it running) with its stdin a pipe that only the kernel writes. The
+kernel sends one JSON line per change: ``{"add": ID, "run": [ARGV, ...]}`` when an
+allocation starts (what would end it), ``{"drop": ID}`` when it was ended normally,
+``{"remove": PATH}`` for a file of the job's (the Slurm token), ``{"exit": true}`` when the
+job has ended cleanly. If the kernel dies first (its pidfd says so even while a child it
+forked still holds the pipe) or stdin ends without ``exit``, every command still held is
+run, the files are removed, and the watchdog exits. Nothing here reads anything but that
+pipe.
 """
 
 from __future__ import annotations
@@ -14,35 +17,74 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import subprocess
 import sys
+import weakref
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
+from ..agent.local import interpreter
 
-def watch(lines: IO[str]) -> dict[str, list[list[str]]]:
-    """What is still to be ended when ``lines`` ends without ``exit``."""
+
+def watch(lines: Iterable[str]) -> tuple[list[list[str]], list[str]]:
+    """What is still to be run and removed when ``lines`` end without ``exit``."""
     held: dict[str, list[list[str]]] = {}
+    files: list[str] = []
     for line in lines:
         try:
             order: dict[str, Any] = json.loads(line)
         except ValueError:
             continue
         if order.get("exit"):
-            return {}
+            return [], []
         if "add" in order:
             held[str(order["add"])] = [[str(word) for word in argv] for argv in order["run"]]
         elif "drop" in order:
             held.pop(str(order["drop"]), None)
-    return held
+        elif "remove" in order and str(order["remove"]) not in files:
+            files.append(str(order["remove"]))
+    return [argv for commands in held.values() for argv in commands], files
+
+
+def kernel_lines(stdin: int, kernel: int) -> Iterator[str]:
+    """The kernel's lines until its pipe ends or the kernel (this process's parent, PID
+    ``kernel``) is gone; then what it wrote before is still read, without waiting for the
+    pipe's end."""
+    gone = False
+    try:
+        pidfd: int | None = os.pidfd_open(kernel)
+        gone = os.getppid() != kernel  # it died first: the pid may be another's now
+    except ProcessLookupError:
+        pidfd, gone = None, True
+    except OSError:  # a Linux before 5.3: the pipe alone
+        pidfd = None
+    pending = b""
+    while True:
+        if not gone:
+            watched = [stdin] if pidfd is None else [stdin, pidfd]
+            gone = pidfd in select.select(watched, [], [])[0]
+        if gone:
+            os.set_blocking(stdin, False)
+        try:
+            chunk = os.read(stdin, 1 << 16)
+        except BlockingIOError:
+            chunk = b""
+        if not chunk:
+            return
+        *lines, pending = (pending + chunk).split(b"\n")
+        yield from (line.decode(errors="replace") for line in lines)
 
 
 def main() -> int:
-    held = watch(sys.stdin)
-    for commands in held.values():
-        for argv in commands:
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, timeout=60)
+    commands, files = watch(kernel_lines(0, int(sys.argv[1])))
+    for argv in commands:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=60)
+    for path in files:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     return 0
 
 
@@ -51,12 +93,11 @@ class Watchdog:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_magic.launchers.watchdog"],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, text=True,
-            env={**{k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"},
-                 "PYTHONPATH": os.pathsep.join(filter(None, [_package_parent(),
-                                                             os.environ.get("PYTHONPATH")]))})
+            interpreter.command(__name__, str(os.getpid())), stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            text=True, env={k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"})
+        assert self.proc.stdin is not None
+        lifeline(self.proc.stdin)
 
     def _send(self, order: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -71,6 +112,10 @@ class Watchdog:
     def drop(self, allocation_id: str) -> None:
         self._send({"drop": allocation_id})
 
+    def remove(self, path: str) -> None:
+        """``path`` is removed if the kernel dies, whatever the allocations."""
+        self._send({"remove": path})
+
     def close(self) -> None:
         """The job ended cleanly: the watchdog exits without running anything."""
         self._send({"exit": True})
@@ -84,10 +129,25 @@ class Watchdog:
             self.proc.wait()
 
 
-def _package_parent() -> str:
-    """The folder this elastic_magic was imported from, so the watchdog runs the same."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Pipes whose end tells a process that the kernel is gone (the watchdog's stdin, an ssh
+# join's). A child the kernel forks (a cell's multiprocessing pool) would keep them open:
+# in the child, each becomes /dev/null.
+_LIFELINES: weakref.WeakSet[IO[Any]] = weakref.WeakSet()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def lifeline(pipe: IO[Any]) -> None:
+    """Only this process holds ``pipe``'s write end, not the children it forks."""
+    _LIFELINES.add(pipe)
+
+
+def _let_go_in_child() -> None:
+    for pipe in list(_LIFELINES):
+        with contextlib.suppress(OSError, ValueError):  # ValueError: closed meanwhile
+            fd = pipe.fileno()
+            null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            # the file object stays valid (its writes go nowhere), its descriptor number too
+            os.dup2(null, fd, inheritable=False)
+            os.close(null)
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)

@@ -8,10 +8,12 @@ argv: SOCKET_FD KERNEL_PID. The socket (SOCK_SEQPACKET, inherited at spawn: nobo
 holds it) carries JSON, never pickles. First the pool sends what to preload beyond the
 base imports (``{"op": "preload", "modules": [[name, file or null], ...], "path": [...],
 "more": bool}``, in parts); each module is imported, if trusted (``imports.py``), then
-checked: one that initialised CUDA or started a thread cannot be undone, so the zygote
+checked (``import_checks``: CUDA, threads, files left open, per-rank variables read):
+one that broke a rule cannot be undone, so the zygote
 answers ``{"tainted": name, "why": ...}`` and exits (the pool rebuilds without it); one
 left out answers ``{"left_out": name, "why": ...}``; ``{"importing": name}`` comes before
-each (the pool leaves out one the zygote dies or hangs on); then ``{"ready": pid}``. Then
+each (the pool leaves out one the zygote dies or hangs on); then ``{"implied": [name,
+...]}``, in parts, for those an earlier module imported, and ``{"ready": pid}``. Then
 requests:
 
 - ``{"op": "fork", "env": {...}, "cwd": "..."}`` with the worker's descriptors attached
@@ -67,17 +69,13 @@ def warm_up() -> None:
     assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
 def preload(sock: socket.socket) -> None:
-    """Import the preload list the pool sends, checking after each module that the
-    zygote is still safe to fork: no CUDA, no thread. A module that broke that is
-    reported and the zygote exits (an import cannot be undone)."""
+    """Import the preload list the pool sends, checking after each package and module
+    that the zygote is still safe to fork (``import_checks``). A module that broke that
+    is reported and the zygote exits (an import cannot be undone)."""
     import torch
 
-    from elastic_magic.worker import imports
+    from elastic_magic.worker import import_checks, imports
 
     entries: list[list[Any]] = []
     while True:
@@ -89,21 +87,28 @@ def preload(sock: socket.socket) -> None:
         if not request["more"]:
             break
     roots, cwd = imports.trusted_roots(sys.path), os.getcwd()
+    implied = []  # imported with an earlier module: the pool need not list them
     for name, origin in entries:
         if name in sys.modules:
+            implied.append(name)
             continue
         _send(sock, {"importing": name})  # should it crash or hang, the pool knows why
-        threads = _threads()
-        why = imports.import_trusted(name, origin, roots, cwd)
-        if torch.cuda.is_initialized():
-            _send(sock, {"tainted": name, "why": "initialises CUDA when imported"})
-            os._exit(0)
-        if (started := _threads() - threads) > 0:
-            _send(sock, {"tainted": name, "why": f"starts {started} thread(s) when imported "
-                         "(forking a process with threads is unsafe)"})
-            os._exit(0)
-        if why is not None:
-            _send(sock, {"left_out": name, "why": why})
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):  # each package apart: the one to blame
+            prefix = ".".join(parts[:depth])
+            if prefix in sys.modules:
+                continue
+            with import_checks.watched() as unsafe:
+                why = imports.import_trusted(prefix, origin if prefix == name else None,
+                                             roots, cwd)
+            if unsafe:  # an import cannot be undone: this zygote is done
+                _send(sock, {"tainted": prefix, "why": "; ".join(unsafe)})
+                os._exit(0)
+            if why is not None:
+                _send(sock, {"left_out": prefix, "why": why})
+                break
+    for i in range(0, len(implied), 100):  # in parts: each answer must stay short
+        _send(sock, {"implied": implied[i:i + 100]})
     assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
     _no_operator_cleanup_at_exit()
     imports.BASELINE = frozenset(sys.modules)  # what a forked worker has without importing

@@ -123,6 +123,7 @@ class WarmPool:
     def _install(self, zygote: Zygote) -> None:
         for name, why in zygote.left_out.items():
             self.preload.leave_out(name, why)
+        self.preload.drop_implied(zygote.implied)
         self._current = zygote
 
     def _rebuild_if_grown(self) -> None:
@@ -153,7 +154,8 @@ class WarmPool:
         except Tainted as exc:  # a module it must not import, or one it died on
             successor = None
             with self._lock:
-                self.preload.leave_out(exc.module, exc.why)
+                if self._current is current:  # (else the list was forgotten meanwhile)
+                    self.preload.leave_out(exc.module, exc.why)
         except PoolError:  # not a module's doing (it could not start): try no more
             successor = None
             with self._lock:
@@ -193,6 +195,18 @@ class WarmPool:
             if self._builder is not None:
                 lines.append("a zygote with a longer list is being built")
         return [f"zygote PID {pid}" if pid else "no zygote running", *lines]
+
+    def forget(self) -> None:
+        """Forget the modules learned, named and left out: the next job's zygote is built
+        with the defaults (``%elastic pool forget``). Running workers are left alone; a
+        successor being built is dropped when done."""
+        with self._lock:
+            self.preload = PreloadList()
+            self._gave_up.clear()
+            self._failed.clear()
+            if self._current is not None:
+                self._retire(self._current)
+                self._current = None
 
     def prewarm(self, env: dict[str, str], cwd: str, sys_path: list[str],
                 preload: Iterable[str] = ()) -> None:

@@ -49,18 +49,31 @@ class PreloadList:
         for name, origin in entries:
             if named:
                 self.named.add(name)
-            if name not in self._wanted and name not in self.left_out \
+            if name not in self._wanted and not self._is_left_out(name) \
                     and len(self._wanted) < MAX_MODULES:
                 self._wanted[name] = origin
                 grew = True
         return grew
 
+    def drop_implied(self, names: Iterable[str]) -> None:
+        """Unlist learned modules a zygote imported with an earlier one (most of a big
+        package's): the list stays short and still yields the same zygote. Should that
+        stop being so, a worker reports the module again."""
+        for name in names:
+            if name not in DEFAULT and name not in self.named:
+                self._wanted.pop(name, None)
+
     def leave_out(self, name: str, why: str) -> None:
         self.left_out.setdefault(name, why)
 
+    def _is_left_out(self, name: str) -> bool:
+        """``name`` or a package above it (importing it imports them) is left out."""
+        parts = name.split(".")
+        return any(".".join(parts[:depth]) in self.left_out for depth in range(1, len(parts) + 1))
+
     def modules(self) -> tuple[Entry, ...]:
         """What a new zygote imports, in order."""
-        return tuple((n, o) for n, o in self._wanted.items() if n not in self.left_out)
+        return tuple((n, o) for n, o in self._wanted.items() if not self._is_left_out(n))
 
     def covered_by(self, built: Iterable[Entry]) -> bool:
         """A zygote built with ``built`` has every module of the list."""

@@ -21,27 +21,17 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from ...worker import import_checks
 from . import interpreter, preload
 from .preload import Entry
 
-# Variables a round gives each rank (workers/torchrun_env): they differ between workers
-# of one zygote, and nothing it imports reads them.
-_PER_ROUND = frozenset({
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-    "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    # per worker or per machine, read only once the worker runs (torch reads the devices
-    # at CUDA's first use, gloo and NCCL the interface when the group is made)
-    "ELASTIC_MAGIC_SLOT", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-})
 _START_TIMEOUT = 120.0  # importing torch on a busy machine
 _MAX_REPLY = 1 << 16  # the zygote's answers are short; a request may be longer
 
 
 def zygote_env(env: dict[str, str]) -> dict[str, str]:
     """A worker's environment without what is particular to its round and job."""
-    return {k: v for k, v in env.items()
-            if k not in _PER_ROUND and not k.startswith("TORCHELASTIC_")}
+    return {k: v for k, v in env.items() if not import_checks.is_per_round(k)}
 
 
 class PoolError(RuntimeError):
@@ -66,6 +56,7 @@ class Zygote:
         self.inputs = (env, cwd, list(sys_path))  # what it was made from: for a successor
         self.modules = modules
         self.left_out: dict[str, str] = {}  # module -> why, as the zygote reported
+        self.implied: set[str] = set()  # listed, and imported with an earlier module
         self.pid = -1  # once ready
         self._cancelled = False
         self.retired = False
@@ -104,6 +95,8 @@ class Zygote:
                     importing = str(reply["importing"])
                 elif "left_out" in reply:
                     self.left_out[str(reply["left_out"])] = str(reply["why"])
+                elif "implied" in reply:
+                    self.implied.update(str(name) for name in reply["implied"])
                 elif "tainted" in reply:
                     raise Tainted(str(reply["tainted"]), str(reply["why"]))
                 else:
