@@ -41,12 +41,13 @@ def accept_signals(shepherd_pid: int) -> None:
     Ctrl-C meant for the kernel cannot reach us before we leave its process group (the
     shepherd dropped any such one; a forked child starts with none pending). On a joined
     machine SIGTERM stays blocked in every thread: one thread takes it, and ends the rank
-    only on one from the agent or the shepherd (``shepherd.TERM_FROM_VARIABLE``)."""
+    only on one from the agent, the shepherd or the rank itself
+    (``shepherd.TERM_FROM_VARIABLE``)."""
     agent = shepherd.term_sender()
     signal.pthread_sigmask(signal.SIG_UNBLOCK,
                            {signal.SIGINT} if agent else {signal.SIGINT, signal.SIGTERM})
     if agent:
-        threading.Thread(target=_take_sigterm, args=({agent, shepherd_pid},),
+        threading.Thread(target=_take_sigterm, args=({agent, shepherd_pid, os.getpid()},),
                          name="elastic-sigterm", daemon=True).start()
 
 
