@@ -153,6 +153,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .agent.machines.rendezvous import rendezvous_key
     from .messages import Forward, Hello
     from .ui.text import TextRenderer
+    from .worker.shepherd import TERM_FROM_VARIABLE
 
     if args.token_stdin:  # the launcher's end (its ssh session closed): leave the job
         threading.Thread(target=_leave_at_end_of_stdin, daemon=True,
@@ -174,6 +175,8 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     cwd = os.getcwd()
     payload = dataclasses.replace(offer.payload, cwd=cwd,
                                   sys_path=[cwd, *(p for p in sys.path if p)])
+    if not payload.session:  # SIGTERM is ours to act on (below), not our ranks'
+        os.environ[TERM_FROM_VARIABLE] = str(os.getpid())
     if spec.pool:  # its zygote imports torch while this machine joins the next round
         prewarm({**inherited_env(nproc), **spec.env}, cwd, payload.sys_path, spec.preload)
 

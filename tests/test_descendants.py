@@ -18,6 +18,7 @@ from conftest import FORK_STUBBORN_CHILDREN, forked_children, survivors, tagged_
 import elastic_magic as em
 from elastic_magic.events import JobState, Output
 from elastic_magic.payload import build_payload
+from elastic_magic.worker.shepherd import TERM_FROM_VARIABLE
 
 
 def test_stop_ends_what_the_ranks_forked(tmp_path, log_dir):
@@ -160,3 +161,42 @@ def test_signals_for_the_rank_reach_the_worker_through_its_shepherd(tmp_path, lo
             sent.set()
 
     assert job.wait(watch).values == {0: "got it"}
+
+
+def test_a_joined_rank_takes_sigterm_only_from_its_agent(tmp_path, log_dir, monkeypatch):
+    """A scheduler's SIGTERM reaches every process of a joined machine's job (Slurm, at a
+    preemption): its agent decides (it leaves at the next commit), so the rank and its
+    shepherd let it pass; the agent's own SIGTERM, relayed by the shepherd, ends the rank."""
+    monkeypatch.setenv(TERM_FROM_VARIABLE, str(os.getpid()))  # as `elastic-magic join` does
+    go = tmp_path / "go"
+    cell = textwrap.dedent(f"""
+        import os, time
+        print("ready", os.getpid(), flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.01)
+        print("went on", flush=True)
+        time.sleep(600)
+    """)
+    spec = em.JobSpec.create(1, log_dir=log_dir)
+    job = em.Job(spec, build_payload(cell, spec, namespace={})).start()
+    seen: list[str] = []
+
+    def watch(events):
+        for e in events:
+            if not isinstance(e, Output):
+                continue
+            shepherd, text = job.status_snapshot.pids[0], " ".join(e.lines)
+            if text.startswith("ready") and not seen:
+                worker = text.split()[1]
+                # another process's SIGTERM (as Slurm's) to the shepherd and the worker:
+                # pending or dropped once kill returns, so the worker never sees "go" first
+                subprocess.run(["kill", "-TERM", str(shepherd), worker], check=True)
+                go.touch()
+                seen.append("ready")
+            elif "went on" in text and seen == ["ready"]:
+                seen.append("went on")
+                os.kill(shepherd, signal.SIGTERM)  # the agent's (ours here)
+
+    result = job.wait(watch)
+    assert seen == ["ready", "went on"], seen
+    assert result.failure is not None and result.failure.signal == "SIGTERM", result

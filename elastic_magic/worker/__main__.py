@@ -36,11 +36,26 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def accept_signals() -> None:
+def accept_signals(shepherd_pid: int) -> None:
     """Take SIGINT and SIGTERM again: the agent spawns us with both blocked, so that a
     Ctrl-C meant for the kernel cannot reach us before we leave its process group (the
-    shepherd dropped any such one; a forked child starts with none pending)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    shepherd dropped any such one; a forked child starts with none pending). On a joined
+    machine SIGTERM stays blocked in every thread: one thread takes it, and ends the rank
+    only on one from the agent, the shepherd or the rank itself
+    (``shepherd.TERM_FROM_VARIABLE``)."""
+    agent = shepherd.term_sender()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK,
+                           {signal.SIGINT} if agent else {signal.SIGINT, signal.SIGTERM})
+    if agent:
+        threading.Thread(target=_take_sigterm, args=({agent, shepherd_pid, os.getpid()},),
+                         name="elastic-sigterm", daemon=True).start()
+
+
+def _take_sigterm(senders: set[int]) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid not in senders:
+        pass  # the scheduler's: this machine's agent has it too, and leaves at a commit
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.raise_signal(signal.SIGTERM)  # its default action: the rank ends as asked
 
 
 def read_secret(fd: int, size: int) -> bytes:
@@ -62,7 +77,7 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
     """Be a rank: fork the shepherd, then run payloads until Exit. Also the entry of a
     worker forked by the zygote (``zygote.py``), whose parent is the zygote."""
     shepherd_pid = shepherd.start(parent_pid, close_in_shepherd=(control_fd, report_fd))
-    accept_signals()
+    accept_signals(shepherd_pid)
     die_with_parent(shepherd_pid)
     key = read_secret(control_fd, KEY_BYTES)
     nonce = read_secret(control_fd, NONCE_BYTES).hex()  # of the order marks: not the user's

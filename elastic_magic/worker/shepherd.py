@@ -12,7 +12,8 @@ that runs no user code:
 - It is a child subreaper (PR_SET_CHILD_SUBREAPER): a process below it whose parent exits
   (after setsid, a double fork, or the worker's own death) is re-parented to it, not to
   init, so every descendant is found by walking its children.
-- It relays the agent's SIGINT and SIGTERM to the worker's process group. On ``END_ALL``
+- It relays the agent's SIGINT and SIGTERM to the worker's process group (on a joined
+  machine, a SIGTERM only from its agent: see ``TERM_FROM_VARIABLE``). On ``END_ALL``
   (the agent's last escalation step, and its own PR_SET_PDEATHSIG: the kernel died) it
   SIGKILLs the worker and every process below it.
 - When the worker exits, however it exits, the shepherd SIGKILLs whatever the worker left
@@ -42,6 +43,12 @@ _TO_WORKER = (signal.SIGUSR1, signal.SIGUSR2)  # for the rank itself (a handler 
 _WATCHED = {signal.SIGCHLD, END_ALL, *_TO_GROUP, *_TO_WORKER}
 _TICK = 1.0  # seconds between checks that the kernel is still there
 
+# A scheduler (Slurm at a preemption or a cancel) sends SIGTERM to every process of the
+# job, ranks included; on a joined machine that is its agent's to act on (it leaves at the
+# next commit). Its join names its PID here: a rank then takes SIGTERM only from it,
+# directly or relayed by the rank's shepherd.
+TERM_FROM_VARIABLE = "ELASTIC_MAGIC_TERM_FROM"
+
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
@@ -51,6 +58,12 @@ NAME = "em-shepherd"  # its name in ps and top (the command line stays the worke
 def _prctl(option: int, value: int | bytes) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def term_sender() -> int | None:
+    """The PID whose SIGTERM alone ends a rank (its joined machine's agent), or None: any."""
+    value = os.environ.get(TERM_FROM_VARIABLE, "")
+    return int(value) if value.isdigit() else None
 
 
 def _discard_pending(signals: tuple[signal.Signals, ...]) -> None:
@@ -88,9 +101,13 @@ def start(parent_pid: int, close_in_shepherd: tuple[int, ...]) -> int:
 
 def _watch(worker: int, parent_pid: int) -> NoReturn:
     status: int | None = None  # the worker's wait status, once reaped
+    agent = term_sender()
     while status is None:
         info = signal.sigtimedwait(_WATCHED, _TICK)
         sig = info.si_signo if info else None
+        if info is not None and sig == signal.SIGTERM and agent is not None \
+                and info.si_pid != agent:
+            sig = None  # the scheduler's: the agent, which has it too, decides
         # The worker is not reaped yet: its PID, and so its group id, is still its own.
         with contextlib.suppress(ProcessLookupError):
             if sig in _TO_GROUP:
