@@ -172,6 +172,29 @@ class Recorder:
         ]
 
 
+def run_resized(job, recorder, resizes=()):
+    """Wait for a started Job, scaling it to each ``(at_step, size)`` of ``resizes`` once
+    that step is committed; its result, which must be a success."""
+    import threading
+
+    def drive():
+        for at_step, size in resizes:
+            job.wait_for_commit(at_step, timeout=120)
+            job.scale(size)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    result = job.wait(recorder)
+    driver.join(timeout=5)
+    assert result.ok, result
+    return result
+
+
+def done_steps(recorder) -> list[int]:
+    """The steps rank 0 printed as ``DONE step N ...``, in order."""
+    return [int(line.split()[2]) for line in recorder.lines(0) if line.startswith("DONE")]
+
+
 @pytest.fixture
 def recorder() -> Recorder:
     return Recorder()

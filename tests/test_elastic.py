@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from conftest import done_steps, run_resized
 
 import elastic_magic as em
 from elastic_magic import snapshot_format
@@ -72,21 +73,7 @@ def train(log_dir, recorder, *, nproc=2, kill_at=-1, resizes=(), **spec_args):
     payload = build_payload(TRAIN, spec, namespace={"KILL_AT": kill_at, "PAUSE": pause})
     job = Job(spec, payload).start()
 
-    def drive():
-        for at_step, size in resizes:
-            job.wait_for_commit(at_step, timeout=120)
-            job.scale(size)
-
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
-    result = job.wait(recorder)
-    driver.join(timeout=5)
-    assert result.ok, result
-    return result
-
-
-def done_steps(recorder) -> list[int]:
-    return [int(line.split()[2]) for line in recorder.lines(0) if line.startswith("DONE")]
+    return run_resized(job, recorder, resizes)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import threading
 import numpy
 import pytest
 import torch
+from conftest import done_steps, run_resized
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import IterableDataset, TensorDataset
 
@@ -96,21 +97,7 @@ def train(log_dir, recorder, *, every, kill_at=-1, resizes=(), **spec_args):
     namespace = {"KILL_AT": kill_at, "EVERY": every, "PAUSE": 0.05 if resizes else 0.0}
     job = Job(spec, build_payload(TRAIN, spec, namespace=namespace)).start()
 
-    def drive():
-        for at_step, size in resizes:
-            job.wait_for_commit(at_step, timeout=120)
-            job.scale(size)
-
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
-    result = job.wait(recorder)
-    driver.join(timeout=5)
-    assert result.ok, result
-    return result.values[0]
-
-
-def done_steps(recorder) -> list[int]:
-    return [int(line.split()[2]) for line in recorder.lines(0) if line.startswith("DONE")]
+    return run_resized(job, recorder, resizes).values[0]
 
 
 def committed_steps(recorder) -> list[int]:

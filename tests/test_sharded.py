@@ -9,10 +9,10 @@ also on a GPU machine (tests/test_gpu_sharded.py runs FSDP2 on CUDA over NCCL)."
 from __future__ import annotations
 
 import textwrap
-import threading
 
 import pytest
 import torch
+from conftest import done_steps, run_resized
 from test_multinode import Machines, run_head
 
 import elastic_magic as em
@@ -76,21 +76,7 @@ def train(log_dir, recorder, *, every, nproc=2, kill_at=-1, kill_after=-1, resiz
                  "PAUSE": 0.05 if resizes else 0.0}
     job = Job(spec, build_payload(TRAIN, spec, namespace=namespace)).start()
 
-    def drive():
-        for at_step, size in resizes:
-            job.wait_for_commit(at_step, timeout=120)
-            job.scale(size)
-
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
-    result = job.wait(recorder)
-    driver.join(timeout=5)
-    assert result.ok, result
-    return result
-
-
-def done_steps(recorder) -> list[int]:
-    return [int(line.split()[2]) for line in recorder.lines(0) if line.startswith("DONE")]
+    return run_resized(job, recorder, resizes)
 
 
 def assert_same(got, want, atol):
