@@ -89,6 +89,9 @@ def describe_job(item: Tracked) -> dict[str, Any]:
         "root_cause": (f"rank {failure.rank}: {failure.headline}" if failure is not None
                        else None),
         "summary": result.summary() if result is not None else None,
+        # a --launcher's allocations as the job's status has them ("ID: state (reason) on
+        # WHERE"): those that wait, with the scheduler's reason (squeue's Reason)
+        "machines": list(status.machines),
     }
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from conftest import tagged_workers, wait_until_no_workers
+from netns import network as network  # the fixture
 from playwright.sync_api import expect, sync_playwright
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -362,3 +363,42 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         expect(row.locator(".em-panel-stop")).to_have_count(0, timeout=60_000)
         expect(page.locator("[data-em=status]")).to_have_text("")
         assert not wait_until_no_workers(timeout=30.0)
+
+
+@pytest.mark.parametrize("network", [2], indirect=True)
+def test_elastic_jobs_panel_shows_slurm_allocations_with_the_schedulers_reason(
+        network, tmp_path, monkeypatch):
+    """A --launcher slurm job on a real two-node Slurm (tests/slurm.py) asks for three
+    machines: the panel lists the two running and the one pending with squeue's reason, and
+    its Stop leaves nothing in the queue."""
+    from test_slurm import options, slurm_cluster
+
+    require_extension()
+    with slurm_cluster(network, tmp_path, monkeypatch) as slurm:
+        launch = " ".join(f"--launch {k}={v}" for k, v in options(tmp_path).items())
+        cells = ["%load_ext elastic_magic",
+                 f"%%elastic --bg --nproc 1 --nnodes 1:4 --rdzv-endpoint "
+                 f"{network.head_address} --launcher slurm {launch}\n"
+                 "import time\ntime.sleep(600)"]
+        with jupyterlab(tmp_path, cells) as url, chromium_page() as page:
+            open_notebook(page, url, 2)
+            run_cell(page, 0)
+            run_cell(page, 1)
+            page.locator("li[data-id='elastic-magic-jobs']").click()
+            row = page.locator("#elastic-magic-jobs .em-panel-row").first
+            # the first lines are the kernel's own "pending" (submitted, not yet listed)
+            expect(row.locator(".em-alloc-running")).to_have_count(2, timeout=120_000)
+            pending = row.locator(".em-alloc-pending")
+            expect(pending).to_have_text(re.compile(r"^\d+: pending \(Resources\)$"),
+                                         timeout=60_000)
+            expect(row).to_contain_text("3 machines", timeout=120_000)
+            assert len(slurm.queue()) == 3, slurm.queue()
+            page.locator("#elastic-magic-jobs").screenshot(
+                path=str(ARTIFACTS / "elastic-jobs-panel-slurm.png"))
+            row.locator(".em-panel-stop").click()
+            expect(row).to_contain_text("stopped", timeout=60_000)
+            expect(row.locator(".em-panel-machines")).to_have_count(0)
+            deadline = time.monotonic() + 60
+            while slurm.queue() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert slurm.queue() == []

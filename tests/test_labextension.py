@@ -141,3 +141,29 @@ def test_comm_lists_a_session_and_routes_its_actions(log_dir):
     finished = [m for m in comm.sent if m["type"] == "finished"]
     assert len(finished) == 1 and finished[0]["item"]["kind"] == "session"
     assert finished[0]["item"]["done"]
+
+
+def test_comm_lists_a_launcher_jobs_allocations(log_dir):
+    """A job with --launcher: its row carries the allocations as its status has them (the
+    panel shows those that wait with the scheduler's reason), and none once it ended."""
+    spec = JobSpec.create(1, nnodes="1:2", launcher="local", log_dir=log_dir, timeout=60)
+    job = Job(spec, build_payload("import time\ntime.sleep(600)", spec)).start()
+    channel = JobsChannel()
+    comm = FakeComm()
+    channel._attach(comm)
+    try:
+        channel.track(1, job, None, background=True)
+        job._board.wait_for(lambda s: s.nnodes == 2, timeout=120)
+        channel.update()
+        row = [m for m in comm.sent if m["type"] == "items"][-1]["items"][0]
+        assert row["nnodes"] == 2
+        assert row["machines"] == list(job.status_snapshot.machines) == \
+            ["local1#1: running on local1"], row
+        comm.on_message({"content": {"data": {"action": "stop", "id": job.run_id}}})
+        assert job.wait_done(timeout=60)
+    finally:
+        job.end("test over")
+    assert channel._ticker is not None
+    channel._ticker.join(timeout=10)
+    finished = [m for m in comm.sent if m["type"] == "finished"]
+    assert len(finished) == 1 and finished[0]["item"]["machines"] == []

@@ -5,13 +5,15 @@ killed outright; the token is in no command line and no job field."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from netns import network as network  # the fixture
-from slurm import start_slurm
+from slurm import Slurm, start_slurm
 from test_elastic import STEPS, TRAIN, assert_same_parameters, done_steps
 from test_elastic import baseline as baseline  # the module-scoped fixture
 from test_launchers import (
@@ -29,12 +31,20 @@ from elastic_magic.events import NodeConnected, RendezvousCompleted
 from elastic_magic.payload import build_payload
 
 
-@pytest.fixture
-def slurm(network, tmp_path, monkeypatch):
+@contextlib.contextmanager
+def slurm_cluster(network, tmp_path, monkeypatch) -> Iterator[Slurm]:
     monkeypatch.setenv("PYTHONPATH", PACKAGE_PARENT)  # what sbatch passes on to the jobs
     cluster = start_slurm(network, tmp_path / "slurm", monkeypatch)
-    yield cluster
-    cluster.close()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def slurm(network, tmp_path, monkeypatch):
+    with slurm_cluster(network, tmp_path, monkeypatch) as cluster:
+        yield cluster
 
 
 def options(tmp_path) -> dict[str, str]:

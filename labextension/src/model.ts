@@ -26,6 +26,15 @@ export interface IItem {
   root_cause: string | null;
   summary: string | null;
   cells?: number; // a session's: the cells it ran
+  // a --launcher's allocations, as `%elastic status` shows them: "ID: state (reason) on WHERE"
+  machines?: string[];
+}
+
+/** One allocation line of a --launcher job, and its state for the eye (pending ones are
+ * what people look for: the scheduler's reason says why they wait). */
+export interface IAllocation {
+  text: string;
+  state: 'pending' | 'running' | 'ended' | 'leaving' | 'note';
 }
 
 /** Messages from the kernel (elastic_magic/comm.py). */
@@ -82,6 +91,18 @@ export function describeItem(item: IItem): string[] {
     facts.push(`last commit: step ${String(item.last_commit.step)}`);
   }
   return facts;
+}
+
+/** The job's allocations, pending first (each keeps the kernel's wording); a line that is
+ * not an allocation (the scheduler could not be asked) is a note. */
+export function allocationsOf(item: IItem): IAllocation[] {
+  const order = { pending: 0, running: 1, leaving: 2, ended: 3, note: 4 };
+  return (item.machines ?? [])
+    .map((text): IAllocation => {
+      const state = /^\S+?: (pending|running|ended|leaving)\b/.exec(text)?.[1];
+      return { text, state: (state as IAllocation['state'] | undefined) ?? 'note' };
+    })
+    .sort((a, b) => order[a.state] - order[b.state]);
 }
 
 /** A running job can be stopped and asked for its stacks; resized only within bounds. */

@@ -1,7 +1,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { KernelChannel } from './channel';
-import { actionsFor, describeItem, IItem, resizeRequest, titleOf } from './model';
+import { actionsFor, allocationsOf, describeItem, IItem, resizeRequest, titleOf } from './model';
 
 /** Where a row's "cell" link leads: the notebook scrolls to the cell that started the job. */
 export type CellLink = (cellId: string) => void;
@@ -75,6 +75,19 @@ export class ElasticPanel extends Widget {
     facts.className = 'em-panel-facts';
     facts.textContent = describeItem(item).join(' · ');
     row.appendChild(facts);
+    const allocations = allocationsOf(item);
+    if (allocations.length > 0) {
+      const list = document.createElement('ul');
+      list.className = 'em-panel-machines';
+      list.title = "the launcher's allocations; those that wait say why, in the scheduler's words";
+      for (const allocation of allocations) {
+        const line = document.createElement('li');
+        line.className = `em-alloc em-alloc-${allocation.state}`;
+        line.textContent = allocation.text;
+        list.appendChild(line);
+      }
+      row.appendChild(list);
+    }
     if (item.root_cause) {
       const cause = document.createElement('div');
       cause.className = 'em-panel-cause';

@@ -1,5 +1,6 @@
 import {
   actionsFor,
+  allocationsOf,
   describeItem,
   formatElapsed,
   IItem,
@@ -32,6 +33,27 @@ describe('describeItem', () => {
     expect(describeItem(item({ last_commit: { step: 40, time: 1 } }))).toEqual([
       'running', 'world size 2', '1 machine', 'restarts 0/1', '1m 15s', 'last commit: step 40'
     ]);
+  });
+});
+
+describe('allocationsOf', () => {
+  it('shows the launcher\'s allocations, pending first with the scheduler\'s reason', () => {
+    const lines = [
+      '12: running on em1', 'local2#3: leaving at the next commit', '14: pending (Resources)',
+      'cannot start a machine: sbatch: error: invalid partition', '11: ended on em2'
+    ];
+    expect(allocationsOf(item({ machines: lines }))).toEqual([
+      { text: '14: pending (Resources)', state: 'pending' },
+      { text: '12: running on em1', state: 'running' },
+      { text: 'local2#3: leaving at the next commit', state: 'leaving' },
+      { text: '11: ended on em2', state: 'ended' },
+      { text: 'cannot start a machine: sbatch: error: invalid partition', state: 'note' }
+    ]);
+  });
+
+  it('is empty for a job without a launcher (and a kernel that sends no list)', () => {
+    expect(allocationsOf(item())).toEqual([]);
+    expect(allocationsOf(item({ machines: [] }))).toEqual([]);
   });
 });
 
