@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import cells, elastic, join, launch, leave, memory, session, throughput, training
+from . import cells, cluster, elastic, join, launch, leave, memory, session, throughput, training
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -56,6 +56,8 @@ SCENARIOS = (
     Scenario("output", throughput.output, "s", "torchrun", "<= 1.1x torchrun, none lost"),
     Scenario("memory", memory.memory, "MB / CPU s", None, "idle pool: no CPU"),
     Scenario("join", join.join, "s", "torchrun_unshared_store", "<= 1 s beyond worker start"),
+    Scenario("cluster_grow", cluster.cluster_grow, "s", "sbatch_join_by_hand",
+             "<= 1.0x sbatch + join by hand (root: the tests' Slurm in namespaces)"),
     Scenario("leave", leave.leave, "s", None, "regroup (to started) <= 1 s"),
     Scenario("session_cell", session.session_cell, "ms", "ipyparallel_px",
              "<= 1.0x ipyparallel %px"),

@@ -129,6 +129,10 @@ PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptM
                                            stdin=subprocess.DEVNULL, env=env))
         out.close()
 
+    def idle(self) -> bool:
+        """Every node idle (none allocated, completing or down)."""
+        return self._all_idle()
+
     def _all_idle(self) -> bool:
         done = subprocess.run(["sinfo", "--noheader", "--format=%n %t"], env=self.env(),
                               capture_output=True, text=True)
