@@ -25,6 +25,7 @@ import contextlib
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -189,7 +190,10 @@ def by_hand_side(network: Any, cluster: Any, folder: Path
         with os.fdopen(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
                        "w") as file:
             file.write(assignment.partition("=")[2])
-        job.wait_for_commit(5, timeout=120)
+        # the node idle (the other side's allocation may still be completing), training
+        if not (_until(lambda: not cluster.queue()) and _until(cluster.idle)):
+            return math.nan, math.nan
+        job.wait_for_commit(_step(job) + 5, timeout=60)
         asked = time.time()
         done = subprocess.run(
             ["sbatch", "--parsable", "--nodes=1", "--partition=test", f"--chdir={folder}",
@@ -212,7 +216,9 @@ def cluster_grow(nproc: int, quick: bool) -> dict[str, float]:
     the interpreter's start), the rest being the regroup."""
     folder = scratch("em-bench-cluster-")
     folder.chmod(0o755)  # the jobs' working directory (they run as this user anyway)
-    with _cluster(folder) as (network, cluster):
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, folder, ignore_errors=True)
+        network, cluster = stack.enter_context(_cluster(folder))
         _runs[0] += 1
         if _runs[0] % 2:
             launched, launched_connected = launcher_side(network, cluster, folder)
