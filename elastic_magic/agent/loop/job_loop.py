@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from ...events import Restarting, WorkerFailed
 from ...messages import Action
-from ...result import JobResult, JobState, is_consequence, root_cause_order
+from ...result import JobResult, JobState, RankFailure, is_consequence, root_cause_order
 from ..policy import Next, RegroupClock, Step, during_group, final_state, what_ended
 from ..rounds import RoundInfo
 from .engine import Engine
@@ -98,7 +98,7 @@ class JobLoop:
             group.stop_now()
         elif step is Step.FAILED:
             engine.set_state(JobState.STOPPING)
-            _, failures = engine.tear_down()
+            failures = self._keep_survivors() if self._stays() else engine.tear_down()[1]
             engine.failures = engine.hangs.explain(failures)
             self._await_cause()
             if engine.switchboard.heard in (Action.REGROUP, Action.NODE_FAILED):  # a machine left
@@ -107,9 +107,29 @@ class JobLoop:
                 engine.emit(WorkerFailed(failure))
         elif step is Step.RESIZED:
             engine.set_state(JobState.RESIZING)
-            group.release()
+            if self._stays():  # every rank left at the commit: all of them stay
+                engine.survivors.keep(group, engine.switchboard.next_action,
+                                      engine.spec.link_timeout)
+            else:
+                group.release()
         elif step is Step.SUCCEEDED:
             group.release()
+
+    def _stays(self) -> bool:
+        """Survivors stay: asked for, and the cell uses State (it rolls back to a commit;
+        a cell without one restarts as before)."""
+        return self.engine.survivors.on and self.engine.elastic_state.used
+
+    def _keep_survivors(self) -> list[RankFailure]:
+        """The healthy ranks park; the others are stopped (``local/survivors.py``). The
+        ranks that failed on their own, root cause first, and those that could not leave."""
+        engine, group = self.engine, self.engine.group
+        assert group is not None
+        left_at = time.time()
+        stuck = engine.survivors.keep(group, engine.switchboard.next_action,
+                                      engine.spec.link_timeout)
+        engine.switchboard.drain()
+        return [*group.failures_before(left_at), *stuck]
 
     def _regroup_due(self) -> bool:
         """Other machines wait for a round: leave the group (at its next commit, if State
