@@ -68,7 +68,7 @@ class Option:
                                       help=self.help_text)
         if self.action:
             kwargs["action"] = self.action
-        if self.action != "store_false":
+        if self.action not in ("store_false", "store_true"):  # flags without a value
             kwargs["metavar"] = self.metavar
         return (self.flag or "",), kwargs
 

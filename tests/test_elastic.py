@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import done_steps, run_resized
+from conftest import assert_stayed, done_steps, run_resized
 
 import elastic_magic as em
 from elastic_magic import snapshot_format
@@ -112,9 +112,12 @@ def starts_from_the_last_commit(recorder) -> list[tuple[int, int]]:
     return starts
 
 
-def test_killed_worker_resumes_from_last_commit(baseline, log_dir, recorder):
-    result = train(log_dir, recorder, kill_at=7, max_restarts=1)
+@pytest.mark.parametrize("survivors", [False, True], ids=["restart", "survivors-stay"])
+def test_killed_worker_resumes_from_last_commit(baseline, log_dir, recorder, survivors):
+    result = train(log_dir, recorder, kill_at=7, max_restarts=1, survivors=survivors)
     assert result.restarts == 1 and result.failures == []
+    # Survivors stay: rank 0 went on in its own process; only rank 1 started again.
+    assert_stayed(recorder, [(0,)] if survivors else [()])
     # The restarted group started from the commit of step 7, the one before the kill.
     assert "START step 7 world 2" in recorder.lines(0)
     assert done_steps(recorder) == list(range(1, STEPS + 1))  # none twice, none skipped
@@ -122,9 +125,13 @@ def test_killed_worker_resumes_from_last_commit(baseline, log_dir, recorder):
     assert_same_parameters(result.values[0], baseline, atol=0)  # same size: bit for bit
 
 
-def test_resize_two_three_one_matches_uninterrupted(baseline, log_dir, recorder):
-    result = train(log_dir, recorder, resizes=((5, 3), (18, 1)), min_nproc=1, max_nproc=3)
+@pytest.mark.parametrize("survivors", [False, True], ids=["restart", "survivors-stay"])
+def test_resize_two_three_one_matches_uninterrupted(baseline, log_dir, recorder, survivors):
+    result = train(log_dir, recorder, resizes=((5, 3), (18, 1)), min_nproc=1, max_nproc=3,
+                   survivors=survivors)
     assert result.restarts == 0 and result.resizes == 2
+    # Survivors stay: 2 -> 3 kept ranks 0 and 1 (rank 2 started), 3 -> 1 kept rank 0.
+    assert_stayed(recorder, [(0, 1), (0,)] if survivors else [(), ()])
     worlds = [int(line.split()[4]) for line in recorder.lines(0) if line.startswith("DONE")]
     assert worlds[0] == 2 and 3 in worlds and worlds[-1] == 1
     assert worlds == sorted(worlds, key=[2, 3, 1].index), "sizes went 2, then 3, then 1"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import gc
 import importlib
 import linecache
 import os
@@ -50,7 +51,7 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
     except ResizeExit as exc:  # a resize was applied at a commit: leave cleanly
         report.send(Resized(exc.step, time.time()))
         if stay:
-            return _park(report, exc, "left at a commit for a resize")
+            return _park(report, exc, "left at a commit for a resize", namespace)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -60,11 +61,13 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
             return _fail(report, exc, exit_code=code, leave=not payload.session)
     except KeyboardInterrupt as exc:
         if stay and leave.asked():  # the agent's Interrupt, not a stop (a signal)
-            return _park(report, exc, "left on the agent's word: the group re-forms")
+            return _park(report, exc, "left on the agent's word: the group re-forms",
+                         namespace)
         return _fail(report, exc, exit_code=130, leave=not payload.session)
     except BaseException as exc:  # user code may raise anything
         if stay and isinstance(exc, Exception):  # reported; the agent decides who stays
-            return _park(report, exc, f"failed: {type(exc).__qualname__}", failed=True)
+            return _park(report, exc, f"failed: {type(exc).__qualname__}", namespace,
+                         failed=True)
         return _fail(report, exc, exit_code=1, leave=not payload.session)
     try:
         report.drain()  # the cell's last commit is in the agent before its result
@@ -189,11 +192,12 @@ def describe_exception(exc: BaseException, exit_code: int) -> ErrorInfo:
     )
 
 
-def _park(report: AgentClient, exc: BaseException, why: str, *, failed: bool = False
-          ) -> None:
+def _park(report: AgentClient, exc: BaseException, why: str, namespace: dict[str, Any], *,
+          failed: bool = False) -> None:
     """Survivors stay: leave the payload but not the process. The commit being sent is
     in the agent first (no stale commit reaches the next group), the error, if any, is
-    reported, the process group is dropped; then the rank waits for the next Run."""
+    reported, the cell's objects (its data loaders' workers too) and the process group
+    are dropped; then the rank waits for the next Run, which runs the cell from the top."""
     with contextlib.suppress(BaseException):
         report.drain()
     progress.running.clear()
@@ -202,6 +206,9 @@ def _park(report: AgentClient, exc: BaseException, why: str, *, failed: bool = F
         sys.stderr.write(info.traceback)
         report.send(Failed(info))
     traceback.clear_frames(exc.__traceback__)
+    namespace.clear()
+    del exc
+    gc.collect()  # the model, the DDP reducer: what held the old group goes first
     with contextlib.suppress(Exception):  # a group whose peer died may refuse a clean end
         shutdown_process_group()
     sys.stdout.flush()

@@ -4,10 +4,10 @@ process, and wait, parked, for the next group; only the others are stopped.
 
 A rank leaves on its own when its collective errors (gloo, once a dead peer's socket
 closes), or at a commit that applies a resize; the others are told (``Interrupt``). Which
-ranks stay: those alive and parked whose error, if any, was a consequence (a lost peer):
-a rank that failed of itself, or that did not park within the time given (stuck in a
-collective that does not error), is stopped and replaced, as by a restart, and its
-failure says why.
+ranks stay: those alive and parked whose error, if any, was a consequence (a lost peer).
+A rank that failed of itself is stopped at once (its peers' collectives then fail) and
+replaced, as by a restart; one that did not park within the time given (stuck in a
+collective that does not error) too, and its failure says why.
 """
 
 from __future__ import annotations
@@ -36,10 +36,14 @@ def settled(group: WorkerGroup) -> bool:
     return all(w.parked or not w.alive() for w in group.workers)
 
 
+def failed_of_itself(worker: Worker) -> bool:
+    """It reported an error of its own, not the loss of a peer."""
+    return worker.error is not None and not is_consequence(worker.failure())
+
+
 def stays(worker: Worker) -> bool:
     """A parked rank, alive, that did not fail of itself."""
-    return worker.parked and worker.alive() and (
-        worker.error is None or is_consequence(worker.failure()))
+    return worker.parked and worker.alive() and not failed_of_itself(worker)
 
 
 def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout: float
@@ -49,7 +53,13 @@ def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout:
     The survivors by slot, and the failures of the ranks stopped for not parking."""
     ask_to_leave(group)
     deadline = time.monotonic() + timeout
-    while not settled(group) and (left := deadline - time.monotonic()) > 0:
+    while True:
+        # A rank that failed of itself goes at once: its peers may wait for it in a
+        # collective, which fails only when its sockets close.
+        if own := [w for w in group.workers if w.alive() and failed_of_itself(w)]:
+            stop(own, TEARDOWN_ESCALATION)
+        if settled(group) or (left := deadline - time.monotonic()) <= 0:
+            break
         wait(min(left, 0.05))
     stuck = [w for w in group.workers if w.alive() and not w.parked]
     survivors = {w.slot: w for w in group.workers if stays(w) and w.slot is not None}
