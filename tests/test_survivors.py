@@ -16,8 +16,8 @@ from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 from elastic_magic.ui.describe import describe
 
-# Ten steps of a DDP training with a commit each; at step 3 of the first attempt, rank 1
-# does FAIL_HOW and rank 0 does STALL (or nothing).
+# Ten steps of a DDP training with a commit each; at step 3 (then 5, 7) of the first
+# FAILURES attempts, rank 1 does FAIL_HOW and rank 0 does STALL (or nothing).
 TRAIN = textwrap.dedent("""
     import os, signal, time, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -27,12 +27,12 @@ TRAIN = textwrap.dedent("""
     model = DDP(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = elastic_magic.State(model=model, optimizer=opt, step=0)
-    first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    first = int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < FAILURES
     rank = dist.get_rank()
     if first and STALL and rank == 0:  # deaf to the agent's interrupt
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     while state.step < 10:
-        if first and state.step == 3:
+        if first and state.step == 3 + 2 * int(os.environ["TORCHELASTIC_RESTART_COUNT"]):
             if rank == 1:
                 FAIL_HOW()
             elif STALL:  # in no collective, deaf: it cannot leave
@@ -51,13 +51,39 @@ def raise_error():
     raise ValueError("rank 1 broke")
 
 
-def run(log_dir, recorder, fail_how, stall=False, source=TRAIN, **spec_args):
-    spec = JobSpec.create(2, log_dir=log_dir, max_restarts=1, survivors=True, **spec_args)
-    payload = build_payload(source, spec, namespace={"FAIL_HOW": fail_how, "STALL": stall})
+def kill_myself():
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(log_dir, recorder, fail_how, stall=False, source=TRAIN, failures=1, **spec_args):
+    spec = JobSpec.create(2, log_dir=log_dir, max_restarts=failures, survivors=True,
+                          **spec_args)
+    payload = build_payload(source, spec, namespace={"FAIL_HOW": fail_how, "STALL": stall,
+                                                     "FAILURES": failures})
     result = Job(spec, payload).start().wait(recorder)
     assert result.ok, result
-    assert result.restarts == 1
+    assert result.restarts == failures
     return result
+
+
+def test_a_survivor_stays_through_several_kills_and_ends_as_without_them(log_dir,
+                                                                        recorder):
+    import torch
+
+    result = run(log_dir, recorder, kill_myself, failures=3)
+    assert_stayed(recorder, [(0,), (0,), (0,)])  # the same rank 0 process throughout
+    torch.manual_seed(0)  # the training alone, without a job: every step once
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(10):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    for got, want in zip(result.values[0], model.parameters(), strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
 
 
 def test_a_rank_that_raised_is_replaced_and_its_peer_stays(log_dir, recorder):

@@ -74,13 +74,23 @@ class JobLoop:
         engine, group = self.engine, self.engine.group
         assert group is not None
         while True:
-            action = engine.switchboard.next_action(engine.spec.monitor_interval)
+            action = engine.switchboard.next_action(self._poll_interval())
             status = engine.hangs.watch(group.poll(), group)
             step = during_group(action, action is None and self._regroup_due(), status)
             if step is not Step.WAIT:
                 self._carry_out(step)
                 engine.board.publish(pids=group.live_pids())
                 return step
+
+    def _poll_interval(self) -> float:
+        """--monitor-interval; shorter while a rank's report pipe has closed and its exit
+        is still to be seen (a killed rank: its exit code decides, moments later)."""
+        group = self.engine.group
+        closing = group is not None and any(
+            w.channel_closed_at is not None and w.exited_at is None and w.result is None
+            for w in group.workers)
+        return min(self.engine.spec.monitor_interval, 0.005) if closing \
+            else self.engine.spec.monitor_interval
 
     def _carry_out(self, step: Step) -> None:
         engine, group = self.engine, self.engine.group
