@@ -21,7 +21,11 @@ from ...result import RankFailure, is_consequence
 from .group import WorkerGroup
 from .workers import TEARDOWN_ESCALATION, Worker, join_threads, stop
 
-STUCK = "did not leave its collective within the link timeout: stopped and started again"
+STUCK = ("did not leave its collective (within the link timeout, or a second after the "
+         "last other rank left): stopped and started again")
+# No rank left for this long while some are still in their payload: those wait for no one
+# (gloo does not wake a collective whose peers left without closing their connections).
+NO_PROGRESS = 1.0
 
 
 def ask_to_leave(group: WorkerGroup) -> None:
@@ -49,18 +53,23 @@ def stays(worker: Worker) -> bool:
 def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout: float
                    ) -> tuple[dict[int, Worker], list[RankFailure]]:
     """Ask the ranks to leave, give them ``timeout`` seconds to park (``wait(seconds)``
-    serves the inbox meanwhile: their reports and their last commits), stop the others.
-    The survivors by slot, and the failures of the ranks stopped for not parking."""
+    serves the inbox meanwhile: their reports and their last commits), or NO_PROGRESS
+    seconds after the last rank left; stop the others. The survivors by slot, and the
+    failures of the ranks stopped for not parking."""
     ask_to_leave(group)
     deadline = time.monotonic() + timeout
+    left_count, last_left = -1, time.monotonic()
     while True:
         # A rank that failed of itself goes at once: its peers may wait for it in a
         # collective, which fails only when its sockets close.
         if own := [w for w in group.workers if w.alive() and failed_of_itself(w)]:
             stop(own, TEARDOWN_ESCALATION)
-        if settled(group) or (left := deadline - time.monotonic()) <= 0:
+        now = time.monotonic()
+        if (count := sum(w.parked or not w.alive() for w in group.workers)) != left_count:
+            left_count, last_left = count, now
+        if settled(group) or now >= deadline or (count and now - last_left >= NO_PROGRESS):
             break
-        wait(min(left, 0.05))
+        wait(min(deadline - now, 0.05))
     stuck = [w for w in group.workers if w.alive() and not w.parked]
     survivors = {w.slot: w for w in group.workers if stays(w) and w.slot is not None}
     gone = [w for w in group.workers if w.slot not in survivors]
