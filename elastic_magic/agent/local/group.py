@@ -65,6 +65,7 @@ class WorkerGroup:
         # its code (a one-shot worker that exits with code 0 has finished).
         self.persistent = False
         self.stay = False  # survivors stay: ranks park instead of exiting (local/survivors)
+        self.sharded = False  # a rank committed its part of a sharded State
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -140,6 +141,7 @@ class WorkerGroup:
             case Imported(modules):  # the pool preloads them for the next cells
                 warm_pool().learn(modules)
             case StateGet() | Commit() | CommitIntent() as request:
+                self.sharded |= isinstance(request, Commit) and request.parts > 1
                 return request
             case other:
                 raise TypeError(f"unexpected message from a worker: {other!r}")

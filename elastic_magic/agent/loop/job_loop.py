@@ -127,8 +127,10 @@ class JobLoop:
 
     def _stays(self) -> bool:
         """Survivors stay: asked for, and the cell uses State (it rolls back to a commit;
-        a cell without one restarts as before)."""
-        return self.engine.survivors.on and self.engine.elastic_state.used
+        a cell without one restarts as before), not a sharded one (FSDP2: not yet)."""
+        engine = self.engine
+        return engine.survivors.on and engine.elastic_state.used \
+            and not (engine.group is not None and engine.group.sharded)
 
     def _keep_survivors(self) -> list[RankFailure]:
         """The healthy ranks park; the others are stopped (``local/survivors.py``). The
