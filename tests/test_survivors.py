@@ -119,3 +119,13 @@ def test_a_cell_without_state_restarts_as_before(log_dir, recorder):
     result = run(log_dir, recorder, raise_error, source=WITHOUT_STATE)
     assert_stayed(recorder, [()])  # nothing to roll back to: every rank started again
     assert result.values == {0: 4.0, 1: 4.0}
+
+
+def test_the_flag_keeps_survivors_in_a_notebook_cell(ip, log_dir, capsys):
+    """%%elastic --survivors: the text output says which rank stayed."""
+    ip.user_ns.update(FAIL_HOW=kill_myself, STALL=False, FAILURES=1)
+    result = ip.run_cell_magic(
+        "elastic", f"--nproc 2 --max-restarts 1 --survivors --text --log-dir {log_dir}",
+        TRAIN)
+    assert result.ok and result.restarts == 1
+    assert "ranks 0 stayed in their processes" in capsys.readouterr().out
