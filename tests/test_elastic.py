@@ -258,3 +258,52 @@ def test_snapshots_reach_the_agent_through_memory_files_or_the_pipe(log_dir, rec
     assert snapshot["values"]["step"] == 3
     weight = snapshot["objects"]["model"]["weight"]
     assert weight.sum().item() == pytest.approx(result.values[0], abs=1e-4)
+
+
+def test_random_kills_with_survivors_staying_end_bit_for_bit(baseline, log_dir, recorder):
+    """Chaos, small: six SIGKILLs of either rank's worker at random moments (in a step,
+    in a commit, while the group starts); the survivor stays each time, and the training
+    ends at the uninterrupted parameters, bit for bit."""
+    import os
+    import random
+    import signal
+    import time
+
+    import psutil
+
+    from elastic_magic.events import WorkersStarted
+
+    spec = JobSpec.create(2, log_dir=log_dir, max_restarts=8, survivors=True)
+    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.1})
+    job = Job(spec, payload).start()
+    rng, killed = random.Random(7), []
+
+    def groups_started(at_least):
+        deadline = time.monotonic() + 60
+        while len(recorder.of(WorkersStarted)) < at_least and not job.done \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return recorder.of(WorkersStarted)
+
+    def chaos():
+        for kill in range(6):
+            groups_started(kill + 1)  # each kill hits the next group
+            time.sleep(rng.uniform(0.2, 1.0))
+            if job.done:
+                return
+            rank_shepherd = psutil.Process(rng.choice(groups_started(kill + 1)[-1].pids))
+            worker = rank_shepherd.children()  # the rank itself, below its shepherd
+            if worker:
+                os.kill(worker[0].pid, signal.SIGKILL)
+                killed.append(worker[0].pid)
+
+    thread = threading.Thread(target=chaos, daemon=True)
+    thread.start()
+    result = job.wait(recorder)
+    thread.join(timeout=60)
+    assert result.ok, result
+    assert len(killed) >= 4 and result.restarts == len(killed)
+    stayed = [s.stayed for s in recorder.of(WorkersStarted)[1:]]
+    assert all(len(s) == 1 for s in stayed)  # one rank killed, the other stayed, each time
+    assert committed_steps(recorder)[-1] == STEPS
+    assert_same_parameters(result.values[0], baseline, atol=0)
