@@ -84,6 +84,39 @@ MLP_KILLED = MLP_SETUP + textwrap.dedent("""
     dist.destroy_process_group()
 """)
 
+# (a) killed, with a State committing every step: in the first attempt rank 1 SIGKILLs
+# itself after the first step's commit, and rank 0 waits; the group goes on from that
+# commit, its survivors staying (--survivors) or every rank starting again. Each attempt
+# stamps its first step as ``step<restart count>``.
+MLP_KILLED_STATE = MLP_SETUP + textwrap.dedent("""
+    import os, signal, time
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    state = elastic_magic.State(model=model, optimizer=optimizer, loader=loader, step=0)
+    first = True
+    while state.step < STEPS:
+        sampler.set_epoch(state.step // (SAMPLES // 48))
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if first:
+                stamp(f"step{attempt}")
+                first = False
+            state.step += 1
+            state.commit()
+            if attempt == "0":
+                dist.barrier()
+                if dist.get_rank() == 1:
+                    stamp("kill")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
+            if state.step >= STEPS:
+                break
+    del loader
+    dist.destroy_process_group()
+""")
+
 # (a) with an elastic State, committing every step (~20 ms of work a step) until resized:
 # each run stamps its first step as ``w<world size>``.
 MLP_ELASTIC = MLP_SETUP + textwrap.dedent("""

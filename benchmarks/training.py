@@ -15,6 +15,9 @@ done on every rank (the latest rank's ``time.time()`` written right after it; ce
   --monitor-interval 0.1`` (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as ``recovery``);
 - train_resize: (a) with a State committing every step, ``job.scale(3)``: from the request
   to the first step at world size 3 on every rank;
+- train_recovery_survivors, train_resize_survivors (issue 21): the same with a State
+  committing every step, the survivors staying in their processes (``--survivors``) beside
+  every rank starting again (``restart``), and torchrun's recovery as in train_recovery;
 - session_train: (a) in a ``Session``: the setup (model, optimizer, loader) once, then
   training cells; per cell to the first step on every rank, and the whole cell; beside
   ipyparallel's ``%px`` (``view.execute``) running the same cells on as many engines;
@@ -94,13 +97,38 @@ def train_recovery(nproc: int, quick: bool) -> dict[str, float]:
     return {"elastic_magic": _recovered(ours, nproc), "torchrun": _recovered(theirs, nproc)}
 
 
+def train_recovery_survivors(nproc: int, quick: bool) -> dict[str, float]:
+    cells.set_env()
+    values = cells.params(quick)
+    _ours(cells.MLP, nproc, values)  # the pool has seen the cell
+    sides = {}
+    for side, survivors in (("elastic_magic_survivors", True), ("elastic_magic_restart", False)):
+        out = scratch()
+        launch(cells.STAMP + cells.MLP_KILLED_STATE, nproc, max_restarts=1,
+               survivors=survivors, namespace=cells.namespace(out, values))
+        sides[side] = _recovered(out, nproc)
+    theirs, _ = cells.run_torchrun(cells.MLP_KILLED, nproc, values, "--max-restarts=1",
+                                   "--monitor-interval=0.1",
+                                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    return {**sides, "torchrun": _recovered(theirs, nproc)}
+
+
+def train_resize_survivors(nproc: int, quick: bool) -> dict[str, float]:
+    return {"elastic_magic_survivors": _resize(nproc, quick, survivors=True),
+            "elastic_magic_restart": _resize(nproc, quick, survivors=False)}
+
+
 def train_resize(nproc: int, quick: bool) -> dict[str, float]:
+    return {"elastic_magic": _resize(nproc, quick, survivors=False)}
+
+
+def _resize(nproc: int, quick: bool, survivors: bool) -> float:
     """2 -> 3 (``nproc`` -> ``nproc + 1``) at the next commit."""
     cells.set_env()
     values = cells.params(quick, SAMPLES=960)
     _ours(cells.MLP, nproc, values)
     out, bigger = scratch(), nproc + 1
-    spec = JobSpec.create(nproc, min_nproc=1, max_nproc=bigger)
+    spec = JobSpec.create(nproc, min_nproc=1, max_nproc=bigger, survivors=survivors)
     job = Job(spec, build_payload(cells.STAMP + cells.MLP_ELASTIC, spec,
                                   namespace=cells.namespace(out, values))).start()
     requested: list[float] = []
@@ -122,7 +150,7 @@ def train_resize(nproc: int, quick: bool) -> dict[str, float]:
     done = stamps(out, f"w{bigger}_")
     if not requested or len(done) < bigger:
         raise RuntimeError(f"the group did not reach {bigger} ranks (stamps: {len(done)})")
-    return {"elastic_magic": max(done) - requested[0]}
+    return max(done) - requested[0]
 
 
 # -- sessions ---------------------------------------------------------------------------

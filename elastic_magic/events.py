@@ -39,6 +39,7 @@ class WorkersStarted:
     restart_count: int
     ranks: tuple[int, ...]
     pids: tuple[int, ...]
+    stayed: tuple[int, ...] = ()  # survivors stay: ranks whose process ran the group before
     time: float = field(default_factory=_now)
 
 

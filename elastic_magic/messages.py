@@ -59,6 +59,8 @@ class Handoff:
 @dataclass(frozen=True)
 class Run:
     payload: Payload
+    stay: bool = False  # survivors stay: park after a failure or a resize, not exit
+    env: dict[str, str] | None = None  # a survivor's variables for its new group
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ class DumpStacks:
 
 @dataclass(frozen=True)
 class Interrupt:
-    """A session's cell is interrupted: KeyboardInterrupt in the rank's running code (none
-    when it is idle); the worker lives on."""
+    """KeyboardInterrupt in the rank's running code (none when it is idle): a session's
+    cell, or a survivor's payload (it parks: the group re-forms); the worker lives on."""
 
 
 # -- worker -> agent ------------------------------------------------------------------
@@ -130,6 +132,14 @@ class Resized:
     """The worker left at a commit that applied a resize."""
 
     step: Any
+    time: float
+
+
+@dataclass(frozen=True)
+class Parked:
+    """Survivors stay: the rank left its payload and group, and waits for the next Run."""
+
+    why: str  # the error it reported, a resize, the agent's Interrupt
     time: float
 
 
@@ -191,8 +201,8 @@ class Stacks:
 
 
 StateRequest = StateGet | Commit | CommitIntent
-WorkerMessage = (Running | Result | Failed | Resized | StateGet | Commit | CommitIntent
-                 | Progress | Stacks | Imported)
+WorkerMessage = (Running | Result | Failed | Resized | Parked | StateGet | Commit
+                 | CommitIntent | Progress | Stacks | Imported)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class Option:
                                       help=self.help_text)
         if self.action:
             kwargs["action"] = self.action
-        if self.action != "store_false":
+        if self.action not in ("store_false", "store_true"):  # flags without a value
             kwargs["metavar"] = self.metavar
         return (self.flag or "",), kwargs
 
@@ -99,6 +99,12 @@ OPTIONS: tuple[Option, ...] = (
            lambda flag, v: None if v is None else seconds(flag, v, above=2)),
     Option("max_restarts", "--max-restarts", 0, "restarts of the whole group after a "
            "failure", "N", zero_or_more),
+    Option("survivors", "--survivors", False, "survivors stay: after a rank fails or at a "
+           "resize, the ranks that are still healthy keep their processes, roll back to the "
+           "last State commit and run the cell again from the top in the same process; only "
+           "new ranks start (cells that use elastic_magic.State; others restart as without "
+           "it); a rank that cannot leave within --link-timeout starts again. README: "
+           "Survivors stay", action="store_true", check=lambda _, v: bool(v)),
     Option("monitor_interval", "--monitor-interval", 0.1, "seconds between health checks "
            "of the workers", "S", interval),
     Option("env", "--env", None, "set an environment variable in the workers (repeatable)",
@@ -211,6 +217,7 @@ class JobSpec:
     link_timeout: float
     rdzv_host: str
     rdzv_port: int
+    survivors: bool = False  # survivors stay (--survivors)
     launcher: str | None = None
     launch: dict[str, str] = field(default_factory=dict)  # its options, config and flags
 

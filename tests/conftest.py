@@ -190,6 +190,25 @@ def run_resized(job, recorder, resizes=()):
     return result
 
 
+def assert_stayed(recorder, stayed: list[tuple[int, ...]]) -> None:
+    """Each group after the first kept the ranks ``stayed`` (survivors stay), each in the
+    process it had in the group before; every other rank is a new process."""
+    import itertools
+
+    from elastic_magic.events import WorkersStarted
+
+    starts = recorder.of(WorkersStarted)
+    assert [s.stayed for s in starts[1:]] == stayed
+    for before, after in itertools.pairwise(starts):
+        old = dict(zip(before.ranks, before.pids, strict=True))
+        new = dict(zip(after.ranks, after.pids, strict=True))
+        for rank, pid in new.items():
+            if rank in after.stayed:
+                assert pid == old[rank], (rank, before, after)
+            else:
+                assert pid not in old.values(), (rank, before, after)
+
+
 def done_steps(recorder) -> list[int]:
     """The steps rank 0 printed as ``DONE step N ...``, in order."""
     return [int(line.split()[2]) for line in recorder.lines(0) if line.startswith("DONE")]

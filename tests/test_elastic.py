@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import done_steps, run_resized
+from conftest import assert_stayed, done_steps, run_resized
 
 import elastic_magic as em
 from elastic_magic import snapshot_format
@@ -112,9 +112,12 @@ def starts_from_the_last_commit(recorder) -> list[tuple[int, int]]:
     return starts
 
 
-def test_killed_worker_resumes_from_last_commit(baseline, log_dir, recorder):
-    result = train(log_dir, recorder, kill_at=7, max_restarts=1)
+@pytest.mark.parametrize("survivors", [False, True], ids=["restart", "survivors-stay"])
+def test_killed_worker_resumes_from_last_commit(baseline, log_dir, recorder, survivors):
+    result = train(log_dir, recorder, kill_at=7, max_restarts=1, survivors=survivors)
     assert result.restarts == 1 and result.failures == []
+    # Survivors stay: rank 0 went on in its own process; only rank 1 started again.
+    assert_stayed(recorder, [(0,)] if survivors else [()])
     # The restarted group started from the commit of step 7, the one before the kill.
     assert "START step 7 world 2" in recorder.lines(0)
     assert done_steps(recorder) == list(range(1, STEPS + 1))  # none twice, none skipped
@@ -122,9 +125,13 @@ def test_killed_worker_resumes_from_last_commit(baseline, log_dir, recorder):
     assert_same_parameters(result.values[0], baseline, atol=0)  # same size: bit for bit
 
 
-def test_resize_two_three_one_matches_uninterrupted(baseline, log_dir, recorder):
-    result = train(log_dir, recorder, resizes=((5, 3), (18, 1)), min_nproc=1, max_nproc=3)
+@pytest.mark.parametrize("survivors", [False, True], ids=["restart", "survivors-stay"])
+def test_resize_two_three_one_matches_uninterrupted(baseline, log_dir, recorder, survivors):
+    result = train(log_dir, recorder, resizes=((5, 3), (18, 1)), min_nproc=1, max_nproc=3,
+                   survivors=survivors)
     assert result.restarts == 0 and result.resizes == 2
+    # Survivors stay: 2 -> 3 kept ranks 0 and 1 (rank 2 started), 3 -> 1 kept rank 0.
+    assert_stayed(recorder, [(0, 1), (0,)] if survivors else [(), ()])
     worlds = [int(line.split()[4]) for line in recorder.lines(0) if line.startswith("DONE")]
     assert worlds[0] == 2 and 3 in worlds and worlds[-1] == 1
     assert worlds == sorted(worlds, key=[2, 3, 1].index), "sizes went 2, then 3, then 1"
@@ -251,3 +258,52 @@ def test_snapshots_reach_the_agent_through_memory_files_or_the_pipe(log_dir, rec
     assert snapshot["values"]["step"] == 3
     weight = snapshot["objects"]["model"]["weight"]
     assert weight.sum().item() == pytest.approx(result.values[0], abs=1e-4)
+
+
+def test_random_kills_with_survivors_staying_end_bit_for_bit(baseline, log_dir, recorder):
+    """Chaos, small: six SIGKILLs of either rank's worker at random moments (in a step,
+    in a commit, while the group starts); the survivor stays each time, and the training
+    ends at the uninterrupted parameters, bit for bit."""
+    import os
+    import random
+    import signal
+    import time
+
+    import psutil
+
+    from elastic_magic.events import WorkersStarted
+
+    spec = JobSpec.create(2, log_dir=log_dir, max_restarts=8, survivors=True)
+    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.1})
+    job = Job(spec, payload).start()
+    rng, killed = random.Random(7), []
+
+    def groups_started(at_least):
+        deadline = time.monotonic() + 60
+        while len(recorder.of(WorkersStarted)) < at_least and not job.done \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return recorder.of(WorkersStarted)
+
+    def chaos():
+        for kill in range(6):
+            groups_started(kill + 1)  # each kill hits the next group
+            time.sleep(rng.uniform(0.2, 1.0))
+            if job.done:
+                return
+            rank_shepherd = psutil.Process(rng.choice(groups_started(kill + 1)[-1].pids))
+            worker = rank_shepherd.children()  # the rank itself, below its shepherd
+            if worker:
+                os.kill(worker[0].pid, signal.SIGKILL)
+                killed.append(worker[0].pid)
+
+    thread = threading.Thread(target=chaos, daemon=True)
+    thread.start()
+    result = job.wait(recorder)
+    thread.join(timeout=60)
+    assert result.ok, result
+    assert len(killed) >= 4 and result.restarts == len(killed)
+    stayed = [s.stayed for s in recorder.of(WorkersStarted)[1:]]
+    assert all(len(s) == 1 for s in stayed)  # one rank killed, the other stayed, each time
+    assert committed_steps(recorder)[-1] == STEPS
+    assert_same_parameters(result.values[0], baseline, atol=0)

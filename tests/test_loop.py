@@ -148,7 +148,7 @@ class ScriptedGroup(WorkerGroup):
     inbox: Inbox
 
     def start(self, payload, env_for, *, cwd, key, run_folder, inbox, emit, pool=True,
-              preload=()):
+              preload=(), stay=False, slots=None, survivors=None):
         self.persistent = payload.session
         self.inbox, self.emit = inbox, emit
         slots = [int(env_for(w)["ELASTIC_MAGIC_SLOT"]) for w in self.workers]

@@ -15,7 +15,7 @@ import threading
 import numpy
 import pytest
 import torch
-from conftest import done_steps, run_resized
+from conftest import assert_stayed, done_steps, run_resized
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import IterableDataset, TensorDataset
 
@@ -122,9 +122,12 @@ def uninterrupted(tmp_path_factory):
     return values
 
 
+@pytest.mark.parametrize("survivors", [False, True], ids=["restart", "survivors-stay"])
 def test_rank_killed_between_commits_replays_to_the_same_parameters(uninterrupted, log_dir,
-                                                                     recorder):
-    values = train(log_dir, recorder, every=5, kill_at=12, max_restarts=1)
+                                                                     recorder, survivors):
+    values = train(log_dir, recorder, every=5, kill_at=12, max_restarts=1,
+                   survivors=survivors)
+    assert_stayed(recorder, [(0,)] if survivors else [()])
     assert "START step 10 world 2" in recorder.lines(0)  # the commit before the kill
     # Steps 11 and 12 ran before the kill and again after it; none was skipped.
     assert done_steps(recorder) == list(range(1, 13)) + list(range(11, STEPS + 1))
@@ -132,9 +135,12 @@ def test_rank_killed_between_commits_replays_to_the_same_parameters(uninterrupte
     assert_same(values, uninterrupted, atol=0)  # same size: bit for bit
 
 
-def test_resized_two_three_one_through_the_data_loader(uninterrupted, log_dir, recorder):
+@pytest.mark.parametrize("survivors", [False, True], ids=["restart", "survivors-stay"])
+def test_resized_two_three_one_through_the_data_loader(uninterrupted, log_dir, recorder,
+                                                       survivors):
     values = train(log_dir, recorder, every=5, resizes=((5, 3), (20, 1)),
-                   min_nproc=1, max_nproc=3)
+                   min_nproc=1, max_nproc=3, survivors=survivors)
+    assert_stayed(recorder, [(0, 1), (0,)] if survivors else [(), ()])
     assert [(m.old_nproc, m.new_nproc) for m in recorder.of(MembershipChanged)] == [(2, 3),
                                                                                    (3, 1)]
     assert done_steps(recorder) == list(range(1, STEPS + 1))  # every step once

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import done_steps, run_resized
+from conftest import assert_stayed, done_steps, run_resized
 from test_multinode import Machines, run_head
 
 import elastic_magic as em
@@ -116,8 +116,12 @@ def test_fsdp2_commits_each_ranks_chunks(uninterrupted):
         assert torch.equal(got.detach(), want)
 
 
-def test_a_rank_killed_between_commits_replays_bit_for_bit(uninterrupted, log_dir, recorder):
-    result = train(log_dir, recorder, every=5, kill_at=12, max_restarts=1)
+@pytest.mark.parametrize("survivors", [False, True], ids=["restart", "survivors-asked"])
+def test_a_rank_killed_between_commits_replays_bit_for_bit(uninterrupted, log_dir, recorder,
+                                                           survivors):
+    result = train(log_dir, recorder, every=5, kill_at=12, max_restarts=1,
+                   survivors=survivors)
+    assert_stayed(recorder, [()])  # a sharded State restarts every rank, survivors or not
     assert "START step 10 world 2" in recorder.lines(0)  # the commit before the kill
     assert done_steps(recorder) == list(range(1, 13)) + list(range(11, STEPS + 1))
     assert_same(result.values[0], uninterrupted.values[0], atol=0)

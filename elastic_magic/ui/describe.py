@@ -40,10 +40,14 @@ def describe(event: Event) -> Note | None:
         case RendezvousCompleted(round=round_, world_size=world_size, nnodes=nnodes):
             return Note("rendezvous", f"rendezvous round {round_}: world size {world_size} "
                                       f"on {count_of(nnodes, 'machine')}")
-        case WorkersStarted(restart_count=restarts, ranks=ranks, pids=pids):
+        case WorkersStarted(restart_count=restarts, ranks=ranks, pids=pids, stayed=stayed):
             after = f" after restart {restarts}" if restarts else ""
-            return Note("start", f"started ranks {_ranks(ranks)}{after} "
-                                 f"(pids {', '.join(map(str, pids))})")
+            new = [(r, p) for r, p in zip(ranks, pids, strict=True) if r not in stayed]
+            started = (f"started ranks {_ranks(tuple(r for r, _ in new))}{after} "
+                       f"(pids {', '.join(str(p) for _, p in new)})") if new \
+                else f"no rank started{after}"
+            kept = f"; ranks {_ranks(stayed)} stayed in their processes" if stayed else ""
+            return Note("start", started + kept)
         case WorkerFailed(failure=failure) if failure.consequence:
             return Note("failure", f"rank {failure.rank} stopped: {failure.headline}")
         case WorkerFailed(failure=failure):

@@ -19,7 +19,7 @@ import threading
 from elastic_magic.messages import DumpStacks, Exit, Interrupt, Reply, Run
 from elastic_magic.protocol import KEY_BYTES, Channel, ProtocolError
 from elastic_magic.worker import client as agent_client
-from elastic_magic.worker import session, shepherd
+from elastic_magic.worker import leave, session, shepherd
 from elastic_magic.worker.progress import answer_stacks, report_progress
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
 from elastic_magic.worker.stdout import NONCE_BYTES, buffer_stdout
@@ -110,14 +110,18 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
                     inbox.put(message)
                 case DumpStacks(request_id):
                     answer_stacks(client, request_id)
-                case Interrupt():
+                case Interrupt():  # a session's cell, or a survivor's payload
                     session.interrupt_main()
+                    leave.ask()
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
     buffer_stdout(nonce)
     report_progress(client)
     while isinstance(message := inbox.get(), Run):
-        run_payload(message.payload, client)  # exits the process itself when it fails
+        if message.env:  # a survivor's new group: its ranks, size and store
+            os.environ.update(message.env)
+        # exits the process itself when it fails, unless it stays (survivors stay)
+        run_payload(message.payload, client, stay=message.stay)
     shutdown_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import gc
 import importlib
 import linecache
 import os
@@ -16,27 +17,41 @@ from typing import Any
 
 import cloudpickle
 
-from elastic_magic.messages import ErrorInfo, Failed, Imported, Resized, Result, Running
+from elastic_magic.messages import (
+    ErrorInfo,
+    Failed,
+    Imported,
+    Parked,
+    Resized,
+    Result,
+    Running,
+)
 from elastic_magic.payload import Payload
 from elastic_magic.result import Unpicklable
 from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR
-from elastic_magic.worker import imports, progress, session
+from elastic_magic.worker import imports, leave, progress, session
 from elastic_magic.worker.client import AgentClient, ResizeExit
 
 
-def run_payload(payload: Payload, report: AgentClient) -> None:
+def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) -> None:
     """Run the payload and send its Result, or Failed and exit (a session's cell: Failed,
-    and the worker waits for the next cell)."""
+    and the worker waits for the next cell). ``stay`` (survivors stay): after an error,
+    at a resize or on the agent's Interrupt, the rank parks instead of exiting: it reports,
+    drops its process group and waits for the next Run."""
     namespace: dict[str, Any] = {}
     value = None
     progress.running.set()
+    leave.begin()
     try:
         namespace = _prepare(payload)
         report.send(Running(time.time()))
-        with session.running_cell() if payload.session else contextlib.nullcontext():
+        with session.running_cell() if payload.session else contextlib.nullcontext(), \
+                leave.leavable() if stay else contextlib.nullcontext():
             value = _execute(payload, namespace)
     except ResizeExit as exc:  # a resize was applied at a commit: leave cleanly
         report.send(Resized(exc.step, time.time()))
+        if stay:
+            return _park(report, exc, "left at a commit for a resize", namespace)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -44,9 +59,16 @@ def run_payload(payload: Payload, report: AgentClient) -> None:
         if exc.code not in (None, 0):
             code = exc.code if isinstance(exc.code, int) else 1
             return _fail(report, exc, exit_code=code, leave=not payload.session)
-    except BaseException as exc:  # user code may raise anything, KeyboardInterrupt included
-        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-        return _fail(report, exc, exit_code=code, leave=not payload.session)
+    except KeyboardInterrupt as exc:
+        if stay and leave.asked():  # the agent's Interrupt, not a stop (a signal)
+            return _park(report, exc, "left on the agent's word: the group re-forms",
+                         namespace)
+        return _fail(report, exc, exit_code=130, leave=not payload.session)
+    except BaseException as exc:  # user code may raise anything
+        if stay and isinstance(exc, Exception):  # reported; the agent decides who stays
+            return _park(report, exc, f"failed: {type(exc).__qualname__}", namespace,
+                         failed=True)
+        return _fail(report, exc, exit_code=1, leave=not payload.session)
     try:
         report.drain()  # the cell's last commit is in the agent before its result
     except BaseException as exc:
@@ -168,6 +190,30 @@ def describe_exception(exc: BaseException, exit_code: int) -> ErrorInfo:
         exit_code=exit_code, cell_line=where.lineno if where else None,
         source_line=((where.line or "").strip() or None) if where else None,
     )
+
+
+def _park(report: AgentClient, exc: BaseException, why: str, namespace: dict[str, Any], *,
+          failed: bool = False) -> None:
+    """Survivors stay: leave the payload but not the process. The commit being sent is
+    in the agent first (no stale commit reaches the next group), the error, if any, is
+    reported, the cell's objects (its data loaders' workers too) and the process group
+    are dropped; then the rank waits for the next Run, which runs the cell from the top."""
+    with contextlib.suppress(BaseException):
+        report.drain()
+    progress.running.clear()
+    if failed:
+        info = describe_exception(exc, 1)
+        sys.stderr.write(info.traceback)
+        report.send(Failed(info))
+    traceback.clear_frames(exc.__traceback__)
+    namespace.clear()
+    del exc
+    gc.collect()  # the model, the DDP reducer: what held the old group goes first
+    with contextlib.suppress(Exception):  # a group whose peer died may refuse a clean end
+        shutdown_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    report.send(Parked(why, time.time()))
 
 
 def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool = True) -> None:

@@ -16,6 +16,7 @@ from ...messages import (
     Exit,
     Failed,
     Imported,
+    Parked,
     Resized,
     Result,
     Run,
@@ -63,6 +64,8 @@ class WorkerGroup:
         # A session's workers wait for the next payload: one that exits has died, whatever
         # its code (a one-shot worker that exits with code 0 has finished).
         self.persistent = False
+        self.stay = False  # survivors stay: ranks park instead of exiting (local/survivors)
+        self.sharded = False  # a rank committed its part of a sharded State
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -77,17 +80,34 @@ class WorkerGroup:
 
     def start(self, payload: Payload, env_for: Callable[[Worker], dict[str, str]], *,
               cwd: str, key: bytes, run_folder: RunFolder, inbox: Inbox, emit: EventSink,
-              pool: bool = True, preload: tuple[str, ...] = ()) -> None:
+              pool: bool = True, preload: tuple[str, ...] = (), stay: bool = False,
+              slots: list[int] | None = None, survivors: dict[int, Worker] | None = None
+              ) -> None:
         """Spawn every worker (``env_for(worker)`` gives its environment), from the warm
         pool unless ``pool`` is off (``preload``: modules the job names for it), and send
-        it the payload."""
-        self.persistent = payload.session
+        it the payload. ``stay``: survivors stay (``local/survivors.py``); a parked
+        survivor of the group before, in ``survivors`` by slot, takes its slot again if it
+        keeps its rank (it is taken out of ``survivors``), and runs the payload again."""
+        self.persistent, self.stay = payload.session, stay
+        for worker, slot in zip(self.workers, slots or range(len(self.workers)), strict=False):
+            worker.slot = slot
+        kept = survivors if survivors is not None else {}
+        for i, worker in enumerate(self.workers):
+            old = kept.get(worker.slot) if worker.slot is not None else None
+            if old is not None and old.global_rank == worker.global_rank:
+                del kept[old.slot]  # type: ignore[arg-type]
+                old.renew(self.attempt)
+                old.local_rank, self.workers[i] = worker.local_rank, old
         envs = [env_for(worker) for worker in self.workers]
-        zygote = None
-        if pool and envs:
-            with contextlib.suppress(PoolError):  # then fresh interpreters, as without one
-                zygote = warm_pool().zygote_for(envs[0], cwd, payload.sys_path, preload)
         for worker, env in zip(self.workers, envs, strict=True):
+            if worker.proc is not None:  # a survivor: its new group's variables
+                worker.send(Run(payload, stay=stay, env=env))
+        fresh = [(w, env) for w, env in zip(self.workers, envs, strict=True) if w.proc is None]
+        zygote = None
+        if pool and fresh:
+            with contextlib.suppress(PoolError):  # then fresh interpreters, as without one
+                zygote = warm_pool().zygote_for(fresh[0][1], cwd, payload.sys_path, preload)
+        for worker, env in fresh:
             try:
                 spawn(worker, env=env, cwd=cwd, key=key, run_folder=run_folder, inbox=inbox,
                       emit=emit, zygote=zygote)
@@ -95,7 +115,7 @@ class WorkerGroup:
                 zygote = None  # it stopped answering: the rest start fresh
                 spawn(worker, env=env, cwd=cwd, key=key, run_folder=run_folder, inbox=inbox,
                       emit=emit)
-            worker.send(Run(payload))
+            worker.send(Run(payload, stay=stay))
 
     def record(self, report: WorkerReport) -> StateRequest | None:
         """Take in one report of this attempt; a State request is returned to be served."""
@@ -116,9 +136,12 @@ class WorkerGroup:
             case Resized():
                 worker.resized = True
                 worker.state = WorkerState.STOPPED
+            case Parked():
+                worker.parked = True
             case Imported(modules):  # the pool preloads them for the next cells
                 warm_pool().learn(modules)
             case StateGet() | Commit() | CommitIntent() as request:
+                self.sharded |= isinstance(request, Commit) and request.parts > 1
                 return request
             case other:
                 raise TypeError(f"unexpected message from a worker: {other!r}")

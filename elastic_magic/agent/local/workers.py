@@ -31,6 +31,7 @@ from ...messages import (
     ErrorInfo,
     Exit,
     Handoff,
+    Interrupt,
     Reply,
     Result,
     Run,
@@ -94,6 +95,19 @@ class Worker:
     exited_at: float | None = None
     running: bool = False
     resized: bool = False  # left at a commit that applied a resize
+    parked: bool = False  # survivors stay: left its payload, waits for the next Run
+    slot: int | None = None  # see policy.Membership
+
+    def renew(self, attempt: int) -> None:
+        """A survivor joins the group of ``attempt`` (same process, same rank): what it
+        reported in the group before is forgotten; its output is of the new attempt."""
+        self.attempt = attempt
+        self.state = WorkerState.HEALTHY
+        self.result = self.error = None
+        self.running = self.resized = self.parked = False
+        for thread in self.threads:
+            if isinstance(thread, RankPump):
+                thread.attempt = attempt
 
     @property
     def pid(self) -> int:
@@ -117,7 +131,7 @@ class Worker:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def send(self, message: Run | Reply | Exit) -> bool:
+    def send(self, message: Run | Reply | Exit | Interrupt) -> bool:
         """Send on the control pipe; False when the worker has already gone."""
         if self.control is None:
             return False

@@ -44,6 +44,7 @@ from ..diagnosis.hangs import HangWatch
 from ..diagnosis.stack_requests import StackRequests
 from ..inbox import FromLink, Inbox, InboxItem, WorkerReport
 from ..local.group import WorkerGroup
+from ..local.survivors import Survivors
 from ..local.workers import Worker, torchrun_env
 from ..machines.rendezvous import Rendezvous
 from ..machines.roles import SingleMachine
@@ -88,6 +89,7 @@ class Engine:
         self.elastic_state = StateKeeper(spec, role, board, emit, self._leave_at_commit)
         self.membership = Membership(spec.nproc)
         self.recovery = Recovery(spec, self.membership, role, board, emit)  # restarts, slots
+        self.survivors = Survivors(spec.survivors and not spec.multi_node)  # decision 23
         self.rendezvous: Rendezvous | None = None
         self.round: RoundInfo | None = None
         self.group: WorkerGroup | None = None
@@ -161,15 +163,16 @@ class Engine:
         group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
                     run_folder=run_folder, inbox=self.inbox,
                     emit=self.hangs.noting_output(self.emit), pool=self.spec.pool,
-                    preload=self.spec.preload)
-        self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids))
+                    preload=self.spec.preload, slots=slots, survivors=self.survivors.kept,
+                    stay=self.survivors.offer(self.payload.session))
+        self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids,
+                                 self.survivors.started(group)))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
                            restarts=self.restarts, pids=group.live_pids())
 
     def tear_down(self) -> tuple[float, list[RankFailure]]:
         """Stop the group at once (no waiting for collective timeouts): when, and the ranks
-        that failed on their own before that, root cause first (error reports still in
-        flight included)."""
+        that failed on their own before that, root cause first (reports in flight too)."""
         group = self.group
         assert group is not None
         teardown_at = group.tear_down()
@@ -178,6 +181,7 @@ class Engine:
 
     def close_group(self) -> None:
         """Whatever happened: no worker of the group left running."""
+        self.survivors.release()
         if self.group is not None:
             self.group.close()
             self.board.publish(pids={})
@@ -187,9 +191,7 @@ class Engine:
         ranks = self.group.ranks if self.group is not None else ()
         return self.recovery.after_group(step, self.failures, ranks)
 
-    @property
-    def restarts(self) -> int:
-        return self.recovery.restarts
+    restarts = property(lambda self: self.recovery.restarts)
 
     def set_state(self, state: JobState) -> None:
         if state is not self.state or state is JobState.RENDEZVOUS:

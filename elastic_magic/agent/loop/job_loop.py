@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from ...events import Restarting, WorkerFailed
 from ...messages import Action
-from ...result import JobResult, JobState, is_consequence, root_cause_order
+from ...result import JobResult, JobState, RankFailure, is_consequence, root_cause_order
 from ..policy import Next, RegroupClock, Step, during_group, final_state, what_ended
 from ..rounds import RoundInfo
 from .engine import Engine
@@ -74,13 +74,23 @@ class JobLoop:
         engine, group = self.engine, self.engine.group
         assert group is not None
         while True:
-            action = engine.switchboard.next_action(engine.spec.monitor_interval)
+            action = engine.switchboard.next_action(self._poll_interval())
             status = engine.hangs.watch(group.poll(), group)
             step = during_group(action, action is None and self._regroup_due(), status)
             if step is not Step.WAIT:
                 self._carry_out(step)
                 engine.board.publish(pids=group.live_pids())
                 return step
+
+    def _poll_interval(self) -> float:
+        """--monitor-interval; shorter while a rank's report pipe has closed and its exit
+        is still to be seen (a killed rank: its exit code decides, moments later)."""
+        group = self.engine.group
+        closing = group is not None and any(
+            w.channel_closed_at is not None and w.exited_at is None and w.result is None
+            for w in group.workers)
+        return min(self.engine.spec.monitor_interval, 0.005) if closing \
+            else self.engine.spec.monitor_interval
 
     def _carry_out(self, step: Step) -> None:
         engine, group = self.engine, self.engine.group
@@ -98,7 +108,7 @@ class JobLoop:
             group.stop_now()
         elif step is Step.FAILED:
             engine.set_state(JobState.STOPPING)
-            _, failures = engine.tear_down()
+            failures = self._keep_survivors() if self._stays() else engine.tear_down()[1]
             engine.failures = engine.hangs.explain(failures)
             self._await_cause()
             if engine.switchboard.heard in (Action.REGROUP, Action.NODE_FAILED):  # a machine left
@@ -107,9 +117,31 @@ class JobLoop:
                 engine.emit(WorkerFailed(failure))
         elif step is Step.RESIZED:
             engine.set_state(JobState.RESIZING)
-            group.release()
+            if self._stays():  # every rank left at the commit: all of them stay
+                engine.survivors.keep(group, engine.switchboard.next_action,
+                                      engine.spec.link_timeout)
+            else:
+                group.release()
         elif step is Step.SUCCEEDED:
             group.release()
+
+    def _stays(self) -> bool:
+        """Survivors stay: asked for, and the cell uses State (it rolls back to a commit;
+        a cell without one restarts as before), not a sharded one (FSDP2: not yet)."""
+        engine = self.engine
+        return engine.survivors.on and engine.elastic_state.used \
+            and not (engine.group is not None and engine.group.sharded)
+
+    def _keep_survivors(self) -> list[RankFailure]:
+        """The healthy ranks park; the others are stopped (``local/survivors.py``). The
+        ranks that failed on their own, root cause first, and those that could not leave."""
+        engine, group = self.engine, self.engine.group
+        assert group is not None
+        left_at = time.time()
+        stuck = engine.survivors.keep(group, engine.switchboard.next_action,
+                                      engine.spec.link_timeout)
+        engine.switchboard.drain()
+        return [*group.failures_before(left_at), *stuck]
 
     def _regroup_due(self) -> bool:
         """Other machines wait for a round: leave the group (at its next commit, if State

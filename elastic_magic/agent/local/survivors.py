@@ -1,0 +1,119 @@
+"""Survivors stay (DESIGN decision 23), the agent's side on this machine: after a failure
+or at a resize, the ranks that are still healthy leave their payload without leaving their
+process, and wait, parked, for the next group; only the others are stopped.
+
+A rank leaves on its own when its collective errors (gloo, once a dead peer's socket
+closes), or at a commit that applies a resize; the others are told (``Interrupt``). Which
+ranks stay: those alive and parked whose error, if any, was a consequence (a lost peer).
+A rank that failed of itself is stopped at once (its peers' collectives then fail) and
+replaced, as by a restart; one that did not park within the time given (stuck in a
+collective that does not error) too, and its failure says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from ...messages import Interrupt
+from ...result import RankFailure, is_consequence
+from .group import WorkerGroup
+from .workers import TEARDOWN_ESCALATION, Worker, join_threads, stop
+
+STUCK = ("did not leave its collective (within the link timeout, or a second after the "
+         "last other rank left): stopped and started again")
+# No rank left for this long while some are still in their payload: those wait for no one
+# (gloo does not wake a collective whose peers left without closing their connections).
+NO_PROGRESS = 1.0
+
+
+def ask_to_leave(group: WorkerGroup) -> None:
+    """Every live rank that has not parked yet leaves its payload now."""
+    for worker in group.workers:
+        if not worker.parked and worker.alive():
+            worker.send(Interrupt())
+
+
+def settled(group: WorkerGroup) -> bool:
+    """Every rank has parked or ended."""
+    return all(w.parked or not w.alive() for w in group.workers)
+
+
+def failed_of_itself(worker: Worker) -> bool:
+    """It reported an error of its own, not the loss of a peer."""
+    return worker.error is not None and not is_consequence(worker.failure())
+
+
+def stays(worker: Worker) -> bool:
+    """A parked rank, alive, that did not fail of itself."""
+    return worker.parked and worker.alive() and not failed_of_itself(worker)
+
+
+def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout: float
+                   ) -> tuple[dict[int, Worker], list[RankFailure]]:
+    """Ask the ranks to leave, give them ``timeout`` seconds to park (``wait(seconds)``
+    serves the inbox meanwhile: their reports and their last commits), or NO_PROGRESS
+    seconds after the last rank left; stop the others. The survivors by slot, and the
+    failures of the ranks stopped for not parking."""
+    ask_to_leave(group)
+    deadline = time.monotonic() + timeout
+    left_count, last_left = -1, time.monotonic()
+    while True:
+        # A rank that failed of itself goes at once: its peers may wait for it in a
+        # collective, which fails only when its sockets close.
+        if own := [w for w in group.workers if w.alive() and failed_of_itself(w)]:
+            stop(own, TEARDOWN_ESCALATION)
+        now = time.monotonic()
+        if (count := sum(w.parked or not w.alive() for w in group.workers)) != left_count:
+            left_count, last_left = count, now
+        if settled(group) or now >= deadline or (count and now - last_left >= NO_PROGRESS):
+            break
+        wait(min(deadline - now, 0.05))
+    stuck = [w for w in group.workers if w.alive() and not w.parked]
+    survivors = {w.slot: w for w in group.workers if stays(w) and w.slot is not None}
+    gone = [w for w in group.workers if w.slot not in survivors]
+    stop(gone, TEARDOWN_ESCALATION)
+    join_threads(gone, timeout=2.0)
+    return survivors, [dataclasses.replace(w.failure(), reason=STUCK, consequence=True)
+                       for w in stuck]
+
+
+def release(survivors: dict[int, Worker]) -> None:
+    """Survivors the next group does not take (a smaller group, a rank renumbered): they
+    end as a finished group's workers do."""
+    workers = list(survivors.values())
+    survivors.clear()
+    stop(workers, TEARDOWN_ESCALATION)
+    join_threads(workers, timeout=2.0)
+
+
+class Survivors:
+    """The parked ranks one group leaves to the next on this machine (one-shot jobs on one
+    machine; a session's cells and jobs of several machines restart as before)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.kept: dict[int, Worker] = {}  # by slot
+        self._offered: list[Worker] = []  # offered to the group being started
+
+    def offer(self, session: bool) -> bool:
+        """Before ``WorkerGroup.start`` (given ``kept``): whether its ranks stay."""
+        self._offered = list(self.kept.values())
+        return self.on and not session
+
+    def started(self, group: WorkerGroup) -> tuple[int, ...]:
+        """Once the group started: the ranks that stayed; the survivors it did not take
+        are released."""
+        release(self.kept)
+        offered, self._offered = self._offered, []
+        return tuple(w.global_rank for w in group.workers if any(w is o for o in offered))
+
+    def keep(self, group: WorkerGroup, wait: Callable[[float], object], timeout: float
+             ) -> list[RankFailure]:
+        """``keep_survivors``: they are kept for the next group."""
+        self.kept, stuck = keep_survivors(group, wait, timeout)
+        return stuck
+
+    def release(self) -> None:
+        release(self.kept)
