@@ -28,8 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import (cells, elastic, join, launch, leave, memory, session, state, throughput,
-               training)
+from . import cells, elastic, join, launch, leave, memory, session, state, throughput, training
 
 RESULTS = Path(__file__).parent / "results"
 

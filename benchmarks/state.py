@@ -16,14 +16,19 @@ layer, then the model: ``_fsdp`` sides):
   return), and a resize 2 -> 3 restoring it resharded, beside ``dcp.load`` (+
   ``set_state_dict``) of DCP's checkpoint of the same state into a freshly built model at
   2 and at 3 ranks (DCP's files in the page cache: written just before);
-- state_overhead: training steps/s with ``state.commit(every=10)`` beside the same training
-  without a State (the steps after the first 10; the commits' sending drained at the end);
-- state_kernel_rss: the peak RSS of the process that launched the job (the kernel) over
-  those two trainings, sampled every 20 ms; its anonymous part (``RssAnon``) beside it.
+- state_overhead: training steps/s with a commit every 10 steps beside none, in one job:
+  blocks of 10 steps alternated, each block with a commit timed to the end of that
+  commit's sending (so all of it counts, hidden behind the steps or not);
+- state_kernel_rss: the peak RSS of the process that launched the job (the kernel),
+  sampled every 20 ms, over 20 steps with a State committing every 10 and over the same
+  steps without a State; its anonymous part (``_anon``: the heap), and the memory files it
+  holds open (``_memfd``: the agent's snapshots, shared memory that no RSS counts while
+  unmapped).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 import threading
@@ -140,18 +145,37 @@ DCP_LOAD = MODEL + textwrap.dedent("""
     took
 """)
 
+# Blocks of EVERY steps, without and with a commit at the block's end, alternated (the
+# machine's drift falls on both); a block with a commit ends once its sending is done, so
+# the whole commit counts in it. The first block (and commit) is a warm-up.
+OVERHEAD = MODEL + textwrap.dedent("""
+    state = elastic_magic.State(model=model, optimizer=opt, step=0)
+    took = {False: 0.0, True: 0.0}
+    for block in range(1 + 2 * BLOCKS):
+        committing = block % 2 == 0
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(EVERY):
+            train_step()
+            if committing:
+                state.step += 1
+                state.commit(every=EVERY)
+        if committing:
+            drained()
+        if block:
+            took[committing] += slowest(time.perf_counter() - started)
+    {"with": BLOCKS * EVERY / took[True], "without": BLOCKS * EVERY / took[False]}
+""")
+
+# The same training, with a State committing every EVERY steps or without one.
 TRAIN = MODEL + textwrap.dedent("""
     state = elastic_magic.State(model=model, optimizer=opt, step=0) if WITH_STATE else None
-    for step in range(WARMUP + STEPS):
-        if step == WARMUP:
-            dist.barrier()
-            started = time.perf_counter()
+    for _ in range(STEPS):
         train_step()
         if state is not None:
             state.step += 1
             state.commit(every=EVERY)
     drained()
-    STEPS / slowest(time.perf_counter() - started)
 """)
 
 
@@ -225,46 +249,42 @@ def _restore_run(nproc: int, bigger: int, values: dict[str, Any]) -> dict[int, f
     return restored
 
 
-# The two trainings of one repeat, kept for state_kernel_rss when state_overhead ran them.
-_TRAINED: dict[str, float] = {}
+def state_overhead(nproc: int, quick: bool) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for suffix, sharded in MODES.items():
+        values = {**_sizes(quick, sharded), "EVERY": 10, "BLOCKS": 2 if quick else 3}
+        result = launch(OVERHEAD, nproc, namespace=values)
+        if not result.ok:
+            raise RuntimeError(f"the training cell failed: {result}")
+        out[f"elastic_magic{suffix}"] = result.values[0]["with"]
+        out[f"without_state{suffix}"] = result.values[0]["without"]
+    return out
 
 
-def _trainings(nproc: int, quick: bool) -> dict[str, float]:
+def state_kernel_rss(nproc: int, quick: bool) -> dict[str, float]:
+    """Peaks over each training: RSS, its anonymous part, and the memory files this
+    process holds (snapshots the agent keeps: shared memory, in no RSS while unmapped)."""
     out: dict[str, float] = {}
     for suffix, sharded in MODES.items():
         for with_state, side in ((False, "without_state"), (True, "elastic_magic")):
             values = {**_sizes(quick, sharded), "WITH_STATE": with_state, "EVERY": 10,
-                      "WARMUP": 10, "STEPS": 20 if quick else 30}
-            peak = _Peak()
-            with peak:
+                      "STEPS": 20}
+            with _Peak() as peak:
                 result = launch(TRAIN, nproc, namespace=values)
             if not result.ok:
                 raise RuntimeError(f"the training cell failed: {result}")
-            out[f"{side}{suffix}"] = result.values[0]
-            out[f"{side}_rss{suffix}"] = peak.rss / MB
+            out[f"{side}{suffix}"] = peak.rss / MB
             out[f"{side}_anon{suffix}"] = peak.anon / MB
+            out[f"{side}_memfd{suffix}"] = peak.memfd / MB
+            del result  # its snapshot, if any, goes before the next run
     return out
-
-
-def state_overhead(nproc: int, quick: bool) -> dict[str, float]:
-    _TRAINED.clear()
-    _TRAINED.update(_trainings(nproc, quick))
-    return {side: value for side, value in _TRAINED.items()
-            if "_rss" not in side and "_anon" not in side}
-
-
-def state_kernel_rss(nproc: int, quick: bool) -> dict[str, float]:
-    trained = dict(_TRAINED) or _trainings(nproc, quick)
-    _TRAINED.clear()
-    return {side.replace("_rss", ""): value for side, value in trained.items()
-            if "_rss" in side or "_anon" in side}
 
 
 class _Peak:
     """This process's peak RSS and peak anonymous RSS while the block runs."""
 
     def __init__(self) -> None:
-        self.rss = self.anon = 0
+        self.rss = self.anon = self.memfd = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -273,6 +293,7 @@ class _Peak:
         while not self._done.is_set():
             self.rss = max(self.rss, me.memory_info().rss)
             self.anon = max(self.anon, _rss_anon())
+            self.memfd = max(self.memfd, _memfd_bytes())
             time.sleep(0.02)
 
     def __enter__(self) -> _Peak:
@@ -289,6 +310,18 @@ def _rss_anon() -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _memfd_bytes() -> int:
+    """The size of the anonymous memory files this process has open."""
+    total = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            if os.readlink(fd).startswith("/memfd:"):
+                total += os.stat(fd).st_size
+        except OSError:  # closed meanwhile
+            continue
+    return total
 
 
 def _remove(folder: Path) -> None:
