@@ -20,7 +20,7 @@ layer, then the model: ``_fsdp`` sides):
   blocks of 10 steps alternated, each block with a commit timed to the end of that
   commit's sending (so all of it counts, hidden behind the steps or not);
 - state_kernel_rss: the peak RSS of the process that launched the job (the kernel),
-  sampled every 20 ms, over 20 steps with a State committing every 10 and over the same
+  sampled every 20 ms, over 10 steps with a State committing every 5 and over the same
   steps without a State; its anonymous part (``_anon``: the heap), and the memory files it
   holds open (``_memfd``: the agent's snapshots, shared memory that no RSS counts while
   unmapped).
@@ -252,7 +252,7 @@ def _restore_run(nproc: int, bigger: int, values: dict[str, Any]) -> dict[int, f
 def state_overhead(nproc: int, quick: bool) -> dict[str, float]:
     out: dict[str, float] = {}
     for suffix, sharded in MODES.items():
-        values = {**_sizes(quick, sharded), "EVERY": 10, "BLOCKS": 2 if quick else 3}
+        values = {**_sizes(quick, sharded), "EVERY": 10, "BLOCKS": 2}
         result = launch(OVERHEAD, nproc, namespace=values)
         if not result.ok:
             raise RuntimeError(f"the training cell failed: {result}")
@@ -267,8 +267,8 @@ def state_kernel_rss(nproc: int, quick: bool) -> dict[str, float]:
     out: dict[str, float] = {}
     for suffix, sharded in MODES.items():
         for with_state, side in ((False, "without_state"), (True, "elastic_magic")):
-            values = {**_sizes(quick, sharded), "WITH_STATE": with_state, "EVERY": 10,
-                      "STEPS": 20}
+            values = {**_sizes(quick, sharded), "WITH_STATE": with_state, "EVERY": 5,
+                      "STEPS": 10}
             with _Peak() as peak:
                 result = launch(TRAIN, nproc, namespace=values)
             if not result.ok:
