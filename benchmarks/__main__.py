@@ -28,7 +28,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import cells, cluster, elastic, join, launch, leave, memory, session, throughput, training
+from . import (
+    cells,
+    cluster,
+    elastic,
+    join,
+    launch,
+    leave,
+    memory,
+    session,
+    state,
+    throughput,
+    training,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -80,6 +92,13 @@ SCENARIOS = (
              "(reported)"),
     Scenario("session_train_reform", training.session_train_reform, "s", None,
              "(reported)"),
+    Scenario("state_commit", state.state_commit, "s", "dcp_async_save",
+             "<= 0.5x dcp.async_save's blocking time", also=("dcp_save",)),
+    Scenario("state_restore", state.state_restore, "s", "dcp_load", "(reported)"),
+    Scenario("state_overhead", state.state_overhead, "steps/s", "without_state",
+             ">= 0.95x without State (commit every 10 steps)", higher_is_better=True),
+    Scenario("state_kernel_rss", state.state_kernel_rss, "MB", "without_state",
+             "<= 1.0x without State (peak)"),
 )
 
 

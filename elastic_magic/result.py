@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +88,26 @@ class Unpicklable:
         return f"<not transferable: {self.repr} ({self.reason})>"
 
 
+class MemorySnapshot:
+    """A finished job's last snapshot, left in the anonymous memory file the agent kept it
+    in: a result kept in the notebook costs no heap until its snapshot is read."""
+
+    def __init__(self, fd: int) -> None:
+        """Owns ``fd`` (closed with this object)."""
+        self.size = os.fstat(fd).st_size
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def read(self) -> bytes:
+        # A description of its own: reads from its start, whatever else reads the file.
+        with open(f"/proc/self/fd/{self._fd}", "rb") as file:
+            data = file.read()
+        if len(data) != self.size:
+            raise OSError(f"the snapshot's memory file holds {len(data)} bytes, not "
+                          f"{self.size}")
+        return data
+
+
 @dataclass
 class JobResult:
     """The outcome of one elastic job."""
@@ -106,7 +128,8 @@ class JobResult:
     stop_reason: str | None = None
     resizes: int = 0
     commit: dict[str, Any] | None = None  # the last committed State: step, time, world size
-    snapshot: bytes | None = field(default=None, repr=False)  # State.load() takes it
+    # The last commit: bytes, or left in the agent's memory file (``snapshot`` reads it).
+    snapshot_source: bytes | MemorySnapshot | None = field(default=None, repr=False)
     # A job that failed by a timeout or a stall: each stuck rank's stacks (all threads),
     # taken before the group was torn down.
     stacks: dict[int, str] = field(default_factory=dict, repr=False)
@@ -125,6 +148,12 @@ class JobResult:
     def value(self) -> Any:
         """Rank 0's value (the cell's last expression)."""
         return self.values.get(0)
+
+    @property
+    def snapshot(self) -> bytes | None:
+        """The last commit's snapshot (``State(...).load(result.snapshot)``), read now."""
+        source = self.snapshot_source
+        return source.read() if isinstance(source, MemorySnapshot) else source
 
     def log_path(self, rank: int, stream: str = "stdout",
                  attempt: int | None = None) -> Path | None:
@@ -171,7 +200,7 @@ class RankOutcome(Protocol):
 def assemble_result(
     *, run_id: str, state: JobState, world_size: int, restarts: int, max_restarts: int,
     started: float, log_dir: Path, failures: list[RankFailure], stop_reason: str | None,
-    resizes: int, commit: dict[str, Any] | None, snapshot: bytes | None,
+    resizes: int, commit: dict[str, Any] | None, snapshot: bytes | MemorySnapshot | None,
     ranks: Mapping[int, RankOutcome], tails: dict[int, list[str]],
     stacks: Mapping[int, str] | None = None, excluded: Sequence[str] = (),
 ) -> JobResult:
@@ -184,7 +213,8 @@ def assemble_result(
         failure=failures[0] if failed and failures else None,
         failures=list(failures) if failed else [],
         tails=dict(tails), stop_reason=stop_reason if state is JobState.STOPPED else None,
-        resizes=resizes, commit=dict(commit) if commit else None, snapshot=snapshot,
+        resizes=resizes, commit=dict(commit) if commit else None,
+        snapshot_source=snapshot,
         stacks=dict(stacks or {}) if failed else {}, excluded=list(excluded),
         started=started,
     )

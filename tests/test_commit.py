@@ -111,6 +111,37 @@ def test_a_rank_that_dies_mid_commit_leaves_the_previous_commit_whole(tmp_path, 
     assert not list(ckpt.glob(".*"))  # no half-written temporary left
 
 
+def test_a_results_snapshot_stays_in_the_memory_file_until_it_is_read(log_dir):
+    """The kernel keeps every finished job's result: its snapshot (the whole state) stays in
+    the agent's memory file, out of the heap, and reads the same each time it is asked for;
+    the ended job the kernel's history keeps drops it."""
+    import gc
+
+    from elastic_magic.agent.handles.ended import EndedJob
+    from elastic_magic.agent.handles.job import Job
+    from elastic_magic.payload import build_payload
+    from elastic_magic.result import MemorySnapshot
+    from elastic_magic.spec import JobSpec
+
+    cell = ("import torch, elastic_magic\n"
+            "state = elastic_magic.State(model=torch.nn.Linear(256, 256), step=3)\n"
+            "state.commit()\n")
+    spec = JobSpec.create(1, log_dir=log_dir)
+    job = Job(spec, build_payload(cell, spec)).start()
+    result = job.wait(lambda events: None)
+    assert result.ok, result
+    kept = result.snapshot_source
+    assert isinstance(kept, MemorySnapshot) and kept.size > 256 * 256 * 4
+    first = result.snapshot
+    assert first == result.snapshot and len(first) == kept.size
+    assert snapshot_format.load(io.BytesIO(first))["values"]["step"] == 3
+    assert EndedJob.of(job).result.snapshot is None
+    closed = kept._finalizer
+    del result, kept, job
+    gc.collect()
+    assert not closed.alive  # its memory file was closed with the last reference to it
+
+
 def test_random_states_cross_ranks_as_a_fixed_layout_never_a_pickle():
     """Each rank's RNG states reach rank 0 over gloo/NCCL, which nobody authenticates: they
     go as bytes of one layout, decoded field by field. A round trip restores every stream

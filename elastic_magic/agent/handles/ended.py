@@ -33,7 +33,8 @@ class EndedJob:
     def of(cls, job: Job) -> EndedJob:
         result = job.result
         if result is not None:
-            result = dataclasses.replace(result, values={}, pulled={}, snapshot=None, tails={})
+            result = dataclasses.replace(result, values={}, pulled={}, snapshot_source=None,
+                                         tails={})
         return cls(job.run_id, job.spec, job.status_snapshot, job.log_dir, result,
                    job.status())
 

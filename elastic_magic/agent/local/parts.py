@@ -35,8 +35,11 @@ class CommitParts:
             out = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
             try:
                 os.write(out, parts_header(sizes))
-                for source, size in zip(sources, sizes, strict=True):
+                for part, (source, size) in enumerate(zip(sources, sizes, strict=True)):
                     append(out, source, size)
+                    # released once copied: the parts and their join are not all held at
+                    # once (beside the commit before, kept until this one is whole)
+                    self._close(self._parts.pop(part))
             except BaseException:
                 os.close(out)
                 raise

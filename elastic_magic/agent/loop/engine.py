@@ -38,7 +38,7 @@ from ...messages import (
 )
 from ...payload import Payload
 from ...protocol import new_secret
-from ...result import JobResult, JobState, RankFailure, assemble_result
+from ...result import JobResult, JobState, MemorySnapshot, RankFailure, assemble_result
 from ...spec import JobSpec
 from ..diagnosis.hangs import HangWatch
 from ..diagnosis.stack_requests import StackRequests
@@ -261,7 +261,7 @@ class Engine:
 
     def result(self, state: JobState, failures: list[RankFailure], *, started: float,
                stop_reason: str | None, others: Results | None = None,
-               snapshot: bytes | None = None) -> JobResult:
+               snapshot: bytes | MemorySnapshot | None = None) -> JobResult:
         """The JobResult of the job, or of a session's cell: this machine's ranks, and the
         other machines' (``others``: their results and output tails). Plain data:
         assembling it cannot fail on a released resource."""
@@ -297,7 +297,7 @@ class Engine:
                 else None
             result = self.result(final, self.failures, started=self.board.current.started,
                                  stop_reason=self.stop_reason, others=others,
-                                 snapshot=self.elastic_state.snapshots.blob)
+                                 snapshot=self.elastic_state.kept())
         finally:
             attempt(self.stack_requests.close)
             attempt(self.elastic_state.close)

@@ -4,10 +4,12 @@ applies at a commit when the engine says so (``leave_at_commit``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from ...events import Committed, EventSink
 from ...messages import StateRequest
+from ...result import MemorySnapshot
 from ...spec import JobSpec
 from ..local.snapshots import SnapshotStore, StateServer
 from ..local.workers import Worker
@@ -40,6 +42,13 @@ class StateKeeper:
     def _committed(self, event: Committed) -> None:
         self.board.publish(last_commit=self.snapshots.meta)
         self.emit(event)
+
+    def kept(self) -> bytes | MemorySnapshot | None:
+        """The last snapshot for the job's result: its memory file stays out of the heap
+        (a copy of the whole state there for every finished job), read when asked for."""
+        if self.snapshots.memory_file is not None:
+            return MemorySnapshot(os.dup(self.snapshots.memory_file))
+        return self.snapshots.blob
 
     def close(self) -> None:
         # The State server calls back into the engine: without this, the stores and pipes
