@@ -142,8 +142,9 @@ class Engine:
     def _stop_waiting(self) -> bool:
         return self.switchboard.drain() in _ENDS_WAIT or self.role.leaves_before_round()
 
-    def start_group(self, info: RoundInfo) -> None:
-        """This machine's workers of round ``info``, running ``payload``."""
+    def start_group(self, info: RoundInfo) -> tuple[int, ...]:
+        """This machine's workers of round ``info``, running ``payload``; the ranks that
+        stayed in their processes (survivors)."""
         self.attempt += 1
         self.world_size = info.world_size
         self.switchboard.new_group()
@@ -165,10 +166,11 @@ class Engine:
                     emit=self.hangs.noting_output(self.emit), pool=self.spec.pool,
                     preload=self.spec.preload, slots=slots, survivors=self.survivors.kept,
                     stay=self.survivors.offer(self.payload.session))
-        self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids,
-                                 self.survivors.started(group)))
+        stayed = self.survivors.started(group)
+        self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids, stayed))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
                            restarts=self.restarts, pids=group.live_pids())
+        return stayed
 
     def tear_down(self) -> tuple[float, list[RankFailure]]:
         """Stop the group at once (no waiting for collective timeouts): when, and the ranks
@@ -179,11 +181,13 @@ class Engine:
         self.switchboard.drain()
         return teardown_at, group.failures_before(teardown_at)
 
-    def close_group(self) -> None:
-        """Whatever happened: no worker of the group left running."""
-        self.survivors.release()
+    def close_group(self, keep: bool = False) -> None:
+        """Whatever happened: no worker of the group left running; but, with ``keep``, the
+        survivors kept for the next group."""
+        if not keep:
+            self.survivors.release()
         if self.group is not None:
-            self.group.close()
+            self.group.close(spare=list(self.survivors.kept.values()))
             self.board.publish(pids={})
 
     def after_group(self, step: Step) -> Next:
