@@ -99,6 +99,7 @@ class Survivors:
         self.on = on
         self.kept: dict[int, Worker] = {}  # by slot
         self._offered: list[Worker] = []  # offered to the group being started
+        self.stayed: tuple[int, ...] = ()  # the ranks that stayed in the last group started
 
     def offer(self, session: bool) -> bool:
         """Before ``WorkerGroup.start`` (given ``kept``): whether its ranks park when they
@@ -111,7 +112,9 @@ class Survivors:
         are released."""
         release(self.kept)
         offered, self._offered = self._offered, []
-        return tuple(w.global_rank for w in group.workers if any(w is o for o in offered))
+        self.stayed = tuple(w.global_rank for w in group.workers
+                            if any(w is o for o in offered))
+        return self.stayed
 
     def keep(self, group: WorkerGroup, wait: Callable[[float], object], timeout: float,
              session: bool = False) -> list[RankFailure]:
@@ -121,3 +124,9 @@ class Survivors:
 
     def release(self) -> None:
         release(self.kept)
+
+    def spare(self, keep: bool) -> list[Worker]:
+        """The survivors kept for the next group (``keep``), or none: they are released."""
+        if not keep:
+            self.release()
+        return list(self.kept.values())

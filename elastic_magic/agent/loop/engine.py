@@ -142,9 +142,8 @@ class Engine:
     def _stop_waiting(self) -> bool:
         return self.switchboard.drain() in _ENDS_WAIT or self.role.leaves_before_round()
 
-    def start_group(self, info: RoundInfo) -> tuple[int, ...]:
-        """This machine's workers of round ``info``, running ``payload``; the ranks that
-        stayed in their processes (survivors)."""
+    def start_group(self, info: RoundInfo) -> None:
+        """This machine's workers of round ``info``, running ``payload``."""
         self.attempt += 1
         self.world_size = info.world_size
         self.switchboard.new_group()
@@ -166,11 +165,10 @@ class Engine:
                     emit=self.hangs.noting_output(self.emit), pool=self.spec.pool,
                     preload=self.spec.preload, slots=slots, survivors=self.survivors.kept,
                     stay=self.survivors.offer(self.payload.session))
-        stayed = self.survivors.started(group)
-        self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids, stayed))
+        self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids,
+                                 self.survivors.started(group)))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
                            restarts=self.restarts, pids=group.live_pids())
-        return stayed
 
     def tear_down(self) -> tuple[float, list[RankFailure]]:
         """Stop the group at once (no waiting for collective timeouts): when, and the ranks
@@ -182,12 +180,10 @@ class Engine:
         return teardown_at, group.failures_before(teardown_at)
 
     def close_group(self, keep: bool = False) -> None:
-        """Whatever happened: no worker of the group left running; but, with ``keep``, the
-        survivors kept for the next group."""
-        if not keep:
-            self.survivors.release()
+        """No worker of the group left running; but, with ``keep``, the survivors kept."""
+        spare = self.survivors.spare(keep)
         if self.group is not None:
-            self.group.close(spare=list(self.survivors.kept.values()))
+            self.group.close(spare)
             self.board.publish(pids={})
 
     def after_group(self, step: Step) -> Next:

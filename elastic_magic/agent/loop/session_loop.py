@@ -204,7 +204,8 @@ class SessionLoop:
         if info is None:
             self.ended = JobState.STOPPED
             return []
-        stayed = engine.start_group(info)
+        engine.start_group(info)
+        stayed = engine.survivors.stayed
         self.runner.others.new_round(info)
         assert engine.group is not None
         new = set(engine.group.ranks) - set(stayed)
