@@ -11,6 +11,8 @@ re-formed before the next cell: a new round, fresh workers, the setup cells repl
 order (a ``State`` they make restores the last commit). Re-formations after a failure count
 against ``--max-restarts``, as a job's restarts do, and a slot that fails again is left out
 as a job's is (decision 19); a resize does not count. What to do is decided in ``policy``.
+With ``--survivors`` (decision 23) the healthy ranks stay, namespaces and all, and only the
+new ranks start and replay the setup cells (``_form``).
 """
 
 from __future__ import annotations
