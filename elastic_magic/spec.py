@@ -103,8 +103,9 @@ OPTIONS: tuple[Option, ...] = (
            "resize, the ranks that are still healthy keep their processes, roll back to the "
            "last State commit and run the cell again from the top in the same process; only "
            "new ranks start (cells that use elastic_magic.State; others restart as without "
-           "it); a rank that cannot leave within --link-timeout starts again. README: "
-           "Survivors stay", action="store_true", check=lambda _, v: bool(v)),
+           "it; in a session, the healthy ranks keep their namespaces and only new ranks "
+           "replay the setup cells); a rank that cannot leave within --link-timeout starts "
+           "again. README: Survivors stay", action="store_true", check=lambda _, v: bool(v)),
     Option("monitor_interval", "--monitor-interval", 0.1, "seconds between health checks "
            "of the workers", "S", interval),
     Option("env", "--env", None, "set an environment variable in the workers (repeatable)",

@@ -9,6 +9,7 @@ Exit means the kernel is gone, and the worker ends its whole process group at on
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
@@ -119,6 +120,8 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
     report_progress(client)
     while isinstance(message := inbox.get(), Run):
         if message.env:  # a survivor's new group: its ranks, size and store
+            with contextlib.suppress(Exception):  # a session's rank still holds the old one
+                shutdown_process_group()
             os.environ.update(message.env)
         # exits the process itself when it fails, unless it stays (survivors stay)
         run_payload(message.payload, client, stay=message.stay)

@@ -95,10 +95,12 @@ def _prepare(payload: Payload) -> dict[str, Any]:
     # The worker's own imports (torch, here in a --no-pool worker) come from its own path:
     # the kernel's path may start with its cwd (a Jupyter kernel's, `elastic-magic join`'s).
     _set_device()
-    if payload.init_process_group:  # made when the cell first uses it, unless it makes its own
-        from elastic_magic.worker import default_group
+    from elastic_magic.worker import default_group
 
+    if payload.init_process_group:  # made when the cell first uses it, unless it makes its own
         default_group.arm(payload.backend, payload.timeout)
+    else:  # nor one armed by a payload before (a new rank's setup cells replayed alone)
+        default_group.disarm()
     os.chdir(payload.cwd)
     sys.path[:] = payload.sys_path
     sys.argv = list(payload.argv)

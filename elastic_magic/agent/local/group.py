@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import cloudpickle
@@ -130,9 +130,11 @@ class WorkerGroup:
             case Result() as result:
                 worker.result = result
                 worker.state = WorkerState.SUCCEEDED
+                worker.parked = self.persistent  # a session's rank waits for the next cell
             case Failed(error):
                 worker.error = error
                 worker.state = WorkerState.FAILED
+                worker.parked = self.persistent
             case Resized():
                 worker.resized = True
                 worker.state = WorkerState.STOPPED
@@ -238,10 +240,12 @@ class WorkerGroup:
             worker.close_control()
         join_threads(self.workers)
 
-    def close(self) -> None:
-        """Whatever happened: no worker left running, every pump drained."""
-        stop(self.workers, TEARDOWN_ESCALATION)
-        join_threads(self.workers)
+    def close(self, spare: Collection[Worker] = ()) -> None:
+        """Whatever happened: no worker left running, every pump drained; but ``spare``
+        (survivors kept for the next group)."""
+        workers = [w for w in self.workers if not any(w is s for s in spare)]
+        stop(workers, TEARDOWN_ESCALATION)
+        join_threads(workers)
 
     def results(self) -> dict[int, Result]:
         return {w.global_rank: w.result for w in self.workers if w.result is not None}

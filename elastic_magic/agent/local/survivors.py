@@ -40,29 +40,31 @@ def settled(group: WorkerGroup) -> bool:
     return all(w.parked or not w.alive() for w in group.workers)
 
 
-def failed_of_itself(worker: Worker) -> bool:
-    """It reported an error of its own, not the loss of a peer."""
-    return worker.error is not None and not is_consequence(worker.failure())
+def failed_of_itself(worker: Worker, session: bool = False) -> bool:
+    """It reported an error of its own, not the loss of a peer (a session's rank keeps its
+    namespace whatever its cell raised: it answered, so it is healthy)."""
+    return not session and worker.error is not None and not is_consequence(worker.failure())
 
 
-def stays(worker: Worker) -> bool:
+def stays(worker: Worker, session: bool = False) -> bool:
     """A parked rank, alive, that did not fail of itself."""
-    return worker.parked and worker.alive() and not failed_of_itself(worker)
+    return worker.parked and worker.alive() and not failed_of_itself(worker, session)
 
 
-def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout: float
-                   ) -> tuple[dict[int, Worker], list[RankFailure]]:
+def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout: float,
+                   session: bool = False) -> tuple[dict[int, Worker], list[RankFailure]]:
     """Ask the ranks to leave, give them ``timeout`` seconds to park (``wait(seconds)``
     serves the inbox meanwhile: their reports and their last commits), or NO_PROGRESS
     seconds after the last rank left; stop the others. The survivors by slot, and the
-    failures of the ranks stopped for not parking."""
+    failures of the ranks stopped for not parking. ``session``: a session's group, whose
+    ranks park by answering their cell (an idle rank is parked)."""
     ask_to_leave(group)
     deadline = time.monotonic() + timeout
     left_count, last_left = -1, time.monotonic()
     while True:
         # A rank that failed of itself goes at once: its peers may wait for it in a
         # collective, which fails only when its sockets close.
-        if own := [w for w in group.workers if w.alive() and failed_of_itself(w)]:
+        if own := [w for w in group.workers if w.alive() and failed_of_itself(w, session)]:
             stop(own, TEARDOWN_ESCALATION)
         now = time.monotonic()
         if (count := sum(w.parked or not w.alive() for w in group.workers)) != left_count:
@@ -71,7 +73,8 @@ def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout:
             break
         wait(min(deadline - now, 0.05))
     stuck = [w for w in group.workers if w.alive() and not w.parked]
-    survivors = {w.slot: w for w in group.workers if stays(w) and w.slot is not None}
+    survivors = {w.slot: w for w in group.workers
+                 if stays(w, session) and w.slot is not None}
     gone = [w for w in group.workers if w.slot not in survivors]
     stop(gone, TEARDOWN_ESCALATION)
     join_threads(gone, timeout=2.0)
@@ -89,16 +92,18 @@ def release(survivors: dict[int, Worker]) -> None:
 
 
 class Survivors:
-    """The parked ranks one group leaves to the next on this machine (one-shot jobs on one
-    machine; a session's cells and jobs of several machines restart as before)."""
+    """The parked ranks one group leaves to the next on this machine (one-shot jobs and
+    sessions on one machine; jobs of several machines restart as before)."""
 
     def __init__(self, on: bool) -> None:
         self.on = on
         self.kept: dict[int, Worker] = {}  # by slot
         self._offered: list[Worker] = []  # offered to the group being started
+        self.stayed: tuple[int, ...] = ()  # the ranks that stayed in the last group started
 
     def offer(self, session: bool) -> bool:
-        """Before ``WorkerGroup.start`` (given ``kept``): whether its ranks stay."""
+        """Before ``WorkerGroup.start`` (given ``kept``): whether its ranks park when they
+        leave a payload (a one-shot job's); a session's ranks wait between cells anyway."""
         self._offered = list(self.kept.values())
         return self.on and not session
 
@@ -107,13 +112,21 @@ class Survivors:
         are released."""
         release(self.kept)
         offered, self._offered = self._offered, []
-        return tuple(w.global_rank for w in group.workers if any(w is o for o in offered))
+        self.stayed = tuple(w.global_rank for w in group.workers
+                            if any(w is o for o in offered))
+        return self.stayed
 
-    def keep(self, group: WorkerGroup, wait: Callable[[float], object], timeout: float
-             ) -> list[RankFailure]:
+    def keep(self, group: WorkerGroup, wait: Callable[[float], object], timeout: float,
+             session: bool = False) -> list[RankFailure]:
         """``keep_survivors``: they are kept for the next group."""
-        self.kept, stuck = keep_survivors(group, wait, timeout)
+        self.kept, stuck = keep_survivors(group, wait, timeout, session)
         return stuck
 
     def release(self) -> None:
         release(self.kept)
+
+    def spare(self, keep: bool) -> list[Worker]:
+        """The survivors kept for the next group (``keep``), or none: they are released."""
+        if not keep:
+            self.release()
+        return list(self.kept.values())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from ...events import WorkerFailed
@@ -72,18 +73,23 @@ class CellRunner:
                 self.others.lost = True  # then what the role makes of it
         return item
 
-    def run(self, payload: Payload | None) -> CellOutcome:
-        """Send ``payload`` to every rank (None: it was sent when the group started) and
-        wait for their answers."""
+    def run(self, payload: Payload | None, ranks: Collection[int] | None = None
+            ) -> CellOutcome:
+        """Send ``payload`` to every rank, or to ``ranks`` alone (None: it was sent when the
+        group started) and wait for their answers."""
         engine, group = self.engine, self.engine.group
         assert group is not None
-        self.marks = set()
+        targets = [w for w in group.workers if ranks is None or w.global_rank in ranks]
+        # the others are not in this payload: as if they had answered and ended their output
+        self.marks = {(w.global_rank, s) for w in group.workers if w not in targets
+                      for s in ("stdout", "stderr")}
         self.interrupt = False
         self.stuck = ()
         engine.hangs.reset(group.attempt)  # the stall watchdog watches this cell alone
-        for worker in group.workers:
+        for worker in targets:
             worker.result = worker.error = None
             worker.state = WorkerState.HEALTHY
+            worker.parked = False
             if payload is not None:
                 worker.send(Run(payload))
         if payload is not None:
@@ -95,7 +101,7 @@ class CellRunner:
             action = engine.switchboard.next_action(engine.spec.monitor_interval)
             group.poll()  # notes exits
             answered = all(w.result is not None or w.error is not None
-                           for w in group.workers) and self.others.answered()
+                           for w in targets) and self.others.answered()
             if answered and answered_at is None:
                 answered_at = time.monotonic()
             ended = {(w.global_rank, s) for w in group.workers for s in ("stdout", "stderr")}
@@ -117,7 +123,7 @@ class CellRunner:
                 self.others.interrupt()
             elif step is not CellStep.WAIT:
                 break
-        own = root_cause_order([w.failure() for w in group.workers if w.error is not None])
+        own = root_cause_order([w.failure() for w in targets if w.error is not None])
         if step is CellStep.DONE:
             engine.set_state(JobState.IDLE)
             self._emit_failures(own)  # other machines send their own
@@ -135,7 +141,11 @@ class CellRunner:
         if not (status.died or status.stalled):  # the interrupt's grace ran out
             self.stuck = tuple(w.global_rank for w in group.workers
                                if w.result is None and w.error is None)
-        failures = root_cause_order([*self.tear_down(self.stuck), *self.others.failures()])
+        # Survivors stay when a rank died (one that stalled or did not come back from an
+        # interrupt takes the group down as before).
+        keep = bool(dead) and not (self.stuck or status.stalled)
+        failures = root_cause_order([*self.tear_down(self.stuck, keep=keep),
+                                     *self.others.failures()])
         if self.others.broken():
             reason = "a rank on another machine died in the cell"
         elif self.stuck:
@@ -165,26 +175,36 @@ class CellRunner:
         for failure in failures:
             self.engine.emit(WorkerFailed(failure))
 
-    def tear_down(self, stuck: tuple[int, ...] = ()) -> list[RankFailure]:
+    def tear_down(self, stuck: tuple[int, ...] = (), keep: bool = False) -> list[RankFailure]:
         """Stop the group at once; its failures, root cause first. ``stuck``: ranks that
         did not come back from an interrupt: consequences when a rank raised first (the
-        interrupt was for it), else what broke the group."""
+        interrupt was for it), else what broke the group. ``keep``: survivors stay, if the
+        session asked for them: the healthy ranks are kept for the next group with their
+        namespaces, the others stopped."""
         engine, group = self.engine, self.engine.group
         assert group is not None
-        teardown_at, failures = engine.tear_down()
+        keep = keep and engine.survivors.on
+        if keep:
+            teardown_at = time.time()
+            left = engine.survivors.keep(group, engine.switchboard.next_action,
+                                         engine.spec.link_timeout, session=True)
+            engine.switchboard.drain()
+            failures = [*group.failures_before(teardown_at), *left]
+        else:
+            teardown_at, failures = engine.tear_down()
         raised = any(f.exc_type not in (None, "KeyboardInterrupt") for f in failures)
         failures += [dataclasses.replace(w.failure(), time=teardown_at, reason=NOT_BACK,
                                          consequence=raised)
                      for w in group.workers if w.global_rank in stuck]
         failures = engine.hangs.explain(root_cause_order(failures))
         self._emit_failures(failures)
-        engine.close_group()
+        engine.close_group(keep=keep)
         return failures
 
     def break_idle(self) -> CellOutcome:
-        """A rank died while no cell ran: the group is gone."""
+        """A rank died while no cell ran: the group is gone (but its survivors, if kept)."""
         dead = self.dead_ranks()
-        failures = self.tear_down()
+        failures = self.tear_down(keep=True)
         return CellOutcome(CellStep.BROKEN, failures,
                            death(failures, dead, "while the session was idle"))
 

@@ -179,11 +179,11 @@ class Engine:
         self.switchboard.drain()
         return teardown_at, group.failures_before(teardown_at)
 
-    def close_group(self) -> None:
-        """Whatever happened: no worker of the group left running."""
-        self.survivors.release()
+    def close_group(self, keep: bool = False) -> None:
+        """No worker of the group left running; but, with ``keep``, the survivors kept."""
+        spare = self.survivors.spare(keep)
         if self.group is not None:
-            self.group.close()
+            self.group.close(spare)
             self.board.publish(pids={})
 
     def after_group(self, step: Step) -> Next:

@@ -11,10 +11,13 @@ re-formed before the next cell: a new round, fresh workers, the setup cells repl
 order (a ``State`` they make restores the last commit). Re-formations after a failure count
 against ``--max-restarts``, as a job's restarts do, and a slot that fails again is left out
 as a job's is (decision 19); a resize does not count. What to do is decided in ``policy``.
+With ``--survivors`` (decision 23) the healthy ranks stay, namespaces and all, and only the
+new ranks start and replay the setup cells (``_form``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
@@ -159,8 +162,8 @@ class SessionLoop:
         engine.emit(CellStarted(group.attempt, group.ranks, info.world_size, info.nnodes,
                                 info.round, engine.restarts, began=self.cell_started))
 
-    def _run(self, payload: Payload | None) -> CellOutcome:
-        outcome = self.runner.run(payload)
+    def _run(self, payload: Payload | None, ranks: set[int] | None = None) -> CellOutcome:
+        outcome = self.runner.run(payload, ranks)
         if outcome.step is CellStep.BROKEN:
             self._break(outcome)
         return outcome
@@ -181,14 +184,20 @@ class SessionLoop:
                                   engine.spec.max_restarts, reforms))
         engine.set_state(JobState.RESTARTING if reforms else JobState.FAILED)
 
-    def _form(self) -> list[RankFailure] | None:
+    def _form(self, keep: bool = True) -> list[RankFailure] | None:
         """New round, fresh workers, setup cells replayed (a State restores the last
-        commit). None once the group is up; else why not (failures, or none: stopped)."""
+        commit). None once the group is up; else why not (failures, or none: stopped).
+        Survivors stay (``keep``, if asked for): the healthy ranks keep their processes
+        and namespaces, and the new ranks replay the setup cells alone, without the
+        process group; should one fail there, every rank starts again and replays them."""
         engine = self.engine
         if self.ended is not None:
             return engine.failures
         first = engine.attempt < 0
-        engine.close_group()
+        if keep and engine.survivors.on and engine.group is not None:  # the idle ranks stay
+            engine.survivors.keep(engine.group, engine.switchboard.next_action,
+                                  engine.spec.link_timeout, session=True)
+        engine.close_group(keep=keep)
         if not first:  # the other machines leave their groups for the new round too
             engine.role.regrouping()
         engine.apply_resize()
@@ -198,12 +207,21 @@ class SessionLoop:
             self.ended = JobState.STOPPED
             return []
         engine.start_group(info)
+        stayed = engine.survivors.stayed
         self.runner.others.new_round(info)
-        for payload in [None, *self.setup]:  # None: the ready payload, sent at the start
-            outcome = self._run(payload)
+        assert engine.group is not None
+        new = set(engine.group.ranks) - set(stayed)
+        alone = bool(stayed)  # survivors keep what the setup cells made
+        for payload in [None, *(self.setup if new else [])]:  # None: sent at the start
+            if payload is not None and alone:
+                payload = dataclasses.replace(payload, init_process_group=False)
+            outcome = self._run(payload, new if payload is not None and alone else None)
             if outcome.step is CellStep.STOP:
                 self.ended = JobState.STOPPED
                 return []
+            if outcome.step is CellStep.DONE and outcome.failures and alone:
+                engine.close_group()  # it needs the group: as without survivors
+                return self._form(keep=False)
             if outcome.step is not CellStep.DONE or outcome.failures:
                 if outcome.step is CellStep.DONE:  # a setup cell failed: no group for cells
                     engine.close_group()

@@ -1,0 +1,131 @@
+"""Survivors stay in sessions (issue 21, DESIGN decision 23): a rank that dies, between
+cells or in one, and a resize between cells re-form the group without restarting the
+healthy ranks; they keep their processes and namespaces, and only the new ranks replay the
+setup cells (pushed values and State included)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from conftest import tagged_workers
+from test_session import Watcher
+
+import elastic_magic as em
+from elastic_magic.events import SessionReformed, WorkersStarted
+
+# Every rank's process, whether its own variables are still there, and a collective on the
+# group as it is now (its world size, summed).
+LOOK = ("import torch, torch.distributed as dist\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+        "(os.getpid(), globals().get('only_here'), base, pushed, state.step, int(t.item()))")
+
+
+def _wait_for_restarts(session: em.Session, shown: str) -> None:
+    deadline = time.monotonic() + 60
+    while session.status()["restarts"] != shown and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert session.status()["restarts"] == shown
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_survivor_keeps_its_process_and_namespace_when_a_rank_dies_between_cells(log_dir):
+    with em.Session(nproc=2, max_restarts=2, survivors=True, log_dir=log_dir) as s:
+        s.run("import os, elastic_magic as em\nbase = 7\nstate = em.State(step=0)\n",
+              setup=True)
+        s.push(pushed=11, setup=True)
+        s.run("for _ in range(3):\n"
+              "    state.step += 1\n"
+              "    state.commit()\n"
+              "if int(os.environ['RANK']) == 0:\n"
+              "    only_here = 'rank 0 made it'\n")  # not a setup cell
+        pids = s.run("os.getpid()").values
+        os.kill(pids[1], signal.SIGKILL)  # between cells
+        _wait_for_restarts(s, "1/2")
+        watcher = Watcher()
+        result = s.run(LOOK, render=watcher)
+        survivor, new = result.values[0], result.values[1]
+        assert survivor == (pids[0], "rank 0 made it", 7, 11, 3, 2)
+        assert new[0] not in pids.values() and new[1:] == (None, 7, 11, 3, 2)
+        assert [e.stayed for e in watcher.of(WorkersStarted)] == [(0,)]
+        assert [(r.setup_cells, r.world_size) for r in watcher.of(SessionReformed)] == [(2, 2)]
+        assert _gone(pids[1])
+    assert not tagged_workers()
+
+
+def test_a_resize_between_cells_keeps_the_ranks_that_stay_in_the_group(log_dir):
+    with em.Session(nproc=2, max_nproc=3, survivors=True, log_dir=log_dir) as s:
+        s.run("import os, elastic_magic as em\nbase = 7\nstate = em.State(step=0)\n",
+              setup=True)
+        s.push(pushed=11, setup=True)
+        s.run("state.step = 5\nstate.commit()\nonly_here = int(os.environ['RANK'])")
+        pids = s.run("os.getpid()").values
+        s.scale(3)
+        watcher = Watcher()
+        result = s.run(LOOK, render=watcher)
+        assert result.values[0] == (pids[0], 0, 7, 11, 5, 3)
+        assert result.values[1] == (pids[1], 1, 7, 11, 5, 3)
+        assert result.values[2][1:] == (None, 7, 11, 5, 3)
+        assert result.restarts == 0 and result.resizes == 1
+        assert [e.stayed for e in watcher.of(WorkersStarted)] == [(0, 1)]
+        third = result.values[2][0]
+
+        s.scale(2)  # down again: rank 2 ends, ranks 0 and 1 keep what they had
+        result = s.run(LOOK)
+        assert result.values == {0: (pids[0], 0, 7, 11, 5, 2), 1: (pids[1], 1, 7, 11, 5, 2)}
+        assert _gone(third)
+    assert not tagged_workers()
+
+
+def test_a_death_in_a_cell_fails_that_cell_and_the_next_runs_on_the_survivors(ip, log_dir,
+                                                                             capsys):
+    ip.run_line_magic("elastic", f"session start --nproc 2 --max-restarts 1 --survivors "
+                                 f"--log-dir {log_dir}")
+    ip.run_cell_magic("elastic", "--setup", "import os, time\nbase = 7\n")
+    pids = ip.run_cell_magic("elastic", "", "os.getpid()").values
+    # Rank 0 waits in a collective for rank 1, which dies: the agent's word (or gloo's
+    # error) brings rank 0 back, and it stays.
+    with pytest.raises(em.JobFailedError) as err:
+        ip.run_cell_magic("elastic", "", "import torch, torch.distributed as dist\n"
+                                         "dist.barrier()\n"
+                                         "only_here = 'before the death'\n"
+                                         "if int(os.environ['RANK']) == 1:\n"
+                                         "    os._exit(3)\n"
+                                         "time.sleep(60)\n")
+    failure = err.value.result.failure
+    assert failure.rank == 1 and failure.exit_code == 3
+    capsys.readouterr()
+    result = ip.run_cell_magic("elastic", "", "import torch.distributed as dist\n"
+                                              "(os.getpid(), globals().get('only_here'), "
+                                              "base, dist.get_world_size())")
+    assert result.values[0] == (pids[0], "before the death", 7, 2)
+    assert result.values[1][0] != pids[1] and result.values[1][1:] == (None, 7, 2)
+    assert result.restarts == 1
+    ip.run_line_magic("elastic", "session stop")
+    assert not tagged_workers()
+
+
+def test_a_setup_cell_that_needs_the_group_restarts_every_rank_as_without_survivors(log_dir):
+    """A new rank replays the setup cells alone, without the process group: one that uses
+    the group fails there, and the session re-forms as without the flag (no restart spent
+    on it)."""
+    with em.Session(nproc=2, max_restarts=1, survivors=True, log_dir=log_dir) as s:
+        s.run("import os, torch.distributed as dist\nr = dist.get_rank()\n", setup=True)
+        s.run("only_here = 'not a setup cell'")
+        pids = s.run("os.getpid()").values
+        os.kill(pids[1], signal.SIGKILL)
+        _wait_for_restarts(s, "1/1")
+        watcher = Watcher()
+        result = s.run("(os.getpid(), globals().get('only_here'), r)", render=watcher)
+        assert result.values[0][1:] == (None, 0) and result.values[1][1:] == (None, 1)
+        assert not {result.values[0][0], result.values[1][0]} & set(pids.values())
+        assert [e.stayed for e in watcher.of(WorkersStarted)] == [(0,), ()]
+        assert result.restarts == 1
+    assert not tagged_workers()
