@@ -11,8 +11,8 @@ Three conversations share this vocabulary, each over signed frames (``protocol.p
 - head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
   :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
   :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`,
-  :class:`StacksRequest`, :class:`NodeStacks`, :class:`Heartbeat`; a session's
-  :class:`SessionCell`, :class:`InterruptCell` and :class:`CellReport`.
+  :class:`StacksRequest`, :class:`NodeStacks`, :class:`Heartbeat`, ``chunk_messages``; a
+  session's :class:`SessionCell`, :class:`InterruptCell` and :class:`CellReport`.
 
 Receivers dispatch with ``match``. Workers import this module, so it imports nothing heavy.
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from .chunk_messages import ChunkKept, ChunkPiece
 from .result import JobState, RankFailure
 from .stacks import ThreadStack
 
@@ -278,18 +279,27 @@ class Forward:
 
 @dataclass(frozen=True)
 class NodeRequest:
-    """A joined machine's worker asks for State (the head holds the snapshots)."""
+    """A joined machine's worker asks for State. ``streamed``: the commit's chunk (its
+    size) came before in ``ChunkPiece``s keyed ``("commit", attempt, local_rank,
+    request_id)``; ``have``: the (part, token) chunks held there (a restore skips them)."""
 
     attempt: int
     local_rank: int
     request: StateRequest
+    streamed: int | None = None
+    have: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class NodeReply:
+    """``streamed``: the snapshot came in pieces keyed ``("state", ...)``, but for ``local``
+    (part, token, offset): filled in there."""
+
     attempt: int
     local_rank: int
     reply: Reply
+    streamed: int | None = None
+    local: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -396,5 +406,5 @@ class CellReport:
 
 LinkMessage = (JobOffer | Hello | Forward | NodeRequest | NodeReply | GroupResult
                | NodeFinished | Leaving | LeaveAtCommit | ReleaseAtCommit | Regroup | EndJob
-               | StacksRequest | NodeStacks
+               | StacksRequest | NodeStacks | ChunkPiece | ChunkKept
                | Heartbeat | SessionCell | InterruptCell | CellReport)

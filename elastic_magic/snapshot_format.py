@@ -28,6 +28,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 MAGIC = b"EMSNAP01"
@@ -38,6 +39,23 @@ _LENGTH = struct.Struct("<Q")
 def parts_header(sizes: list[int]) -> bytes:
     """What precedes parts of these sizes in one snapshot."""
     return PARTS + _LENGTH.pack(len(sizes)) + b"".join(_LENGTH.pack(n) for n in sizes)
+
+
+def part_spans(read: Callable[[int], bytes]) -> list[tuple[int, int]] | None:
+    """Where each part is, (offset, size), in a snapshot whose first bytes ``read(n)``
+    gives; None for one of one part."""
+    head = read(len(PARTS) + _LENGTH.size)
+    if head[:len(PARTS)] != PARTS:
+        return None
+    count = _LENGTH.unpack_from(head, len(PARTS))[0]
+    head = read(len(PARTS) + _LENGTH.size * (1 + count))
+    start = len(PARTS) + _LENGTH.size * (1 + count)
+    spans = []
+    for i in range(count):
+        size = _LENGTH.unpack_from(head, len(PARTS) + _LENGTH.size * (1 + i))[0]
+        spans.append((start, size))
+        start += size
+    return spans
 
 
 def save(obj: Any, file: BinaryIO) -> None:

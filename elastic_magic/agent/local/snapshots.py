@@ -92,6 +92,7 @@ class SnapshotStore:
     _writer: CheckpointWriter | None = field(default=None, repr=False)
     _folder_fd: int | None = None  # the checkpoint folder, checked
     parts: CommitParts = field(default_factory=CommitParts)  # of a sharded commit
+    token: int = 0  # the commit's (rank 0's random number): its chunks on other machines
 
     @property
     def blob(self) -> bytes | None:
@@ -99,6 +100,11 @@ class SnapshotStore:
         if self._fd is None:
             return self._bytes
         return os.pread(self._fd, self.size, 0)
+
+    @property
+    def source(self) -> bytes | int | None:
+        """The snapshot: bytes, or the descriptor of the memory file holding it."""
+        return self._fd if self._fd is not None else self._bytes
 
     @property
     def memory_file(self) -> int | None:
@@ -119,7 +125,7 @@ class SnapshotStore:
             except FileNotFoundError:
                 return False
             data = self._read(folder, _LEGACY_DATA)
-        self.meta = meta
+        self.meta, self.token = meta, 0
         self._replace(data=data)
         return True
 
@@ -156,10 +162,10 @@ class SnapshotStore:
             return file.read()
 
     def commit(self, meta: dict[str, Any], *, data: bytes | None = None,
-               fd: int | None = None) -> None:
+               fd: int | None = None, token: int = 0) -> None:
         """Keep a new snapshot: ``data``, or the memory file ``fd`` (the store owns it)."""
         self._replace(data=data, fd=fd)
-        self.meta = meta
+        self.meta, self.token = meta, token
         self.commit_id += 1
         if self.directory is not None:
             if self._writer is None:
@@ -350,7 +356,7 @@ class StateServer:
                 return CommitReply()
             data, memory_file = self.store.parts.join(request.parts)
         meta = {"step": request.step, "time": request.time, "world_size": world_size}
-        self.store.commit(meta, data=data, fd=memory_file)
+        self.store.commit(meta, data=data, fd=memory_file, token=request.token)
         self.emit(Committed(request.step, world_size, self.store.size))
         return CommitReply()
 

@@ -244,10 +244,8 @@ class Engine:
 
     @property
     def graceful(self) -> bool:
-        """A membership change can wait for the running group's next State commit. So can
-        one seen while the group already leaves at a commit (RESIZING): its ranks are
-        making that commit whole in the agent, and a cut now would resume from the one
-        before (a step run again)."""
+        """A membership change can wait for the group's next State commit; RESIZING: it
+        leaves at one, whose cut would resume from the commit before (a step run again)."""
         return self.elastic_state.used and self.state in (JobState.RUNNING, JobState.RESIZING)
 
     def _leave_at_commit(self) -> bool:

@@ -4,8 +4,9 @@ A node (``ELASTIC_MAGIC_TOKEN=T elastic-magic join HOST:PORT``) finds the hub's 
 the rendezvous store (signed with a key derived from the token, and verified), connects,
 proves it knows the job's token and receives the job: run id, spec and payload. From then
 on both sides exchange signed frames over that socket. The node forwards its ranks' output
-and failures, proxies its workers' State requests (the head holds the snapshots) and
-reports its results; the head answers and tells nodes to stop.
+and failures, proxies its workers' State requests (the head keeps the commits' catalog;
+snapshot chunks cross in pieces, ``chunks.py``) and reports its results; the head
+answers and tells nodes to stop.
 Membership is not decided here: every agent follows torch's rendezvous.
 
 Both sides send a :class:`Heartbeat` every ``--link-timeout``/4 seconds, and the socket
@@ -31,9 +32,11 @@ import struct
 import threading
 from datetime import timedelta
 
+from ...chunk_messages import ChunkPiece
 from ...messages import Heartbeat, JobOffer, LinkMessage
 from ...protocol import Channel
 from ..inbox import FromLink, Inbox
+from .chunks import ChunkSink
 
 HUB_KEY = "elastic_magic/hub"  # in the rendezvous store: "host:port" of the hub
 _NONCE_BYTES = 32
@@ -122,8 +125,10 @@ class Link:
             self.sock.close()
 
 
-def read_into(link: Link, node: int, inbox: Inbox) -> None:
-    """Put every message from ``link`` on ``inbox`` until it closes (run on a thread)."""
+def read_into(link: Link, node: int, inbox: Inbox, chunks: ChunkSink | None = None) -> None:
+    """Put every message from ``link`` on ``inbox`` until it closes (run on a thread);
+    snapshot chunks' pieces go straight into ``chunks`` (never queued on the heap), in
+    order with the messages that follow them."""
     reason = None
     while True:
         try:
@@ -137,7 +142,9 @@ def read_into(link: Link, node: int, inbox: Inbox) -> None:
         except Exception as exc:  # told to the agent, never a reader thread dying unseen
             reason = str(exc) or type(exc).__name__
             break
-        if not isinstance(message, Heartbeat):
+        if isinstance(message, ChunkPiece) and chunks is not None:
+            chunks.write(node, message)
+        elif not isinstance(message, Heartbeat):
             inbox.put(FromLink(link, node, message))
     link.close()
     inbox.put(FromLink(link, node, None, reason))
@@ -159,6 +166,7 @@ class Hub:
         self._server.listen(16)
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self.links: dict[int, Link] = {}
+        self.chunks = ChunkSink()  # the other machines' chunks arriving
         self._handshaking: set[socket.socket] = set()  # closed with the hub, too
         self._ids = itertools.count(1)
         self._closed = False
@@ -196,7 +204,7 @@ class Hub:
             self.links[node] = link
         link.send(self.job)
         link.keep_alive(self.link_timeout)
-        read_into(link, node, self.inbox)
+        read_into(link, node, self.inbox, self.chunks)
         with self._lock:
             self.links.pop(node, None)
 
@@ -239,6 +247,7 @@ class Hub:
         self._server.close()
         for link in links:
             link.close()
+        self.chunks.drop()
 
 
 def connect(endpoint: str, token: str, timeout: float = 60.0) -> tuple[Link, JobOffer]:

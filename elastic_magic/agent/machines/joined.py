@@ -1,17 +1,18 @@
 """The role of an agent on a machine that joined the head's job (``elastic-magic join``): it
-follows the head's rendezvous, proxies its workers' State requests to the head and reports
-its results (a session's cells too) there."""
+follows the head's rendezvous, keeps its ranks' snapshot chunks (and a copy of the head's),
+sends them to the head, fetches the others' for a restore, and reports its results (a
+session's cells too) there."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 
 from ...events import EventSink
 from ...messages import (
     Action,
+    ChunkKept,
     Commit,
     EndJob,
     GroupResult,
@@ -22,6 +23,7 @@ from ...messages import (
     NodeRequest,
     Regroup,
     ReleaseAtCommit,
+    StateGet,
     StateRequest,
 )
 from ...result import JobState, RankFailure
@@ -33,7 +35,9 @@ from ..local.snapshots import StateServer
 from ..local.workers import Worker, take_memory_file
 from ..policy import Step
 from ..rounds import RoundInfo
+from .chunks import ChunkSink
 from .hub import Link, read_into
+from .remote_state import NodeChunks
 from .rendezvous import Rendezvous
 from .roles import NextAction, SingleMachine
 
@@ -49,8 +53,9 @@ class JoinedJob:
 
 
 class JoinedMachine(SingleMachine):
-    """A machine that joined the head's job: it follows the head's rendezvous, proxies its
-    workers' State requests to the head and reports its results there. It does not watch
+    """A machine that joined the head's job: it follows the head's rendezvous, keeps its
+    ranks' chunks and sends their copies to the head (``remote_state.NodeChunks``), and
+    reports its results there. It does not watch
     for waiting machines itself (the head does, and says Regroup): a read of the head's
     store could block its loop for the store's timeout on a cut link, long after the
     link's own timeout has said that the head is lost."""
@@ -66,7 +71,9 @@ class JoinedMachine(SingleMachine):
         self.released: str | None = None  # the head gave this machine back: why
         self.joined = joined
         self.rdzv_key = joined.rdzv_key
-        self._reader = threading.Thread(target=read_into, args=(self.link, 0, inbox),
+        sink = ChunkSink()  # chunks from the head, written as they arrive
+        self.chunks = NodeChunks(self.link, sink)
+        self._reader = threading.Thread(target=read_into, args=(self.link, 0, inbox, sink),
                                         name="elastic-head", daemon=True)
 
     def open(self) -> Rendezvous:
@@ -81,10 +88,15 @@ class JoinedMachine(SingleMachine):
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
         match item.message:
-            case NodeReply(attempt, local_rank, reply):
-                if group is not None and attempt == group.attempt \
-                        and local_rank < len(group.workers):
-                    group.workers[local_rank].send(reply)
+            case NodeReply(attempt, local_rank, reply, streamed):
+                worker = group.workers[local_rank] if group is not None \
+                    and attempt == group.attempt and local_rank < len(group.workers) else None
+                if streamed is not None:  # a restore, in pieces
+                    self.chunks.answer(item.message, worker)
+                elif worker is not None:
+                    worker.send(reply)
+            case ChunkKept() as kept:
+                self.chunks.kept(kept)
             case Regroup():
                 return Action.REGROUP
             case ReleaseAtCommit(reason):  # the group leaves at its commit; we go then
@@ -106,18 +118,18 @@ class JoinedMachine(SingleMachine):
 
     def serve(self, worker: Worker, request: StateRequest, server: StateServer | None,
               world_size: int) -> None:
-        """The head holds the snapshots: a snapshot in a memory file crosses as bytes."""
+        """A commit's chunk stays here and crosses to the head in pieces; a restore takes
+        the chunks held here and fetches the rest; the head answers the rest."""
         memory_file = take_memory_file(worker, request)
         if memory_file is False:
             return
-        if memory_file is not None:
-            assert isinstance(request, Commit) and request.handoff is not None
-            try:
-                data = os.pread(memory_file, request.handoff.size, 0)
-            finally:
-                os.close(memory_file)
-            request = dataclasses.replace(request, snapshot=data, handoff=None)
-        self.link.send(NodeRequest(worker.attempt, worker.local_rank, request))
+        match request:
+            case Commit():
+                self.chunks.commit(worker, request, memory_file)
+            case StateGet():
+                self.chunks.restore(worker, request)
+            case _:
+                self.link.send(NodeRequest(worker.attempt, worker.local_rank, request))
 
     def leaves_before_round(self) -> bool:
         if self.released is not None:
@@ -144,6 +156,7 @@ class JoinedMachine(SingleMachine):
             self.link.send(NodeFinished(final, failures))
         finally:
             self.link.close()
+            self.chunks.close()
 
     def close_rendezvous(self, rendezvous: Rendezvous | None) -> None:
         if rendezvous is None:  # the run id stays open: the job belongs to the head

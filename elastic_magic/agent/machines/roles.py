@@ -24,7 +24,6 @@ from ...messages import (
     Leaving,
     LinkMessage,
     NodeFinished,
-    NodeReply,
     NodeRequest,
     Regroup,
     ReleaseAtCommit,
@@ -45,6 +44,7 @@ from ..policy import Step
 from ..rounds import RoundInfo
 from .hub import HUB_KEY, Hub, join_command
 from .launched import Launched
+from .remote_state import HeadCopies, answer_node
 from .rendezvous import Rendezvous, rendezvous_key
 
 if TYPE_CHECKING:
@@ -94,10 +94,14 @@ class SingleMachine:
         if memory_file is False:
             return
         if isinstance(request, Commit):
+            self.copy_chunk(request, memory_file)
             reply = Reply(request.request_id, server.commit(request, world_size, memory_file))
         else:
             reply = server.serve(request, world_size, inline=False)
         worker.send(reply)
+
+    def copy_chunk(self, commit: Commit, memory_file: int | None) -> None:
+        """A local rank's chunk, before the store takes it: copied to another machine."""
 
     def take_release(self) -> bool:
         """A machine is to leave: the group leaves at this commit (once)."""
@@ -173,6 +177,7 @@ class Head(SingleMachine):
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
         # what a --launcher started for the job, and gives back
         self.launched = Launched(spec, run_id, emit, self._give_back)
+        self.copies = HeadCopies()  # our ranks' chunks, on another machine
 
     def open(self) -> Rendezvous:
         self.network = choose(self.spec.rdzv_host, self.spec.env)
@@ -198,6 +203,8 @@ class Head(SingleMachine):
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
+        if item.message is None and self.hub is not None:  # what it was sending stops
+            self.hub.chunks.drop(item.node)
         match item.message:
             case Hello(host, nproc, pid, allocation):
                 self.names[item.node] = host
@@ -208,10 +215,10 @@ class Head(SingleMachine):
                 attempt = group.attempt if group else 0
                 self.emit(dataclasses.replace(event, attempt=attempt)
                           if isinstance(event, Output) else event)
-            case NodeRequest(attempt, local_rank, request):
-                assert server is not None  # its workers cannot read our memory files
-                item.link.send(NodeReply(attempt, local_rank,
-                                         server.serve(request, world_size, inline=True)))
+            case NodeRequest() as request:
+                assert server is not None and self.hub is not None
+                answer_node(self.hub.chunks, item.link, item.node, request, server,
+                            world_size)
             case GroupResult() as result:
                 self.results.setdefault(result.round_id, {})[result.node_rank] = result
             case NodeFinished(JobState.FAILED, failures) if failures:
@@ -291,6 +298,11 @@ class Head(SingleMachine):
     def take_release(self) -> bool:
         return self.launched.take_due()
 
+    def copy_chunk(self, commit: Commit, memory_file: int | None) -> None:
+        links = dict(self.hub.links) if self.hub is not None else {}
+        self.copies.copy({n: link for n, link in links.items() if n in self.pids}, commit,
+                         memory_file)
+
     def _gone_at_commit(self, node: int) -> Action | None:
         """A machine given back has left: out of the rendezvous, its allocation ended."""
         host, pid = self.names.pop(node, "?"), self.pids.pop(node, 0)
@@ -358,6 +370,7 @@ class Head(SingleMachine):
 
     def finished(self, final: JobState, failures: list[RankFailure]) -> None:
         hub, self.hub = self.hub, None
+        self.copies.close()
         try:
             if hub is not None:
                 try:

@@ -1,0 +1,164 @@
+"""State across machines: the head answering joined machines' State requests, and a joined
+machine keeping its ranks' chunks (``chunks.py`` says where chunks live and how they
+cross). Nothing here holds a chunk on the heap: they go from memory file to link to memory
+file in pieces."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+from ...messages import (
+    ChunkKept,
+    Commit,
+    CommitReply,
+    Handoff,
+    NodeReply,
+    NodeRequest,
+    Reply,
+    StateGet,
+    StateReply,
+    StateRequest,
+)
+from ..local.parts import append
+from ..local.snapshots import StateServer
+from ..local.workers import Worker
+from .chunks import (
+    ChunkSink,
+    HeldChunks,
+    LinkLike,
+    PeerCopier,
+    memory_file,
+    send_behind,
+    send_snapshot,
+)
+
+
+def answer_node(chunks: ChunkSink, link: LinkLike, node: int, message: NodeRequest,
+                server: StateServer, world_size: int) -> None:
+    """The head answers a joined machine's worker: a commit whose chunk came in pieces, a
+    restore sent in pieces but for the chunks that machine holds, anything else inline."""
+    attempt, local_rank, request = message.attempt, message.local_rank, message.request
+    if isinstance(request, Commit) and message.streamed is not None:
+        key = ("commit", attempt, local_rank, request.request_id)
+        fd = chunks.take(node, key, message.streamed)
+        reply = server.commit(request, world_size, fd) if fd is not None else CommitReply(
+            error="the commit's chunk did not arrive whole from its machine")
+        link.send(NodeReply(attempt, local_rank, Reply(request.request_id, reply)))
+        return
+    store = server.store
+    if isinstance(request, StateGet) and store.source is not None:
+        key = ("state", attempt, local_rank, request.request_id)
+        local = send_snapshot(link, key, store.source, store.size, store.token, message.have)
+        if local is not None:
+            link.send(NodeReply(attempt, local_rank,
+                                Reply(request.request_id, StateReply(store.commit_id)),
+                                streamed=store.size, local=local))
+        return
+    link.send(NodeReply(attempt, local_rank, server.serve(request, world_size, inline=True)))
+
+
+class HeadCopies:
+    """The head's ranks' chunks, copied to one joined machine (the first that joined and
+    is still linked): for that machine's restores, and so that they outlive the head."""
+
+    def __init__(self) -> None:
+        self.copier: PeerCopier | None = None
+
+    def copy(self, links: dict[int, LinkLike], request: StateRequest,
+             memory_file: int | None) -> None:
+        if not isinstance(request, Commit) or not links or not request.token:
+            return
+        if memory_file is None:
+            if request.snapshot is None:
+                return
+            fd = _in_memory_file(request.snapshot)
+        else:
+            fd = os.dup(memory_file)
+        if self.copier is None:
+            self.copier = PeerCopier()
+        self.copier.submit(links[min(links)], request.part, request.token, fd)
+
+    def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
+
+
+class NodeChunks:
+    """A joined machine's side: its ranks' chunks kept here and sent to the head in pieces;
+    the head's chunks kept here too; a restore put together from the chunks held here and
+    the rest fetched from the head, then offered to the worker as a memory file."""
+
+    def __init__(self, link: LinkLike, sink: ChunkSink) -> None:
+        self.link = link
+        self.sink = sink
+        self.held = HeldChunks()
+        self.asked: dict[tuple[int, int, int], StateGet] = {}  # restores under way
+        self.served: dict[int, int] = {}  # local rank -> the restore offered to it
+        self._lock = threading.Lock()
+
+    def commit(self, worker: Worker, request: Commit, memory_file: int | None) -> None:
+        """Keep the chunk here and send it to the head behind the loop; the head's reply
+        (the commit kept there too) answers the worker."""
+        fd = memory_file if memory_file is not None else _in_memory_file(
+            request.snapshot or b"")
+        size = os.fstat(fd).st_size
+        self.held.keep(request.part, request.token, fd)
+        key = ("commit", worker.attempt, worker.local_rank, request.request_id)
+        plain = dataclasses.replace(request, snapshot=None, handoff=None)
+        send_behind(self.link, key, os.dup(fd),
+                    NodeRequest(worker.attempt, worker.local_rank, plain, streamed=size))
+
+    def restore(self, worker: Worker, request: StateGet, *, everything: bool = False) -> None:
+        self.asked[(worker.attempt, worker.local_rank, request.request_id)] = request
+        have = () if everything else self.held.have()
+        self.link.send(NodeRequest(worker.attempt, worker.local_rank, request, have=have))
+
+    def kept(self, message: ChunkKept) -> None:
+        fd = self.sink.take(0, ("copy", message.part, message.token, message.size),
+                            message.size)
+        if fd is not None:
+            self.held.keep(message.part, message.token, fd)
+
+    def answer(self, message: NodeReply, worker: Worker | None) -> None:
+        """The head's answer to a restore: put together and offered to the worker."""
+        request_id = message.reply.request_id
+        request = self.asked.pop((message.attempt, message.local_rank, request_id), None)
+        key = ("state", message.attempt, message.local_rank, request_id)
+        fd = self.sink.take(0, key)
+        assert fd is not None
+        if worker is None or request is None:
+            os.close(fd)
+            return
+        whole = all(self.held.copy_into(fd, part, token, offset)
+                    for part, token, offset in message.local)
+        if not whole or os.fstat(fd).st_size != message.streamed:
+            os.close(fd)  # a chunk held here was replaced meanwhile: all from the head
+            self.restore(worker, request, everything=True)
+            return
+        state = message.reply.value
+        assert isinstance(state, StateReply)
+        old = self.served.pop(worker.local_rank, None)
+        if old is not None:
+            os.close(old)
+        if request.inline:
+            reply = dataclasses.replace(state, snapshot=os.pread(fd, message.streamed, 0))
+            os.close(fd)
+        else:
+            self.served[worker.local_rank] = fd  # open until the worker's next restore
+            reply = dataclasses.replace(state, handoff=Handoff.of(fd))
+        worker.send(Reply(request_id, reply))
+
+    def close(self) -> None:
+        self.held.close()
+        for fd in self.served.values():
+            os.close(fd)
+        self.served.clear()
+        self.sink.drop()
+
+
+def _in_memory_file(data: bytes) -> int:
+    fd = memory_file()
+    append(fd, data, len(data))
+    return fd
