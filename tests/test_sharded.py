@@ -8,8 +8,11 @@ also on a GPU machine (tests/test_gpu_sharded.py runs FSDP2 on CUDA over NCCL)."
 
 from __future__ import annotations
 
+import signal
 import textwrap
+import time
 
+import psutil
 import pytest
 import torch
 from conftest import assert_stayed, done_steps, run_resized
@@ -18,7 +21,7 @@ from test_multinode import Machines, run_head
 import elastic_magic as em
 from elastic_magic import sharded, snapshot_format
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Committed, MembershipChanged
+from elastic_magic.events import Committed, Excluded, MembershipChanged, RendezvousCompleted
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
@@ -300,3 +303,102 @@ def test_a_restoring_rank_reads_only_the_parts_holding_its_rows():
     del parts[2]  # a part that lacks rows is never restored from what is left
     with pytest.raises(RuntimeError, match="lacks rows"):
         sharded._assemble(marker, sharded.Chunks(lambda i: parts.get(i, {}), 3), 0, 9)
+
+
+def test_a_joined_machine_lost_mid_run_resumes_from_its_chunks_copy_on_the_head(
+        uninterrupted, machines, log_dir, recorder):
+    """The machine that joined keeps its rank's chunks and the head a copy of them. Its
+    agent SIGKILLed mid-run (its link closes without notice), the head goes on alone from
+    the last commit, the lost rank's chunks taken from the head's copy: no commit lost,
+    and the uninterrupted run's parameters."""
+    spec = JobSpec.create(1, nnodes="1:2", backend="gloo", log_dir=log_dir, timeout=120,
+                          link_timeout=3)
+    seen: dict[str, int] = {}
+
+    def drive(job):
+        while not any(r.world_size == 2 for r in recorder.of(RendezvousCompleted)):
+            if job.done:
+                return
+            time.sleep(0.05)
+        first = job.last_commit["step"] if job.last_commit else 0
+        job.wait_for_commit(first + 3, timeout=120)
+        seen["committed"] = job.last_commit["step"]  # whole: every rank's chunk is in
+        psutil.Process(machines.procs[0].pid).send_signal(signal.SIGKILL)  # ours, by PID
+
+    result = run_head(spec, TRAIN, recorder, machines, drive=drive,
+                      namespace={"KILL_AT": -1, "KILL_AFTER": -1, "EVERY": 1, "PAUSE": 0.4},
+                      on_open=lambda: machines.join(1))
+    assert result.ok, result
+    worlds = [(r.world_size, r.nnodes) for r in recorder.of(RendezvousCompleted)]
+    assert (2, 2) in worlds and worlds[-1] == (1, 1), worlds
+    (lost,) = recorder.of(Excluded)
+    assert "closed without notice" in lost.why, lost.why
+    starts = [int(line.split()[2]) for line in recorder.lines(0) if line.startswith("START")]
+    assert starts[-1] >= seen["committed"], (starts, seen)  # no commit lost
+    assert sorted({e.step for e in recorder.of(Committed)}) == list(range(1, STEPS + 1))
+    assert_same(result.values[0], uninterrupted.values[0], atol=1e-5)
+
+
+BIG = textwrap.dedent("""
+    import os, time, torch, elastic_magic
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(12)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    state = elastic_magic.State(model=model, step=0)
+    while state.step < 8:
+        state.step += 1
+        state.commit()
+        time.sleep(PAUSE)
+    while not os.path.exists(MEASURED):  # the test has read the kernel's peak
+        time.sleep(0.05)
+    state.step
+""")
+BIG_BYTES = 12 * 2048 * 2048 * 4  # 201 MB of parameters
+
+
+def _kernel_kb(field: str) -> int:
+    """This process's (the kernel's: the head's agent runs in it) VmRSS or VmHWM."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def test_the_kernel_holds_none_of_the_models_bytes(machines, log_dir, recorder, tmp_path):
+    """A State of a ~200 MB FSDP2 model on 2 machines, committed every step and restored
+    once on 3 ranks (a resize): the other machine's chunks cross to the head and back in
+    pieces, into memory files, so the kernel's peak RSS grows by well under the model's
+    size (measured from the first commit to the last, once the job's imports are done;
+    the job's result then carries the last commit, ``result.snapshot``, into the kernel)."""
+    spec = JobSpec.create(1, nnodes=2, max_nproc=2, backend="gloo", log_dir=log_dir,
+                          timeout=180)
+    rss: dict[str, int] = {}
+
+    def drive(job):
+        try:
+            job.wait_for_commit(1, timeout=180)
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # VmHWM: the peak from now on
+            rss["before"] = _kernel_kb("VmRSS")
+            job.wait_for_commit(3, timeout=180)
+            job.scale(2)
+            job.wait_for_commit(8, timeout=180)
+            rss["peak"] = _kernel_kb("VmHWM")
+        finally:
+            measured.touch()  # the cell ends
+
+    measured = tmp_path / "measured"
+    result = run_head(spec, BIG, recorder, machines, drive=drive,
+                      namespace={"PAUSE": 0.2, "MEASURED": str(measured)},
+                      on_open=lambda: machines.join(1))
+    assert result.ok, result
+    assert machines.procs[0].wait(timeout=60) == 0, machines.output(0)
+    assert [(r.world_size, r.nnodes) for r in recorder.of(RendezvousCompleted)] == [
+        (2, 2), (3, 2)]
+    assert [e.step for e in recorder.of(Committed)][-1] == 8
+    growth = (rss["peak"] - rss["before"]) * 1024
+    print(f"kernel RSS {rss['before'] / 1024:.0f} MB, peak growth {growth / 2**20:.1f} MB "
+          f"for a State of {BIG_BYTES / 2**20:.0f} MB")
+    assert growth < BIG_BYTES / 8, growth

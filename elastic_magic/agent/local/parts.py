@@ -72,3 +72,20 @@ def append(out: int, source: bytes | int, size: int) -> None:
     view = memoryview(source)
     while view:
         view = view[os.write(out, view):]
+
+
+def memory_copy(source: int, offset: int, size: int) -> int:
+    """``size`` bytes of the file ``source`` from ``offset``, copied file to file in the
+    kernel into a new memory file (the caller's)."""
+    out = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
+    try:
+        done = 0
+        while done < size:
+            n = os.copy_file_range(source, out, size - done, offset + done)
+            if not n:
+                raise OSError(f"the file ended at {offset + done} of {offset + size} bytes")
+            done += n
+    except BaseException:
+        os.close(out)
+        raise
+    return out

@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ...events import Committed
 from ...folders import READ_FILE, NotPrivate, describe, new_file, own_folder
@@ -57,7 +57,7 @@ from ...messages import (
     StateReply,
     StateRequest,
 )
-from .parts import CommitParts, append
+from .parts import CommitParts, append, memory_copy
 
 _FILE = "checkpoint.em"
 _MAGIC = b"EMCKPT01"  # then u64 length, the metadata as JSON, then the snapshot
@@ -117,16 +117,21 @@ class SnapshotStore:
         if self.directory is None:
             return False
         folder = self._folder()
+        data: bytes | None = None
+        fd: int | None = None
         try:
-            meta, data = split_checkpoint(self._read(folder, _FILE))
+            with self._open(folder, _FILE) as file:
+                meta, fd = _into_memory(file)
         except FileNotFoundError:
             try:
-                meta = json.loads(self._read(folder, _LEGACY_META))
+                with self._open(folder, _LEGACY_META) as file:
+                    meta = json.loads(file.read())
             except FileNotFoundError:
                 return False
-            data = self._read(folder, _LEGACY_DATA)
+            with self._open(folder, _LEGACY_DATA) as file:
+                data = file.read()
         self.meta, self.token = meta, 0
-        self._replace(data=data)
+        self._replace(data=data, fd=fd)
         return True
 
     def _folder(self) -> int:
@@ -141,8 +146,9 @@ class SnapshotStore:
             _remove_leftovers(self._folder_fd)
         return self._folder_fd
 
-    def _read(self, folder: int, name: str) -> bytes:
-        """A file of the checkpoint, if it is the user's own and no one else may write it."""
+    def _open(self, folder: int, name: str) -> BinaryIO:
+        """A file of the checkpoint, open, if it is the user's own and no one else may
+        write it."""
         path = self.directory / name if self.directory else Path(name)
         try:
             fd = os.open(name, READ_FILE, dir_fd=folder)
@@ -151,15 +157,16 @@ class SnapshotStore:
                 raise NotPrivate(f"the checkpoint {path} is a symbolic link: it is not "
                                  "loaded. Remove it if you did not put it there.") from None
             raise
-        with open(fd, "rb") as file:
-            info = os.fstat(fd)
-            problem = describe(info, path, private=False) if stat.S_ISREG(info.st_mode) \
-                else f"{path} is not a file"
-            if problem:
-                raise NotPrivate(f"the checkpoint is not loaded: {problem}. Someone else may "
-                                 "have planted it to run code in your job: remove it, or give "
-                                 "another --checkpoint-dir.")
-            return file.read()
+        file = open(fd, "rb")  # noqa: SIM115 (the caller's)
+        info = os.fstat(fd)
+        problem = describe(info, path, private=False) if stat.S_ISREG(info.st_mode) \
+            else f"{path} is not a file"
+        if problem:
+            file.close()
+            raise NotPrivate(f"the checkpoint is not loaded: {problem}. Someone else may "
+                             "have planted it to run code in your job: remove it, or give "
+                             "another --checkpoint-dir.")
+        return file
 
     def commit(self, meta: dict[str, Any], *, data: bytes | None = None,
                fd: int | None = None, token: int = 0) -> None:
@@ -190,6 +197,19 @@ class SnapshotStore:
             os.close(self._fd)
         self._bytes, self._fd = data, fd
         self.size = os.fstat(fd).st_size if fd is not None else len(data or b"")
+
+
+def _into_memory(file: BinaryIO) -> tuple[dict[str, Any], int]:
+    """A ``checkpoint.em`` file's metadata, and its snapshot copied into a memory file
+    (file to file in the kernel: a checkpoint never sits on the kernel's heap)."""
+    start = len(_MAGIC) + _LENGTH.size
+    head = file.read(start)
+    if head[:len(_MAGIC)] != _MAGIC or len(head) < start:
+        raise ValueError(f"not a checkpoint written by elastic_magic ({_FILE})")
+    meta = json.loads(file.read(_LENGTH.unpack_from(head, len(_MAGIC))[0]))
+    offset = file.tell()
+    out = memory_copy(file.fileno(), offset, os.fstat(file.fileno()).st_size - offset)
+    return meta, out
 
 
 def _remove_leftovers(folder: int) -> None:
