@@ -50,10 +50,10 @@ def test_a_restore_is_the_snapshot_from_pieces_and_held_chunks(monkeypatch, sour
     monkeypatch.setattr(chunks, "PIECE", 4)
     sink = ChunkSink()
     wire, mine = Wire(sink), HeldChunks()
+    if 1 not in held:
+        mine.keep(1, 41, _file(b"x" * 11))  # an older commit's: dropped by the newer's
     for part in held:
         mine.keep(part, 42, _file(PARTS[part]))
-    if 1 not in held:
-        mine.keep(1, 41, _file(b"x" * 11))  # an older commit's
     data = SNAPSHOT if source == "bytes" else _file(SNAPSHOT)
     local = send_snapshot(wire, ("state", 1, 0, 9), data, len(SNAPSHOT), 42, mine.have())
     assert [part for part, _, _ in (local or ())] == list(held)
@@ -87,6 +87,9 @@ def test_a_held_chunk_replaced_by_a_newer_commit_is_not_used():
     assert not mine.copy_into(out, 0, 1, 0) and _read(out) == b""
     assert mine.copy_into(out, 0, 2, 0) and _read(out) == b"new"
     assert mine.have() == ((0, 2),)
+    mine.keep(1, 2, _file(b"one"))
+    mine.keep(2, 3, _file(b"two"))  # a newer commit: the chunks of the older are dropped
+    assert mine.have() == ((2, 3),)
     os.close(out)
     mine.close()
 

@@ -185,8 +185,9 @@ class ChunkSink:
 
 
 class HeldChunks:
-    """The chunks this machine keeps: part -> (its commit's token, its memory file). One
-    per part: a newer commit's part replaces the older."""
+    """The chunks this machine keeps: part -> (its commit's token, its memory file), of one
+    commit: a newer commit's first chunk drops the older's (the head has them all), so a
+    world that shrank leaves no chunk behind."""
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[int, int]] = {}
@@ -195,10 +196,11 @@ class HeldChunks:
     def keep(self, part: int, token: int, fd: int) -> None:
         """Keep ``fd`` (now ours) as part ``part`` of commit ``token``."""
         with self._lock:
-            old = self._held.pop(part, None)
+            old = [self._held.pop(p) for p, (t, _) in list(self._held.items())
+                   if p == part or t != token]
             self._held[part] = (token, fd)
-        if old is not None:
-            os.close(old[1])
+        for _, held in old:
+            os.close(held)
 
     def have(self) -> tuple[tuple[int, int], ...]:
         with self._lock:
