@@ -79,13 +79,20 @@ def memory_copy(source: int, offset: int, size: int) -> int:
     kernel into a new memory file (the caller's)."""
     out = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
     try:
-        done = 0
-        while done < size:
-            n = os.copy_file_range(source, out, size - done, offset + done)
-            if not n:
-                raise OSError(f"the file ended at {offset + done} of {offset + size} bytes")
-            done += n
+        copy_range(source, offset, out, 0, size)
     except BaseException:
         os.close(out)
         raise
     return out
+
+
+def copy_range(source: int, offset: int, out: int, at: int, size: int) -> None:
+    """Copy ``size`` bytes of ``source`` from ``offset`` to ``out`` at ``at``, in the kernel
+    (sendfile: copy_file_range refuses files on different file systems)."""
+    os.lseek(out, at, os.SEEK_SET)
+    done = 0
+    while done < size:
+        sent = os.sendfile(out, source, offset + done, size - done)
+        if not sent:
+            raise OSError(f"the file ended at {offset + done} of {offset + size} bytes")
+        done += sent

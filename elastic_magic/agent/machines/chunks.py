@@ -25,6 +25,7 @@ from typing import Protocol
 from ...chunk_messages import ChunkKept, ChunkKey, ChunkPiece
 from ...messages import LinkMessage
 from ...snapshot_format import part_spans
+from ..local.parts import copy_range
 
 PIECE = 4 << 20  # bytes a frame: what a chunk in flight costs a heap
 
@@ -216,12 +217,7 @@ class HeldChunks:
                 return False
             source = os.dup(fd)
         try:
-            size, done = os.fstat(source).st_size, 0
-            while done < size:
-                n = os.copy_file_range(source, out, size - done, done, offset + done)
-                if not n:
-                    raise OSError(f"held chunk {part} ended at {done} of {size} bytes")
-                done += n
+            copy_range(source, 0, out, offset, os.fstat(source).st_size)
         finally:
             os.close(source)
         return True
