@@ -401,4 +401,4 @@ def test_the_kernel_holds_none_of_the_models_bytes(machines, log_dir, recorder, 
     growth = (rss["peak"] - rss["before"]) * 1024
     print(f"kernel RSS {rss['before'] / 1024:.0f} MB, peak growth {growth / 2**20:.1f} MB "
           f"for a State of {BIG_BYTES / 2**20:.0f} MB")
-    assert growth < BIG_BYTES / 8, growth
+    assert growth < BIG_BYTES / 4, growth  # main before chunks: 288 MB

@@ -49,14 +49,31 @@ def answer_node(chunks: ChunkSink, link: LinkLike, node: int, message: NodeReque
         return
     store = server.store
     if isinstance(request, StateGet) and store.source is not None:
-        key = ("state", attempt, local_rank, request.request_id)
-        local = send_snapshot(link, key, store.source, store.size, store.token, message.have)
-        if local is not None:
-            link.send(NodeReply(attempt, local_rank,
-                                Reply(request.request_id, StateReply(store.commit_id)),
-                                streamed=store.size, local=local))
+        # Sent on a thread, from our own descriptor of the memory file (a commit may
+        # replace the store's meanwhile): the loop goes on serving.
+        source = os.dup(store.source) if isinstance(store.source, int) else store.source
+        state = Reply(request.request_id, StateReply(store.commit_id))
+        threading.Thread(target=_send_state, name="elastic-chunk-send", daemon=True, args=(
+            link, NodeReply(attempt, local_rank, state, streamed=store.size), source,
+            store.token, message.have)).start()
         return
     link.send(NodeReply(attempt, local_rank, server.serve(request, world_size, inline=True)))
+
+
+def _send_state(link: LinkLike, reply: NodeReply, source: bytes | int, token: int,
+                have: tuple[tuple[int, int], ...]) -> None:
+    """The snapshot in pieces (but for the chunks held there), then ``reply``."""
+    key = ("state", reply.attempt, reply.local_rank, reply.reply.request_id)
+    try:
+        assert reply.streamed is not None
+        local = send_snapshot(link, key, source, reply.streamed, token, have)
+        if local is not None:
+            link.send(dataclasses.replace(reply, local=local))
+    except OSError:
+        pass  # the link went: that machine is lost, which its reader reports
+    finally:
+        if isinstance(source, int):
+            os.close(source)
 
 
 class HeadCopies:
