@@ -55,10 +55,10 @@ class JoinedJob:
 class JoinedMachine(SingleMachine):
     """A machine that joined the head's job: it follows the head's rendezvous, keeps its
     ranks' chunks and sends their copies to the head (``remote_state.NodeChunks``), and
-    reports its results there. It does not watch
-    for waiting machines itself (the head does, and says Regroup): a read of the head's
-    store could block its loop for the store's timeout on a cut link, long after the
-    link's own timeout has said that the head is lost."""
+    reports its results there. It does not watch for waiting machines itself (the head
+    does, and says Regroup): a read of the head's store could block its loop for the
+    store's timeout on a cut link, long after the link's own timeout has said that the
+    head is lost."""
 
     hosts_rendezvous = False
     holds_snapshots = False
