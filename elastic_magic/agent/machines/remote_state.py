@@ -112,8 +112,11 @@ class NodeChunks:
         self.sink = sink
         self.held = HeldChunks()
         self.asked: dict[tuple[int, int, int], StateGet] = {}  # restores under way
-        self.served: dict[int, int] = {}  # local rank -> the restore offered to it
-        self._lock = threading.Lock()
+        # The last restore offered to the workers, (commit id, memory file): open until a
+        # restore of another commit (a worker opens it some time after our reply); the
+        # ranks restoring the same commit share it (the head's store numbers its commits
+        # for the life of the job, as this role lives).
+        self.served: tuple[int, int] | None = None
 
     def commit(self, worker: Worker, request: Commit, memory_file: int | None) -> None:
         """Keep the chunk here and send it to the head behind the loop; the head's reply
@@ -151,27 +154,34 @@ class NodeChunks:
         whole = all(self.held.copy_into(fd, part, token, offset)
                     for part, token, offset in message.local)
         if not whole or os.fstat(fd).st_size != message.streamed:
-            os.close(fd)  # a chunk held here was replaced meanwhile: all from the head
-            self.restore(worker, request, everything=True)
+            os.close(fd)
+            if not message.local:
+                raise RuntimeError(f"a restore from the head came incomplete: "
+                                   f"{message.streamed} bytes were announced")
+            self.restore(worker, request, everything=True)  # a held chunk was replaced
             return
         state = message.reply.value
         assert isinstance(state, StateReply)
-        old = self.served.pop(worker.local_rank, None)
-        if old is not None:
-            os.close(old)
         if request.inline:
             reply = dataclasses.replace(state, snapshot=os.pread(fd, message.streamed, 0))
             os.close(fd)
         else:
-            self.served[worker.local_rank] = fd  # open until the worker's next restore
-            reply = dataclasses.replace(state, handoff=Handoff.of(fd))
+            if self.served is not None and self.served[0] == state.commit_id:
+                os.close(fd)  # the same commit: the file already offered
+            else:
+                self._release()
+                self.served = (state.commit_id, fd)
+            reply = dataclasses.replace(state, handoff=Handoff.of(self.served[1]))
         worker.send(Reply(request_id, reply))
+
+    def _release(self) -> None:
+        served, self.served = self.served, None
+        if served is not None:
+            os.close(served[1])
 
     def close(self) -> None:
         self.held.close()
-        for fd in self.served.values():
-            os.close(fd)
-        self.served.clear()
+        self._release()
         self.sink.drop()
 
 
