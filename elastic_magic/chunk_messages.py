@@ -1,9 +1,31 @@
-"""The messages that carry snapshot chunks between machines (``agent/machines/chunks.py``),
-part of ``messages.LinkMessage``."""
+"""How a snapshot's bytes cross: between processes, a memory file offered through /proc
+(``Handoff``); between machines, chunks in pieces (``agent/machines/chunks.py``), part of
+``messages.LinkMessage``."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A memory file offered to the peer, which opens it through /proc (same user, no copy
+    through a pipe)."""
+
+    pid: int
+    fd: int
+    size: int
+
+    @classmethod
+    def of(cls, fd: int) -> Handoff:
+        """Offer this process's descriptor ``fd``."""
+        return cls(os.getpid(), fd, os.fstat(fd).st_size)
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{self.pid}/fd/{self.fd}"
+
 
 ChunkKey = tuple[str, int, int, int]
 

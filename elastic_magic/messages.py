@@ -19,12 +19,11 @@ Receivers dispatch with ``match``. Workers import this module, so it imports not
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from .chunk_messages import ChunkKept, ChunkPiece
+from .chunk_messages import ChunkKept, ChunkPiece, Handoff
 from .result import JobState, RankFailure
 from .stacks import ThreadStack
 
@@ -35,27 +34,7 @@ if TYPE_CHECKING:
     from .spec import JobSpec
 
 
-@dataclass(frozen=True)
-class Handoff:
-    """A memory file offered to the peer, which opens it through /proc (same user, no copy
-    through a pipe)."""
-
-    pid: int
-    fd: int
-    size: int
-
-    @classmethod
-    def of(cls, fd: int) -> Handoff:
-        """Offer this process's descriptor ``fd``."""
-        return cls(os.getpid(), fd, os.fstat(fd).st_size)
-
-    @property
-    def path(self) -> str:
-        return f"/proc/{self.pid}/fd/{self.fd}"
-
-
 # -- agent -> worker ------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class Run:
@@ -279,27 +258,22 @@ class Forward:
 
 @dataclass(frozen=True)
 class NodeRequest:
-    """A joined machine's worker asks for State. ``streamed``: the commit's chunk (its
-    size) came before in ``ChunkPiece``s keyed ``("commit", attempt, local_rank,
-    request_id)``; ``have``: the (part, token) chunks held there (a restore skips them)."""
+    """A joined machine's worker asks for State (``agent/machines/remote_state.py``)."""
 
     attempt: int
     local_rank: int
     request: StateRequest
-    streamed: int | None = None
-    have: tuple[tuple[int, int], ...] = ()
+    streamed: int | None = None  # the size of the commit's chunk, sent before in pieces
+    have: tuple[tuple[int, int], ...] = ()  # (part, token): chunks held there
 
 
 @dataclass(frozen=True)
 class NodeReply:
-    """``streamed``: the snapshot came in pieces keyed ``("state", ...)``, but for ``local``
-    (part, token, offset): filled in there."""
-
     attempt: int
     local_rank: int
     reply: Reply
-    streamed: int | None = None
-    local: tuple[tuple[int, int, int], ...] = ()
+    streamed: int | None = None  # the size of the restore, sent before in pieces
+    local: tuple[tuple[int, int, int], ...] = ()  # (part, token, offset): filled in there
 
 
 @dataclass(frozen=True)

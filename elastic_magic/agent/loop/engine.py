@@ -244,8 +244,7 @@ class Engine:
 
     @property
     def graceful(self) -> bool:
-        """A membership change can wait for the group's next State commit; RESIZING: it
-        leaves at one, whose cut would resume from the commit before (a step run again)."""
+        """A membership change can wait for the group's next commit (or the one it leaves at)."""
         return self.elastic_state.used and self.state in (JobState.RUNNING, JobState.RESIZING)
 
     def _leave_at_commit(self) -> bool:
