@@ -370,8 +370,7 @@ def test_the_kernel_holds_none_of_the_models_bytes(machines, log_dir, recorder, 
     """A State of a ~200 MB FSDP2 model on 2 machines, committed every step and restored
     once on 3 ranks (a resize): the other machine's chunks cross to the head and back in
     pieces, into memory files, so the kernel's peak RSS grows by well under the model's
-    size (measured from the first commit to the last, once the job's imports are done;
-    the job's result then carries the last commit, ``result.snapshot``, into the kernel)."""
+    size (measured from the first commit to the last, once the job's imports are done)."""
     spec = JobSpec.create(1, nnodes=2, max_nproc=2, backend="gloo", log_dir=log_dir,
                           timeout=180)
     rss: dict[str, int] = {}
