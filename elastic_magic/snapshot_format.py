@@ -16,11 +16,10 @@ together by the agent once every rank's is in:
     PARTS | u64 count | u64 size of each | each part, in rank order
 
 Tensors other than plain strided ones (sparse, quantized, ...) are pickled in the tree as
-torch pickles them. A snapshot written by ``torch.save`` (an older checkpoint) still loads.
-Snapshots travel between one job's own processes and the checkpoint folder the user gave:
-they are trusted as ``torch.load(weights_only=False)`` trusts its file, so the agent loads
-a checkpoint only from a folder and a file of the user's that no one else can write
-(``agent/local/snapshots.py``).
+torch pickles them. Snapshots travel between one job's own processes and the checkpoint
+folder the user gave: they are unpickled, so the agent loads a checkpoint only once its
+signature proves the user's key wrote it (``agent/local/checkpoint_file.py``). A snapshot
+in ``torch.save``'s format (an older one) loads only as ``weights_only=True`` allows.
 """
 
 from __future__ import annotations
@@ -166,8 +165,8 @@ class Parts:
 def _load(file: BinaryIO, head: bytes) -> Any:
     import torch
 
-    if head != MAGIC:  # an older snapshot: torch.save's zip
-        return torch.load(io.BytesIO(head + file.read()), weights_only=False,
+    if head != MAGIC:  # an older snapshot: torch.save's zip, never trusted with code
+        return torch.load(io.BytesIO(head + file.read()), weights_only=True,
                           map_location="cpu")
     table = pickle.loads(_read(file, _LENGTH.unpack(_read(file, _LENGTH.size))[0]))
     tree = _read(file, _LENGTH.unpack(_read(file, _LENGTH.size))[0])

@@ -66,6 +66,18 @@ def wait_until_no_workers(timeout: float) -> list[psutil.Process]:
 
 
 @pytest.fixture(autouse=True)
+def checkpoint_config(tmp_path_factory, monkeypatch) -> Path:
+    """Checkpoint keys are made in a config folder of the test's, never in the real home
+    (``elastic_magic.checkpoint_key``); kernels and agents started by the test inherit it."""
+    from elastic_magic.checkpoint_key import ENV
+
+    config = tmp_path_factory.mktemp("config")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
+    monkeypatch.delenv(ENV, raising=False)
+    return config
+
+
+@pytest.fixture(autouse=True)
 def no_leftover_workers():
     """After every test the process table holds no worker of ours, nor anything a worker
     started."""

@@ -6,11 +6,13 @@ A commit is answered once the snapshot is kept in memory; the checkpoint is writ
 it on a thread (``CheckpointWriter``), which writes the newest snapshot it has not written
 yet, so a slow disk delays the checkpoint, never the training. The job's end waits for it.
 
-Loading a checkpoint unpickles it (in the workers): one that another user planted would run
-their code. So the folder is opened once, checked on its descriptor (the user's, no one
-else may write to it), and the files are read only if they are the user's too (not links,
-no one else may write them); they are written new (``O_EXCL | O_NOFOLLOW``) relative to
-that descriptor, then renamed into place.
+Loading a checkpoint unpickles it (in the workers): one that someone else planted would run
+their code. So every checkpoint is signed with the user's key and loaded only once the
+signature checks (``checkpoint_file``): one written with another key, changed or cut short
+is refused. As a second line, the folder is opened once, checked on its descriptor (the
+user's, no one else may write to it), and the files are read only if they are the user's
+too (not links, no one else may write them); they are written new (``O_EXCL |
+O_NOFOLLOW``) relative to that descriptor, then renamed into place.
 
 A checkpoint is one file, ``checkpoint.em``: its metadata (the step printed on resume and
 kept as ``JobResult.commit``) in a header before the snapshot, so one rename replaces both
@@ -18,9 +20,9 @@ and they always agree. A write that a crash interrupted leaves a temporary file:
 job that opens the folder removes those (``.checkpoint.em.<hex>``, and the two of earlier
 versions), only regular files of the user's in a folder checked to be the user's, and only
 those no writer holds locked: two jobs (two notebooks) may share a folder, and the second
-one's start must not remove the file the first is writing. The
-pair ``snapshot.pt`` + ``snapshot.json`` of earlier versions is still loaded, when there is
-no ``checkpoint.em``.
+one's start must not remove the file the first is writing. The unsigned checkpoints of
+earlier versions (``checkpoint.em`` starting ``EMCKPT01``, the pair ``snapshot.pt`` +
+``snapshot.json``) are refused, saying so.
 
 In memory, a snapshot is either bytes (from the pipe, another machine or a checkpoint) or
 a descriptor of the anonymous memory file the committing worker wrote it into: the agent
@@ -33,18 +35,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import re
 import secrets
 import stat
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ...checkpoint_key import checkpoint_key
 from ...events import Committed
 from ...folders import READ_FILE, NotPrivate, describe, new_file, own_folder
 from ...messages import (
@@ -57,28 +58,13 @@ from ...messages import (
     StateReply,
     StateRequest,
 )
-from .parts import CommitParts, append, memory_copy
+from . import checkpoint_file
+from .parts import CommitParts
 
-_FILE = "checkpoint.em"
-_MAGIC = b"EMCKPT01"  # then u64 length, the metadata as JSON, then the snapshot
-_LENGTH = struct.Struct("<Q")
+_FILE = "checkpoint.em"  # signed: checkpoint_file
 _LEGACY_DATA, _LEGACY_META = "snapshot.pt", "snapshot.json"  # earlier versions' pair
 _LEFTOVER = re.compile(r"\.(checkpoint\.em|snapshot\.pt|snapshot\.json)\.[0-9a-f]{16}")
-
-
-def checkpoint_header(meta: dict[str, Any]) -> bytes:
-    """What precedes the snapshot in ``checkpoint.em``."""
-    text = json.dumps(meta).encode()
-    return _MAGIC + _LENGTH.pack(len(text)) + text
-
-
-def split_checkpoint(data: bytes) -> tuple[dict[str, Any], bytes]:
-    """The metadata and the snapshot of a ``checkpoint.em`` file's bytes."""
-    start = len(_MAGIC) + _LENGTH.size
-    if data[:len(_MAGIC)] != _MAGIC or len(data) < start:
-        raise ValueError(f"not a checkpoint written by elastic_magic ({_FILE})")
-    end = start + _LENGTH.unpack_from(data, len(_MAGIC))[0]
-    return json.loads(data[start:end]), data[end:]
+split_checkpoint = checkpoint_file.split
 
 
 @dataclass
@@ -91,6 +77,7 @@ class SnapshotStore:
     size: int = 0
     _writer: CheckpointWriter | None = field(default=None, repr=False)
     _folder_fd: int | None = None  # the checkpoint folder, checked
+    _key: bytes | None = None  # the user's checkpoint key (signs and checks checkpoints)
     parts: CommitParts = field(default_factory=CommitParts)  # of a sharded commit
     token: int = 0  # the commit's (rank 0's random number): its chunks on other machines
 
@@ -112,27 +99,36 @@ class SnapshotStore:
         return self._fd
 
     def load_checkpoint(self) -> bool:
-        """Take the snapshot a previous run left in the directory, if any. Raises
-        NotPrivate, loading nothing, where the folder or a file is not safely the user's."""
+        """Take the snapshot a previous run left in the directory, if any, once its
+        signature proves the user's key wrote it. Raises NotPrivate, loading nothing, where
+        the folder, a file or the key is not safely the user's, or the checkpoint is not
+        signed with that key (CheckpointRefused)."""
         if self.directory is None:
             return False
         folder = self._folder()
-        data: bytes | None = None
-        fd: int | None = None
+        key = self._checkpoint_key()  # a bad key file is refused before anything starts
         try:
             with self._open(folder, _FILE) as file:
-                meta, fd = _into_memory(file)
+                meta, fd = checkpoint_file.load(file, self.directory / _FILE, key)
         except FileNotFoundError:
             try:
-                with self._open(folder, _LEGACY_META) as file:
-                    meta = json.loads(file.read())
+                with self._open(folder, _LEGACY_META), self._open(folder, _LEGACY_DATA):
+                    pass
             except FileNotFoundError:
                 return False
-            with self._open(folder, _LEGACY_DATA) as file:
-                data = file.read()
+            raise checkpoint_file.CheckpointRefused(
+                f"the checkpoint {self.directory / _LEGACY_DATA} was written by an earlier "
+                "version of elastic_magic, without a signature: it is not loaded (loading "
+                "it runs whatever it holds). Move it away to start from scratch; see "
+                "README, Security.") from None
         self.meta, self.token = meta, 0
-        self._replace(data=data, fd=fd)
+        self._replace(fd=fd)
         return True
+
+    def _checkpoint_key(self) -> bytes:
+        if self._key is None:
+            self._key = checkpoint_key()
+        return self._key
 
     def _folder(self) -> int:
         if self._folder_fd is None:
@@ -176,7 +172,7 @@ class SnapshotStore:
         self.commit_id += 1
         if self.directory is not None:
             if self._writer is None:
-                self._writer = CheckpointWriter(self._folder())
+                self._writer = CheckpointWriter(self._folder(), self._checkpoint_key())
             self._writer.submit(meta, data if fd is None else os.dup(fd), self.size)
 
     def close(self) -> None:
@@ -197,19 +193,6 @@ class SnapshotStore:
             os.close(self._fd)
         self._bytes, self._fd = data, fd
         self.size = os.fstat(fd).st_size if fd is not None else len(data or b"")
-
-
-def _into_memory(file: BinaryIO) -> tuple[dict[str, Any], int]:
-    """A ``checkpoint.em`` file's metadata, and its snapshot copied into a memory file
-    (file to file in the kernel: a checkpoint never sits on the kernel's heap)."""
-    start = len(_MAGIC) + _LENGTH.size
-    head = file.read(start)
-    if head[:len(_MAGIC)] != _MAGIC or len(head) < start:
-        raise ValueError(f"not a checkpoint written by elastic_magic ({_FILE})")
-    meta = json.loads(file.read(_LENGTH.unpack_from(head, len(_MAGIC))[0]))
-    offset = file.tell()
-    out = memory_copy(file.fileno(), offset, os.fstat(file.fileno()).st_size - offset)
-    return meta, out
 
 
 def _remove_leftovers(folder: int) -> None:
@@ -264,14 +247,13 @@ def temporary_file(folder: int, name: str) -> Iterator[tuple[int, str]]:
         os.close(fd)
 
 
-def _write_atomically(folder: int, name: str, head: bytes, source: bytes | int | None,
-                      size: int = 0) -> None:
-    """Write ``head`` then ``source`` (bytes, or ``size`` bytes of a file descriptor) to a
-    new temporary file in ``folder`` (a descriptor), fsync it, then rename it over
-    ``name``."""
+def _write_atomically(folder: int, name: str, key: bytes, meta: dict[str, Any],
+                      source: bytes | int | None, size: int = 0) -> None:
+    """Write the signed checkpoint of ``source`` (bytes, or ``size`` bytes of a file
+    descriptor) to a new temporary file in ``folder`` (a descriptor), fsync it, then rename
+    it over ``name``."""
     with temporary_file(folder, name) as (fd, tmp):
-        append(fd, head, len(head))
-        append(fd, source or b"", size)
+        checkpoint_file.write(fd, key, meta, source, size)
         os.fsync(fd)
         os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
 
@@ -281,8 +263,9 @@ class CheckpointWriter:
     one that is superseded before its turn is skipped. An error is raised by the next
     ``submit`` or by ``close``."""
 
-    def __init__(self, folder: int) -> None:
+    def __init__(self, folder: int, key: bytes) -> None:
         self.folder = folder  # the checkpoint folder's descriptor (the store's)
+        self.key = key
         self._cond = threading.Condition()
         self._pending: tuple[dict[str, Any], bytes | int | None, int] | None = None
         self._closing = False
@@ -324,7 +307,7 @@ class CheckpointWriter:
                     return
                 (meta, source, size), self._pending = self._pending, None
             try:
-                _write_atomically(self.folder, _FILE, checkpoint_header(meta), source, size)
+                _write_atomically(self.folder, _FILE, self.key, meta, source, size)
             except BaseException as exc:
                 with self._cond:
                     self._error = exc
