@@ -171,7 +171,8 @@ class ScriptedGroup(WorkerGroup):
         for worker in self.workers:
             worker.send(Exit())
 
-    def close(self) -> None:
+    def close(self, spare=()) -> None:
+        assert not spare, "the scripted jobs run without --survivors: no worker is kept"
         self._stop(None)
 
 
