@@ -112,3 +112,32 @@ def init_process_group(*args: Any, **kwargs: Any) -> None:
 
 _original_init = c10d.init_process_group
 functools.update_wrapper(init_process_group, _original_init)
+
+# Groups the cell destroyed, kept until its payload has ended (release_destroyed). torch
+# ends a gloo group on the thread that drops its last reference, GIL held: when that is the
+# cell freeing its DDP model right after destroy_process_group, gloo's run-loop thread may
+# still hold its work lock while it waits for the GIL to free the last collective's
+# tensors, and the rank hangs for ever (the kind of pytorch/pytorch#56297; seen here in a
+# torchrun script). Kept here, the group ends after the payload, with no work in flight.
+_destroyed: list[Any] = []
+
+
+def keep_destroyed_groups() -> None:
+    """Point torch.distributed.destroy_process_group at :func:`destroy_process_group`."""
+    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
+
+
+def destroy_process_group(group: Any = None) -> None:
+    kept = group if group is not None else c10d.GroupMember.WORLD
+    if kept is not None:
+        _destroyed.append(kept)
+    _original_destroy(group)
+
+
+def release_destroyed() -> None:
+    """The payload has ended: the groups it destroyed may end now."""
+    _destroyed.clear()
+
+
+_original_destroy = c10d.destroy_process_group
+functools.update_wrapper(destroy_process_group, _original_destroy)

@@ -79,6 +79,9 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
         session.end_output()
     report_imports(report)
     report.send(message)
+    from elastic_magic.worker import default_group
+
+    default_group.release_destroyed()
 
 
 def report_imports(report: AgentClient) -> None:
@@ -97,6 +100,7 @@ def _prepare(payload: Payload) -> dict[str, Any]:
     _set_device()
     from elastic_magic.worker import default_group
 
+    default_group.keep_destroyed_groups()
     if payload.init_process_group:  # made when the cell first uses it, unless it makes its own
         default_group.arm(payload.backend, payload.timeout)
     else:  # nor one armed by a payload before (a new rank's setup cells replayed alone)
@@ -137,6 +141,7 @@ def shutdown_process_group() -> None:
     default_group.disarm()
     if dist.is_initialized():
         dist.destroy_process_group()
+    default_group.release_destroyed()
 
 
 def _execute(payload: Payload, namespace: dict[str, Any]) -> Any:
