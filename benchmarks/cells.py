@@ -46,13 +46,16 @@ MLP_SETUP = textwrap.dedent("""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = elastic_magic.ElasticSampler(len(data), global_batch_size=48, seed=0)
     loader = elastic_magic.DataLoader(data, batch_sampler=sampler, num_workers=2)
-""")
-MLP_TRAIN = textwrap.dedent("""
-    for step, (x, y) in enumerate(loader):
+
+    def train_step(x, y):
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+""")
+MLP_TRAIN = textwrap.dedent("""
+    for step, (x, y) in enumerate(loader):
+        train_step(x, y)
         if step == 0:
             stamp("step")
         if step + 1 == STEPS:
@@ -66,10 +69,7 @@ MLP_KILLED = MLP_SETUP + textwrap.dedent("""
     import os, signal, time
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     for step, (x, y) in enumerate(loader):
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        train_step(x, y)
         if step == 0:
             stamp(f"step{attempt}")
         if attempt == "0":
@@ -96,10 +96,7 @@ MLP_KILLED_STATE = MLP_SETUP + textwrap.dedent("""
     while state.step < STEPS:
         sampler.set_epoch(state.step // (SAMPLES // 48))
         for x, y in loader:
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            train_step(x, y)
             if first:
                 stamp(f"step{attempt}")
                 first = False
@@ -126,10 +123,7 @@ MLP_ELASTIC = MLP_SETUP + textwrap.dedent("""
     while state.step < 100000:
         sampler.set_epoch(state.step // (SAMPLES // 48))
         for x, y in loader:
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            train_step(x, y)
             if first:
                 stamp(f"w{dist.get_world_size()}")
                 first = False
