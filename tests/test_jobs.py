@@ -96,10 +96,13 @@ def test_function_target_with_arguments(log_dir):
     assert result.values == {0: 1, 1: 11, 2: 21}
 
 
+# One write(2) per line: torchrun's two workers share one stdout pipe, and a line printed
+# through Python's buffer can reach it in pieces that interleave with the other rank's.
 PROBE = """
-import json, os, sys
+import json, os
 base = set(json.loads(os.environ["PROBE_BASE"]))
-print("PROBE " + json.dumps({k: v for k, v in os.environ.items() if k not in base}))
+line = "PROBE " + json.dumps({k: v for k, v in os.environ.items() if k not in base}) + "\\n"
+os.write(1, line.encode())
 """
 
 
