@@ -27,6 +27,17 @@ class Handoff:
         return f"/proc/{self.pid}/fd/{self.fd}"
 
 
+@dataclass(frozen=True)
+class CommitTarget:
+    """Where to write this rank's part of commit ``token`` (parts of ``sizes`` bytes, in
+    rank order): answered with a CommitReply whose ``target`` is the agent's memory file
+    for it, or none (then the part is sent as before: a file of the worker's, or bytes)."""
+
+    request_id: int
+    token: int
+    sizes: tuple[int, ...]
+
+
 ChunkKey = tuple[str, int, int, int]
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from .chunk_messages import ChunkKept, ChunkPiece, Handoff
+from .chunk_messages import ChunkKept, ChunkPiece, CommitTarget, Handoff
 from .result import JobState, RankFailure
 from .stacks import ThreadStack
 
@@ -141,10 +141,11 @@ class StateGet:
 
 @dataclass(frozen=True)
 class Commit:
-    """A new snapshot: in ``snapshot`` (bytes), or in a memory file the worker offers.
-    A sharded State's snapshot comes in ``parts`` parts, one per rank, in any order: the
-    last of the parts with the same ``token`` (rank 0's random number for this commit)
-    completes the commit."""
+    """A new snapshot: in ``snapshot`` (bytes), in a memory file the worker offers, or
+    ``written`` into the agent's file for it (``CommitTarget``). A sharded State's snapshot
+    comes in ``parts`` parts of ``sizes`` bytes, one per rank, in any order: the last of
+    the parts with the same ``token`` (rank 0's random number for this commit) completes
+    the commit."""
 
     request_id: int
     step: Any
@@ -154,6 +155,8 @@ class Commit:
     part: int = 0
     parts: int = 1
     token: int = 0
+    sizes: tuple[int, ...] = ()
+    written: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,9 +183,9 @@ class Stacks:
     threads: tuple[ThreadStack, ...]
 
 
-StateRequest = StateGet | Commit | CommitIntent
+StateRequest = StateGet | Commit | CommitIntent | CommitTarget
 WorkerMessage = (Running | Result | Failed | Resized | Parked | StateGet | Commit
-                 | CommitIntent | Progress | Stacks | Imported)
+                 | CommitIntent | CommitTarget | Progress | Stacks | Imported)
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,7 @@ class StateReply:
 class CommitReply:
     resize: bool = False  # every rank leaves at this commit
     handoff_failed: bool = False  # the agent cannot read the memory file: use the pipe
+    target: Handoff | None = None  # where to write the part (CommitTarget)
     error: str | None = None  # the commit was not kept: why
 
 

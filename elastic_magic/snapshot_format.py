@@ -25,9 +25,10 @@ in ``torch.save``'s format (an older one) loads only as ``weights_only=True`` al
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 MAGIC = b"EMSNAP01"
@@ -38,6 +39,17 @@ _LENGTH = struct.Struct("<Q")
 def parts_header(sizes: list[int]) -> bytes:
     """What precedes parts of these sizes in one snapshot."""
     return PARTS + _LENGTH.pack(len(sizes)) + b"".join(_LENGTH.pack(n) for n in sizes)
+
+
+def layout(sizes: tuple[int, ...] | list[int]) -> tuple[bytes, list[int], int]:
+    """A snapshot of parts of these sizes: its header, where each part starts, its size.
+    One part is the snapshot itself (no header)."""
+    header = parts_header(list(sizes)) if len(sizes) > 1 else b""
+    offsets, at = [], len(header)
+    for size in sizes:
+        offsets.append(at)
+        at += size
+    return header, offsets, at
 
 
 def part_spans(read: Callable[[int], bytes]) -> list[tuple[int, int]] | None:
@@ -68,14 +80,30 @@ class Prepared:
         self.head = head
         self.flat = flat
 
+    @property
+    def nbytes(self) -> int:
+        return sum(map(len, self.head)) + sum(d.numel() * d.element_size() for d in self.flat)
+
     def write(self, file: BinaryIO) -> None:
+        for data in self._buffers():
+            file.write(data)
+
+    def write_at(self, fd: int, offset: int) -> None:
+        """Write it into the file ``fd`` at ``offset`` (``pwrite``: no seek shared with
+        anyone, no buffer between)."""
+        for data in self._buffers():
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+
+    def _buffers(self) -> Iterator[Any]:
         import torch
 
-        for part in self.head:
-            file.write(part)
+        yield from self.head
         for data in self.flat:
             if data.numel():
-                file.write(data.view(torch.uint8).numpy().data)
+                yield data.view(torch.uint8).numpy().data
 
 
 def prepare(obj: Any, *, copy: bool = True, reuse: Prepared | None = None) -> Prepared:

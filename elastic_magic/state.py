@@ -27,6 +27,7 @@ a socket) is refused.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import io
 import os
@@ -39,7 +40,16 @@ from typing import Any
 
 from . import rng, sharded, snapshot_format
 from .data import DataLoader, ElasticSampler, _dist, rank_and_world
-from .messages import Commit, CommitIntent, CommitReply, Handoff, StateGet, StateReply
+from .file_locks import ofd_lock
+from .messages import (
+    Commit,
+    CommitIntent,
+    CommitReply,
+    CommitTarget,
+    Handoff,
+    StateGet,
+    StateReply,
+)
 from .worker.client import AgentClient, ResizeExit, current
 
 __all__ = ["DataLoader", "ElasticSampler", "State"]
@@ -104,13 +114,18 @@ def _broadcast_flag(dist: Any, flag: bool) -> bool:
 
 def _gather_int(dist: Any, value: int) -> list[int]:
     """Every rank's ``value``, in rank order."""
+    return [row[0] for row in _gather_ints(dist, [value])]
+
+
+def _gather_ints(dist: Any, values: list[int]) -> list[list[int]]:
+    """Every rank's ``values``, in rank order (a tensor collective: nothing unpickled)."""
     import torch
 
     device = rng.collective_device(dist)
-    parts = [torch.empty(1, dtype=torch.int64, device=device)
-             for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, torch.tensor([value], dtype=torch.int64, device=device))
-    return [int(part.item()) for part in parts]
+    rows = [torch.empty(len(values), dtype=torch.int64, device=device)
+            for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, torch.tensor(values, dtype=torch.int64, device=device))
+    return [[int(v) for v in row.tolist()] for row in rows]
 
 
 class State:
@@ -270,16 +285,18 @@ class State:
         prepared = snapshot_format.prepare(part, reuse=self._staged) \
             if client is not None and part else None
         object.__setattr__(self, "_staged", prepared)  # its memory serves the next commit
-        leave, token = False, 0
+        leave, token, size = False, 0, prepared.nbytes if prepared is not None else 0
         if client is not None and rank == 0:
             leave = client.request(CommitIntent).resize
             token = secrets.randbits(62)
+        sizes: tuple[int, ...] = (size,)
         if dist is not None:  # every rank leaves, or none; the parts of a commit match
-            flag, token = _broadcast_ints(dist, [int(leave), token])
-            leave = bool(flag)
+            rows = _gather_ints(dist, [int(leave), token, size])
+            leave, token = bool(rows[0][0]), rows[0][1]
+            sizes = tuple(row[2] for row in rows) if split.sharded else (rows[0][2],)
         if client is not None and prepared is not None:
             commit = functools.partial(Commit, step=self.step, time=time.time(), part=rank,
-                                       parts=len(rngs) if split.sharded else 1, token=token)
+                                       parts=len(sizes), token=token, sizes=sizes)
             client.behind(functools.partial(_send, client, prepared, commit))
         if leave:  # the commit must be whole in the agent before any rank leaves
             if client is not None:
@@ -291,12 +308,22 @@ class State:
 
 
 def _send(client: AgentClient, prepared: snapshot_format.Prepared,
-          commit: Callable[..., Commit]) -> None:
+          commit: functools.partial[Commit]) -> None:
     """Commit a snapshot (or a rank's part of one) in the agent. A large snapshot is
-    dominated by copies, so it is written once, into an anonymous memory file that the
-    agent reads through /proc; where that is not possible, it goes down the pipe."""
-    global _HANDOFF
+    dominated by copies, so it is written once: into the agent's memory file for this
+    commit, opened through /proc (its pages are reused from commit to commit); where the
+    agent keeps none (a joined machine keeps its ranks' own), into one of ours that it
+    reads; where neither can be opened, it goes down the pipe."""
+    global _HANDOFF, _TARGET
     reply: CommitReply
+    if _TARGET:
+        token, sizes, part = (commit.keywords[k] for k in ("token", "sizes", "part"))
+        reply = client.request(lambda request_id: CommitTarget(request_id, token, sizes))
+        if reply.target is not None and _write_into(reply.target, prepared,
+                                                    snapshot_format.layout(sizes), part):
+            return _check(client.request(lambda request_id: commit(request_id,
+                                                                   written=True)))
+        _TARGET = False  # the agent keeps none here, or its files cannot be opened
     if _HANDOFF:
         fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
         try:
@@ -320,16 +347,27 @@ def _check(reply: CommitReply) -> None:
         raise RuntimeError(reply.error)
 
 
-def _broadcast_ints(dist: Any, values: list[int]) -> list[int]:
-    """Rank 0's ``values`` on every rank (a tensor collective: nothing is unpickled)."""
-    import torch
-
-    tensor = torch.tensor(values, dtype=torch.int64, device=rng.collective_device(dist))
-    dist.broadcast(tensor, src=0)
-    return [int(v) for v in tensor.tolist()]
-
-
 _HANDOFF = hasattr(os, "memfd_create")
+_TARGET = _HANDOFF
+
+
+def _write_into(target: Handoff, prepared: snapshot_format.Prepared,
+                layout: tuple[bytes, list[int], int], part: int) -> bool:
+    """Write our part into the agent's file for the commit; False where it cannot be
+    opened (or is not the size the commit's parts add up to)."""
+    try:
+        fd = os.open(target.path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        # held while writing: the agent does not give the file to another commit meanwhile
+        ofd_lock(fd, fcntl.F_RDLCK)
+        if os.fstat(fd).st_size != layout[2]:
+            return False
+        prepared.write_at(fd, layout[1][part])
+        return True
+    finally:
+        os.close(fd)
 
 
 def _open_handoff(offer: Handoff | None) -> Any:
@@ -338,6 +376,8 @@ def _open_handoff(offer: Handoff | None) -> Any:
     if offer is None:
         return None
     try:
-        return open(offer.path, "rb")
+        file = open(offer.path, "rb")  # noqa: SIM115 (the caller's)
     except OSError:
         return None
+    ofd_lock(file.fileno(), fcntl.F_RDLCK)  # read while locked: the agent reuses it after
+    return file

@@ -232,14 +232,17 @@ def test_state_outside_a_job_keeps_working():
         _ = state.epochs
 
 
-@pytest.mark.parametrize("refuse", ["never", "agent_cannot_read"])
+@pytest.mark.parametrize("refuse", ["never", "worker_cannot_open", "agent_cannot_read"])
 def test_snapshots_reach_the_agent_through_memory_files_or_the_pipe(log_dir, recorder, refuse):
-    """Commits hand the snapshot over in an anonymous memory file the agent reads through
-    /proc; when the agent cannot read it, the worker sends it down the pipe instead, and
-    keeps doing so."""
+    """Commits are written into the agent's memory file for them, opened through /proc;
+    where the worker cannot open it, into a memory file of the worker's that the agent
+    reads through /proc; when the agent cannot read that either, down the pipe; and the
+    worker keeps to the route that worked."""
     cell = textwrap.dedent("""
         import os, torch, elastic_magic
         import elastic_magic.state as state_module
+        if REFUSE != "never":  # as if the agent's file could not be opened here
+            state_module._write_into = lambda *args: False
         if REFUSE == "agent_cannot_read":
             os.getpid = lambda: 1  # the agent only reads memory files of its own workers
         model = torch.nn.Linear(300, 300)
@@ -247,13 +250,14 @@ def test_snapshots_reach_the_agent_through_memory_files_or_the_pipe(log_dir, rec
         for _ in range(3):
             state.step += 1
             state.commit()
-        print("handoff", state_module._HANDOFF, flush=True)
+        print("target", state_module._TARGET, "handoff", state_module._HANDOFF, flush=True)
         model.weight.sum().item()
     """)
     result = em.launch(cell, nproc=1, namespace={"REFUSE": refuse}, log_dir=log_dir,
                        render=recorder)
     assert committed_steps(recorder) == [1, 2, 3]
-    assert recorder.lines(0) == [f"handoff {refuse == 'never'}"]
+    assert recorder.lines(0) == [f"target {refuse == 'never'} "
+                                 f"handoff {refuse != 'agent_cannot_read'}"]
     snapshot = snapshot_format.load(io.BytesIO(result.snapshot))
     assert snapshot["values"]["step"] == 3
     weight = snapshot["objects"]["model"]["weight"]

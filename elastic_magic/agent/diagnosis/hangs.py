@@ -15,7 +15,15 @@ import dataclasses
 import time
 
 from ...events import Event, EventSink, Output, RanksFinished
-from ...messages import Commit, CommitIntent, Progress, Result, Running, StateGet
+from ...messages import (
+    Commit,
+    CommitIntent,
+    CommitTarget,
+    Progress,
+    Result,
+    Running,
+    StateGet,
+)
 from ...result import RankFailure, is_consequence, root_cause_order
 from ...spec import JobSpec
 from ...stacks import place_of
@@ -86,7 +94,8 @@ class HangWatch:
         self._sync(group)
         if report.attempt == group.attempt:
             match report.message:
-                case Progress() | Running() | StateGet() | Commit() | CommitIntent():
+                case (Progress() | Running() | StateGet() | Commit() | CommitIntent()
+                      | CommitTarget()):
                     self.progress_at[report.local_rank] = report.time
                 case Result():
                     self.finished_at[report.local_rank] = report.time

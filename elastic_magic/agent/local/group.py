@@ -13,6 +13,7 @@ from ...events import EventSink
 from ...messages import (
     Commit,
     CommitIntent,
+    CommitTarget,
     Exit,
     Failed,
     Imported,
@@ -142,7 +143,7 @@ class WorkerGroup:
                 worker.parked = True
             case Imported(modules):  # the pool preloads them for the next cells
                 warm_pool().learn(modules)
-            case StateGet() | Commit() | CommitIntent() as request:
+            case StateGet() | Commit() | CommitIntent() | CommitTarget() as request:
                 self.sharded |= isinstance(request, Commit) and request.parts > 1
                 return request
             case other:

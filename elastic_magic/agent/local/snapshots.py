@@ -24,9 +24,9 @@ one's start must not remove the file the first is writing. The unsigned checkpoi
 earlier versions (``checkpoint.em`` starting ``EMCKPT01``, the pair ``snapshot.pt`` +
 ``snapshot.json``) are refused, saying so.
 
-In memory, a snapshot is either bytes (from the pipe, another machine or a checkpoint) or
-a descriptor of the anonymous memory file the committing worker wrote it into: the agent
-keeps that file open instead of copying it, and workers read it back through /proc.
+In memory, a snapshot is a memory file the committing ranks wrote it into (``parts``: the
+agent's own, reused from commit to commit), a checkpoint was read into, or a worker wrote
+and offered; bytes only where no file could be shared. Workers read it back through /proc.
 ``StateServer`` answers the ranks' requests from it.
 """
 
@@ -52,6 +52,7 @@ from ...messages import (
     Commit,
     CommitIntent,
     CommitReply,
+    CommitTarget,
     Handoff,
     Reply,
     StateGet,
@@ -78,7 +79,7 @@ class SnapshotStore:
     _writer: CheckpointWriter | None = field(default=None, repr=False)
     _folder_fd: int | None = None  # the checkpoint folder, checked
     _key: bytes | None = None  # the user's checkpoint key (signs and checks checkpoints)
-    parts: CommitParts = field(default_factory=CommitParts)  # of a sharded commit
+    parts: CommitParts = field(default_factory=CommitParts)  # the files commits go into
     token: int = 0  # the commit's (rank 0's random number): its chunks on other machines
 
     @property
@@ -343,23 +344,38 @@ class StateServer:
             return StateReply(store.commit_id, handoff=Handoff.of(store.memory_file))
         return StateReply(store.commit_id, snapshot=store.blob)
 
+    def target(self, request: CommitTarget, inline: bool) -> CommitReply:
+        """Where a rank writes its part of a commit: our memory file for it (a rank of
+        another machine keeps its part there, and sends it)."""
+        if inline:
+            return CommitReply()
+        return CommitReply(target=Handoff.of(self.store.parts.target(request.token,
+                                                                     request.sizes)))
+
     def commit(self, request: Commit, world_size: int,
                memory_file: int | None = None) -> CommitReply:
-        """Keep the snapshot (bytes in the request, or ``memory_file``, which the store
-        then owns)."""
-        data = request.snapshot
-        if request.parts > 1:  # a sharded State: a part from each rank, in any order
-            if request.parts != world_size:
+        """Keep the snapshot, or the part of one: written into our file for it, or in the
+        request (bytes, or ``memory_file``, which is then ours)."""
+        source = memory_file if memory_file is not None else request.snapshot
+        if request.sizes:
+            if len(request.sizes) != (world_size if request.parts > 1 else 1):
                 if memory_file is not None:
                     os.close(memory_file)
                 return CommitReply(error=f"the commit was not kept: {request.parts} parts "
                                          f"for {world_size} ranks")
-            if not self.store.parts.add(request.part, request.parts, request.token, data,
-                                        memory_file):
-                return CommitReply()
-            data, memory_file = self.store.parts.join(request.parts)
+            try:
+                fd = self.store.parts.add(request.part, request.token, request.sizes,
+                                          None if request.written else source or b"")
+            except (OSError, ValueError) as exc:
+                return CommitReply(error=f"the commit was not kept: {exc}")
+            if fd is None:
+                return CommitReply()  # the other parts are still to come
+            source = fd
         meta = {"step": request.step, "time": request.time, "world_size": world_size}
-        self.store.commit(meta, data=data, fd=memory_file, token=request.token)
+        if isinstance(source, int):
+            self.store.commit(meta, fd=source, token=request.token)
+        else:
+            self.store.commit(meta, data=source, token=request.token)
         self.emit(Committed(request.step, world_size, self.store.size))
         return CommitReply()
 
@@ -370,6 +386,8 @@ class StateServer:
                 return Reply(request.request_id, self.get(inline or request.inline))
             case Commit():
                 return Reply(request.request_id, self.commit(request, world_size))
+            case CommitTarget():
+                return Reply(request.request_id, self.target(request, inline))
             case CommitIntent():  # every rank leaves at this commit: a resize, machines wait
                 return Reply(request.request_id, CommitReply(resize=self.leave_at_commit()))
             case other:

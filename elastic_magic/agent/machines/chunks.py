@@ -101,21 +101,24 @@ class PeerCopier:
     slow link costs the commits' copies, never memory without bound."""
 
     def __init__(self) -> None:
-        self._pending: dict[int, tuple[LinkLike, int, int]] = {}  # part -> link, token, fd
+        # part -> link, token, and the chunk: a descriptor, where in it, its size
+        self._pending: dict[int, tuple[LinkLike, int, tuple[int, int, int]]] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="elastic-chunk-copy",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, link: LinkLike, part: int, token: int, fd: int) -> None:
-        """Copy part ``part`` of commit ``token`` (``fd``, now ours) to ``link``'s peer."""
+    def submit(self, link: LinkLike, part: int, token: int,
+               chunk: tuple[int, int, int]) -> None:
+        """Copy part ``part`` of commit ``token`` to ``link``'s peer: ``chunk`` is a
+        descriptor (now ours), where the part starts in it, and its size."""
         with self._cond:
             old = self._pending.pop(part, None)
-            self._pending[part] = (link, token, fd)
+            self._pending[part] = (link, token, chunk)
             self._cond.notify()
         if old is not None:
-            os.close(old[2])
+            os.close(old[2][0])
 
     def _run(self) -> None:
         while True:
@@ -125,10 +128,9 @@ class PeerCopier:
                 if self._closed:
                     return
                 part = next(iter(self._pending))
-                link, token, fd = self._pending.pop(part)
+                link, token, (fd, start, size) = self._pending.pop(part)
             try:
-                size = os.fstat(fd).st_size
-                if send_chunk(link, ("copy", part, token, size), fd, 0, size):
+                if send_chunk(link, ("copy", part, token, size), fd, start, size):
                     link.send(ChunkKept(part, token, size))
             except OSError:
                 pass  # the link went: that peer holds no copy, which it reports itself
@@ -140,7 +142,7 @@ class PeerCopier:
             self._closed = True
             pending, self._pending = self._pending, {}
             self._cond.notify()
-        for _, _, fd in pending.values():
+        for _, _, (fd, _, _) in pending.values():
             os.close(fd)
         self._thread.join(timeout=5)
 

@@ -14,6 +14,8 @@ from ...messages import (
     Action,
     ChunkKept,
     Commit,
+    CommitReply,
+    CommitTarget,
     EndJob,
     GroupResult,
     Leaving,
@@ -23,6 +25,7 @@ from ...messages import (
     NodeRequest,
     Regroup,
     ReleaseAtCommit,
+    Reply,
     StateGet,
     StateRequest,
 )
@@ -128,6 +131,8 @@ class JoinedMachine(SingleMachine):
                 self.chunks.commit(worker, request, memory_file)
             case StateGet():
                 self.chunks.restore(worker, request)
+            case CommitTarget():  # the part is kept here: the worker writes its own file
+                worker.send(Reply(request.request_id, CommitReply()))
             case _:
                 self.link.send(NodeRequest(worker.attempt, worker.local_rank, request))
 

@@ -21,7 +21,7 @@ from ...messages import (
     StateReply,
     StateRequest,
 )
-from ..local.parts import append
+from ..local.parts import CommitParts, append, share
 from ..local.snapshots import StateServer
 from ..local.workers import Worker
 from .chunks import (
@@ -84,18 +84,23 @@ class HeadCopies:
         self.copier: PeerCopier | None = None
 
     def copy(self, links: dict[int, LinkLike], request: StateRequest,
-             memory_file: int | None) -> None:
+             memory_file: int | None, parts: CommitParts) -> None:
+        """Copy a local rank's chunk: in ``memory_file``, in the request, or written into
+        the commit's file (``parts``)."""
         if not isinstance(request, Commit) or not links or not request.token:
             return
-        if memory_file is None:
-            if request.snapshot is None:
-                return
-            fd = _in_memory_file(request.snapshot)
+        if memory_file is not None:
+            chunk = (os.dup(memory_file), 0, os.fstat(memory_file).st_size)
+        elif request.snapshot is not None:
+            chunk = (_in_memory_file(request.snapshot), 0, len(request.snapshot))
+        elif request.written:
+            fd, offset = parts.locate(request.token, request.sizes, request.part)
+            chunk = (share(fd), offset, request.sizes[request.part])
         else:
-            fd = os.dup(memory_file)
+            return
         if self.copier is None:
             self.copier = PeerCopier()
-        self.copier.submit(links[min(links)], request.part, request.token, fd)
+        self.copier.submit(links[min(links)], request.part, request.token, chunk)
 
     def close(self) -> None:
         if self.copier is not None:

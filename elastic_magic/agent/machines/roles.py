@@ -94,13 +94,14 @@ class SingleMachine:
         if memory_file is False:
             return
         if isinstance(request, Commit):
-            self.copy_chunk(request, memory_file)
+            self.copy_chunk(request, memory_file, server)
             reply = Reply(request.request_id, server.commit(request, world_size, memory_file))
         else:
             reply = server.serve(request, world_size, inline=False)
         worker.send(reply)
 
-    def copy_chunk(self, commit: Commit, memory_file: int | None) -> None:
+    def copy_chunk(self, commit: Commit, memory_file: int | None,
+                   server: StateServer) -> None:
         """A local rank's chunk, before the store takes it: copied to another machine."""
 
     def take_release(self) -> bool:
@@ -298,10 +299,11 @@ class Head(SingleMachine):
     def take_release(self) -> bool:
         return self.launched.take_due()
 
-    def copy_chunk(self, commit: Commit, memory_file: int | None) -> None:
+    def copy_chunk(self, commit: Commit, memory_file: int | None,
+                   server: StateServer) -> None:
         links = dict(self.hub.links) if self.hub is not None else {}
         self.copies.copy({n: link for n, link in links.items() if n in self.pids}, commit,
-                         memory_file)
+                         memory_file, server.store.parts)
 
     def _gone_at_commit(self, node: int) -> Action | None:
         """A machine given back has left: out of the rendezvous, its allocation ended."""
