@@ -313,15 +313,17 @@ def _rss_anon() -> int:
 
 
 def _memfd_bytes() -> int:
-    """The size of the anonymous memory files this process has open."""
-    total = 0
+    """The size of the anonymous memory files this process has open, each file once
+    (several descriptors may be open on one)."""
+    sizes: dict[int, int] = {}
     for fd in Path("/proc/self/fd").iterdir():
         try:
             if os.readlink(fd).startswith("/memfd:"):
-                total += os.stat(fd).st_size
+                info = os.stat(fd)
+                sizes[info.st_ino] = info.st_size
         except OSError:  # closed meanwhile
             continue
-    return total
+    return sum(sizes.values())
 
 
 def _remove(folder: Path) -> None:
