@@ -69,6 +69,15 @@ def read_secret(fd: int, size: int) -> bytes:
     return key
 
 
+def _to_null(*fds: int) -> None:
+    """Point ``fds`` at /dev/null (not closed: their numbers must not be reused for a file
+    that stray writes to the old channel would then reach)."""
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    for fd in fds:
+        os.dup2(null, fd, inheritable=False)
+    os.close(null)
+
+
 def main() -> None:
     control_fd, report_fd, parent_pid = (int(a) for a in sys.argv[1:4])
     serve(control_fd, report_fd, parent_pid)
@@ -82,6 +91,9 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
     die_with_parent(shepherd_pid)
     key = read_secret(control_fd, KEY_BYTES)
     nonce = read_secret(control_fd, NONCE_BYTES).hex()  # of the order marks: not the user's
+    # A process the cell forks (a DataLoader's workers) must not hold our pipes: the agent
+    # learns of this rank's death from the report pipe's end, which would wait for them.
+    os.register_at_fork(after_in_child=lambda: _to_null(control_fd, report_fd))
     control, report = Channel(control_fd, key), Channel(report_fd, key)
     client = agent_client.AgentClient(report)
     agent_client.install(client)

@@ -203,8 +203,9 @@ def _park(report: AgentClient, exc: BaseException, why: str, namespace: dict[str
           failed: bool = False) -> None:
     """Survivors stay: leave the payload but not the process. The commit being sent is
     in the agent first (no stale commit reaches the next group), the error, if any, is
-    reported, the cell's objects (its data loaders' workers too) and the process group
-    are dropped; then the rank waits for the next Run, which runs the cell from the top."""
+    reported, and the rank says it has left; then, while the agent forms the next group,
+    the cell's objects (its data loaders' workers too) and the process group are dropped,
+    and the rank waits for the next Run, which runs the cell from the top."""
     with contextlib.suppress(BaseException):
         report.drain()
     progress.running.clear()
@@ -212,6 +213,7 @@ def _park(report: AgentClient, exc: BaseException, why: str, namespace: dict[str
         info = describe_exception(exc, 1)
         sys.stderr.write(info.traceback)
         report.send(Failed(info))
+    report.send(Parked(why, time.time()))
     traceback.clear_frames(exc.__traceback__)
     namespace.clear()
     del exc
@@ -220,7 +222,6 @@ def _park(report: AgentClient, exc: BaseException, why: str, namespace: dict[str
         shutdown_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    report.send(Parked(why, time.time()))
 
 
 def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool = True) -> None:

@@ -32,7 +32,6 @@ import os
 import resource
 import signal
 import sys
-import time
 from typing import NoReturn
 
 # The agent's request "SIGKILL the rank and everything below it now"; also what Linux
@@ -122,7 +121,13 @@ def _watch(worker: int, parent_pid: int) -> NoReturn:
 
 def _reap(worker: int) -> int | None:
     """Reap every child that has exited (orphans re-parented to us included); the
-    worker's wait status if it was one of them."""
+    worker's wait status if it was one of them. A worker that ended takes its process
+    group with it (a DataLoader's workers, say) while its PID is still its own (not yet
+    reaped): one signal, and none of them outlives it waiting for its own watchdog."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitid(os.P_PID, worker, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker, signal.SIGKILL)
     status = None
     while True:
         try:
@@ -137,25 +142,28 @@ def _reap(worker: int) -> int | None:
 
 def _end_all(worker: int, status: int | None) -> int:
     """SIGKILL the worker (unless it has exited) and every process below us, until none
-    is left; the worker's wait status."""
+    is left; the worker's wait status. Its process group went with it (``_reap``): most
+    often every child ends at once, and no search of /proc is needed."""
     while True:
         if status is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker, signal.SIGKILL)
-        for pid in _children():  # ours and not reaped, so the PID is still theirs
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        # A killed child's own children are re-parented to us as it dies: the next pass
-        # finds them. Done when no child is left.
-        try:
-            pid, code = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            assert status is not None
-            return status
-        if pid == worker:
-            status = code
-        elif pid == 0:
-            time.sleep(0.01)
+        while True:  # reap every child that has ended; done when none is left
+            try:
+                pid, code = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                assert status is not None
+                return status
+            if pid == 0:
+                break
+            if pid == worker:
+                status = code
+        if signal.sigtimedwait({signal.SIGCHLD}, 0.01) is None:
+            # None ended for 10 ms: find the rest (out of the group) and end them. A killed
+            # child's own children are re-parented to us as it dies: a later pass finds them.
+            for pid in _children():  # ours and not reaped, so the PID is still theirs
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _children() -> list[int]:
