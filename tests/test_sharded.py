@@ -124,7 +124,7 @@ def test_a_rank_killed_between_commits_replays_bit_for_bit(uninterrupted, log_di
                                                            survivors):
     result = train(log_dir, recorder, every=5, kill_at=12, max_restarts=1,
                    survivors=survivors)
-    assert_stayed(recorder, [()])  # a sharded State restarts every rank, survivors or not
+    assert_stayed(recorder, [(0,) if survivors else ()])  # rank 0 stays, in its process
     assert "START step 10 world 2" in recorder.lines(0)  # the commit before the kill
     assert done_steps(recorder) == list(range(1, 13)) + list(range(11, STEPS + 1))
     assert_same(result.values[0], uninterrupted.values[0], atol=0)
@@ -142,12 +142,19 @@ def test_a_rank_killed_while_its_part_is_sent_resumes_from_a_whole_commit(uninte
     assert_same(result.values[0], uninterrupted.values[0], atol=0)
 
 
-@pytest.mark.parametrize("sizes", [((5, 3), (20, 2)), ((5, 1), (15, 3))])
+@pytest.mark.parametrize("sizes,survivors", [(((5, 3), (20, 2)), False),
+                                             (((5, 1), (15, 3)), False),
+                                             (((5, 3), (20, 2)), True)],
+                         ids=["2-3-2", "2-1-3", "2-3-2-survivors-stay"])
 def test_resized_fsdp2_reshards_and_ends_near_the_uninterrupted_run(uninterrupted, log_dir,
-                                                                    recorder, sizes):
-    result = train(log_dir, recorder, every=5, resizes=sizes, min_nproc=1, max_nproc=3)
+                                                                    recorder, sizes,
+                                                                    survivors):
+    result = train(log_dir, recorder, every=5, resizes=sizes, min_nproc=1, max_nproc=3,
+                   survivors=survivors)
     assert [(m.old_nproc, m.new_nproc) for m in recorder.of(MembershipChanged)] == [
         (2, sizes[0][1]), (sizes[0][1], sizes[1][1])]
+    if survivors:  # every rank of the smaller group stays through both resizes
+        assert_stayed(recorder, [(0, 1), (0, 1)])
     assert done_steps(recorder) == list(range(1, STEPS + 1))  # every step once
     # Other world sizes reduce the gradients in another order: float rounding only.
     assert_same(result.values[0], uninterrupted.values[0], atol=1e-5)

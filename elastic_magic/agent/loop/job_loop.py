@@ -127,10 +127,9 @@ class JobLoop:
 
     def _stays(self) -> bool:
         """Survivors stay: asked for, and the cell uses State (it rolls back to a commit;
-        a cell without one restarts as before), not a sharded one (FSDP2: not yet)."""
+        a cell without one restarts as before)."""
         engine = self.engine
-        return engine.survivors.on and engine.elastic_state.used \
-            and not (engine.group is not None and engine.group.sharded)
+        return engine.survivors.on and engine.elastic_state.used
 
     def _keep_survivors(self) -> list[RankFailure]:
         """The healthy ranks park; the others are stopped (``local/survivors.py``). The
