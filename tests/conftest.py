@@ -203,8 +203,9 @@ def run_resized(job, recorder, resizes=()):
 
 
 def assert_stayed(recorder, stayed: list[tuple[int, ...]]) -> None:
-    """Each group after the first kept the ranks ``stayed`` (survivors stay), each in the
-    process it had in the group before; every other rank is a new process."""
+    """Each group after the first kept the ranks ``stayed`` (survivors stay), each in a
+    process of the group before (a one-shot job's survivor may take another rank when
+    machines come and go); every other rank is a new process."""
     import itertools
 
     from elastic_magic.events import WorkersStarted
@@ -216,7 +217,7 @@ def assert_stayed(recorder, stayed: list[tuple[int, ...]]) -> None:
         new = dict(zip(after.ranks, after.pids, strict=True))
         for rank, pid in new.items():
             if rank in after.stayed:
-                assert pid == old[rank], (rank, before, after)
+                assert pid in old.values(), (rank, before, after)
             else:
                 assert pid not in old.values(), (rank, before, after)
 

@@ -25,7 +25,7 @@ from test_multinode import run_head
 
 import elastic_magic as em
 from elastic_magic.agent.machines.hub import Link, read_into
-from elastic_magic.events import Excluded, RendezvousCompleted, WorkerFailed
+from elastic_magic.events import Excluded, RendezvousCompleted, WorkerFailed, WorkersStarted
 from elastic_magic.protocol import new_secret
 from elastic_magic.ui.describe import describe
 
@@ -42,13 +42,17 @@ def _training_shared(job, recorder) -> bool:
     return True
 
 
-@pytest.mark.parametrize("how", ["killed", "cut"])
+@pytest.mark.parametrize("how", ["killed", "cut", "killed-survivors-stay"])
 def test_a_lost_machine_is_a_membership_change_not_a_failure(
         baseline, machines, log_dir, recorder, how):
     """Killed: its agent is SIGKILLed (its link closes without a Leaving). Cut: the agent
     and all its processes are frozen (SIGSTOP), so only the missing heartbeats tell. Either
-    way the head regroups alone from the last commit, spending no restart (it has none)."""
-    spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir, timeout=120, link_timeout=3)
+    way the head regroups alone from the last commit, spending no restart (it has none);
+    with survivors staying, the head's rank in its process."""
+    survivors = how.endswith("survivors-stay")
+    how = how.removesuffix("-survivors-stay")
+    spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir, timeout=120, link_timeout=3,
+                             survivors=survivors)
     frozen: list[psutil.Process] = []
 
     def drive(job):
@@ -85,6 +89,9 @@ def test_a_lost_machine_is_a_membership_change_not_a_failure(
     assert 2 in worlds and worlds[-1] == 1, worlds
     assert committed_steps(recorder) == list(range(1, STEPS + 1))
     assert_same_parameters(result.values[0], baseline, atol=1e-5)
+    if survivors:  # after the loss, the head's rank went on in its process
+        before, after = recorder.of(WorkersStarted)[-2:]
+        assert after.stayed == after.ranks and after.pids == before.pids, (before, after)
     rc = machines.procs[0].wait(timeout=60)
     if how == "killed":
         assert rc == -signal.SIGKILL

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tagged_workers
+from conftest import assert_stayed, tagged_workers
 from test_elastic import STEPS, TRAIN, assert_same_parameters, committed_steps, done_steps
 from test_elastic import baseline as baseline  # the module-scoped fixture
 
@@ -176,9 +176,11 @@ def test_resize_on_the_head_makes_every_machine_re_rendezvous(
     assert_same_parameters(result.values[0], baseline, atol=1e-5)
 
 
+@pytest.mark.parametrize("survivors", [False, True], ids=["restart", "survivors-stay"])
 def test_a_machine_joining_a_running_job_regroups_it_at_a_commit(
-        baseline, machines, log_dir, recorder):
-    spec = em.JobSpec.create(2, nnodes="1:2", log_dir=log_dir, timeout=120)
+        baseline, machines, log_dir, recorder, survivors):
+    spec = em.JobSpec.create(2, nnodes="1:2", log_dir=log_dir, timeout=120,
+                             survivors=survivors)
 
     def drive(job):
         job.wait_for_commit(3, timeout=120)
@@ -198,6 +200,7 @@ def test_a_machine_joining_a_running_job_regroups_it_at_a_commit(
     assert done_steps(recorder) == list(range(1, STEPS + 1))
     assert committed_steps(recorder) == list(range(1, STEPS + 1))
     assert_same_parameters(result.values[0], baseline, atol=1e-5)
+    assert_stayed(recorder, [(0, 1)] if survivors else [()])  # the head's ranks
 
 
 def test_a_failure_on_another_machine_is_the_notebook_root_cause(machines, log_dir, recorder):

@@ -87,17 +87,20 @@ class WorkerGroup:
         """Spawn every worker (``env_for(worker)`` gives its environment), from the warm
         pool unless ``pool`` is off (``preload``: modules the job names for it), and send
         it the payload. ``stay``: survivors stay (``local/survivors.py``); a parked
-        survivor of the group before, in ``survivors`` by slot, takes its slot again if it
-        keeps its rank (it is taken out of ``survivors``), and runs the payload again."""
+        survivor of the group before, in ``survivors`` by slot, takes its slot again (it is
+        taken out of ``survivors``) and runs the payload again: a job's under whatever rank
+        the round gives it (the cell runs from the top), a session's only with its own (its
+        namespace was made as that rank)."""
         self.persistent, self.stay = payload.session, stay
         for worker, slot in zip(self.workers, slots or range(len(self.workers)), strict=False):
             worker.slot = slot
         kept = survivors if survivors is not None else {}
         for i, worker in enumerate(self.workers):
             old = kept.get(worker.slot) if worker.slot is not None else None
-            if old is not None and old.global_rank == worker.global_rank:
+            if old is not None and (old.global_rank == worker.global_rank
+                                    or not payload.session):
                 del kept[old.slot]  # type: ignore[arg-type]
-                old.renew(self.attempt)
+                old.renew(self.attempt, worker.global_rank)
                 old.local_rank, self.workers[i] = worker.local_rank, old
         envs = [env_for(worker) for worker in self.workers]
         for worker, env in zip(self.workers, envs, strict=True):

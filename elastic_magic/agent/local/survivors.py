@@ -93,7 +93,7 @@ def release(survivors: dict[int, Worker]) -> None:
 
 class Survivors:
     """The parked ranks one group leaves to the next on this machine (one-shot jobs and
-    sessions on one machine; jobs of several machines restart as before)."""
+    sessions; a job of several machines keeps them on each machine)."""
 
     def __init__(self, on: bool) -> None:
         self.on = on

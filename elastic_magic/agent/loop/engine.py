@@ -89,7 +89,7 @@ class Engine:
         self.elastic_state = StateKeeper(spec, role, board, emit, self._leave_at_commit)
         self.membership = Membership(spec.nproc)
         self.recovery = Recovery(spec, self.membership, role, board, emit)  # restarts, slots
-        self.survivors = Survivors(spec.survivors and not spec.multi_node)  # decision 23
+        self.survivors = Survivors(spec.survivors)  # decision 23
         self.rendezvous: Rendezvous | None = None
         self.round: RoundInfo | None = None
         self.group: WorkerGroup | None = None

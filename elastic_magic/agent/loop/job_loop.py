@@ -99,10 +99,13 @@ class JobLoop:
             engine.set_state(JobState.STOPPING)
             engine.role.stopping_job(engine.stop_reason or "stopped")
             group.interrupt()
-        elif step is Step.REGROUP:
+        elif step is Step.REGROUP:  # a machine joins or is lost: the others regroup
             engine.role.regrouping()
             engine.set_state(JobState.RESIZING)
-            group.stop_now()
+            if self._stays():
+                self._keep_survivors()
+            else:
+                group.stop_now()
         elif step is Step.NODE_FAILED:
             engine.set_state(JobState.STOPPING)
             group.stop_now()
