@@ -1,7 +1,9 @@
 """torch's rendezvous rounds without idle waits (``agent/machines/quick_rounds.py``): its
 polls paced, its state read at every poll, and a round closed once every machine the head
 waits for has joined. Part of ``torch_internals``: the same rules (every private name a
-:class:`Need`, checked before use)."""
+:class:`Need`, checked before use). The names behind the early close and the uncached state
+(STATE_CACHE, JOIN_OP, ACTIONS, CONTEXT) were read in torch 2.13.0's sources only; on
+another torch their checks say whether they still hold."""
 
 from __future__ import annotations
 
