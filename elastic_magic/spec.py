@@ -131,6 +131,11 @@ OPTIONS: tuple[Option, ...] = (
            "others regroup without it; a machine that loses the head stops its workers and "
            "exits. Joining machines take the head's value", "S",
            lambda flag, v: seconds(flag, v, above=0.2)),
+    Option("last_call", "--last-call", 1.0, "with --nnodes: once MIN machines have joined a "
+           "rendezvous round, how long it waits for more (torch's last_call_timeout). A round "
+           "closes as soon as every machine linked to the head has joined it: this is the "
+           "wait for machines still connecting, or slow to join. Joining machines take the "
+           "head's value", "S", seconds),
     Option("rdzv_endpoint", "--rdzv-endpoint", None, "with --nnodes: this machine's address "
            "as the others reach it (the rendezvous listens there only; default 127.0.0.1, a "
            "port the OS picks)", "HOST[:PORT]", lambda _, v: parse_endpoint(v),
@@ -219,6 +224,7 @@ class JobSpec:
     rdzv_host: str
     rdzv_port: int
     survivors: bool = False  # survivors stay (--survivors)
+    last_call: float = 1.0  # --last-call
     launcher: str | None = None
     launch: dict[str, str] = field(default_factory=dict)  # its options, config and flags
 

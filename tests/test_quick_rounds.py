@@ -42,3 +42,31 @@ def test_polls_back_off_while_nothing_changes_and_start_over_when_something_does
     dynamic_rendezvous._delay(seconds=1)
     dynamic_rendezvous._delay(seconds=(0, 0.3))
     assert torch_slept == [1]
+
+
+
+
+def test_a_machine_that_may_close_a_round_polls_every_50_ms_in_its_last_call(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(quick_rounds.time, "sleep", slept.append)
+    state = _state(("head", "other"))
+    state.deadline = "the last call runs"
+    executor = SimpleNamespace(_state=state)
+    operations: list[object] = []
+
+    def handler(ctx_executor, operation):
+        operations.append(operation)
+        for _ in range(6):
+            dynamic_rendezvous._delay(seconds=1)
+
+    monkeypatch.setattr(quick_rounds, "_torch_run", handler)
+    join, leave = dynamic_rendezvous._RendezvousJoinOp(), dynamic_rendezvous._RendezvousExitOp()
+    with quick_rounds.closing(lambda joined: False):
+        quick_rounds._run(executor, join)
+        assert slept == [0.01, 0.02, 0.04, 0.05, 0.05, 0.05]
+        quick_rounds._run(executor, leave)
+    assert operations[0] is not join and operations[1] is leave  # only a join closes rounds
+    # Outside the block (a machine that does not close rounds): a quarter second, torch's join.
+    slept.clear()
+    quick_rounds._run(executor, join)
+    assert slept == [0.01, 0.02, 0.04, 0.08, 0.16, 0.25] and operations[2] is join

@@ -221,6 +221,11 @@ class Hub:
         sock.settimeout(None)
         return Link(sock, _proof(self.token, b"key", server_nonce, client_nonce), peer)
 
+    def linked(self) -> set[int]:
+        """The connections open now (their handshake done)."""
+        with self._lock:
+            return set(self.links)
+
     def send_to(self, node: int, message: LinkMessage) -> None:
         with self._lock:
             link = self.links.get(node)

@@ -86,7 +86,8 @@ class JoinedMachine(SingleMachine):
         spec = self.spec
         return Rendezvous(self.run_id, key=self.rdzv_key, host=self.joined.host,
                           join=self.joined.rdzv_endpoint, min_nodes=spec.min_nodes,
-                          max_nodes=spec.max_nodes, join_timeout=spec.timeout)
+                          max_nodes=spec.max_nodes, join_timeout=spec.timeout,
+                          last_call_timeout=spec.last_call)
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:

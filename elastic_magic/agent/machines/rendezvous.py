@@ -8,7 +8,9 @@ can never meet keys left by a dead one (the failure mode of torchrun's shared st
 Everything read from the rendezvous store is signed with the job's key and verified first
 (``signed.py``). When the head knows that a machine is gone (its link closed, or stopped
 carrying heartbeats), :meth:`Rendezvous.remove_node` takes it out of torch's state at once,
-as torch's own expiry of its heartbeat would some 15 s later.
+as torch's own expiry of its heartbeat would some 15 s later. A round the head waits in
+closes as soon as every machine linked to it has joined, not when the round's last call
+ends (:meth:`Rendezvous.close_rounds_when_joined`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from ... import torch_internals
 from ..rounds import RoundInfo
-from . import quick_rounds  # noqa: F401  (torch's first-round sleep, skipped)
+from . import quick_rounds  # torch's idle waits, skipped (installed on import)
 from .signed import (
     RendezvousRejected,
     SignedBackend,
@@ -107,15 +109,31 @@ class Rendezvous:
         self.rounds = 0
         self.sizes: list[int] = []  # every node's local world size in the last round
         self._worker_store: TCPStore | None = None
+        self._ready: quick_rounds.Ready | None = None  # may this machine close a round
 
     def _new_handler(self, store: TCPStore) -> DynamicRendezvousHandler:
         """torch's handler, hosting each round's worker store on our host only (on node
         rank 0), a fresh one every round."""
         backend = SignedBackend(store, self.run_id, self.key, self._where, self._note)
-        return torch_internals.rendezvous_handler(
+        handler = torch_internals.rendezvous_handler(
             hosted_store, run_id=self.run_id, store=store, backend=backend,
             min_nodes=self._nodes[0], max_nodes=self._nodes[1], local_addr=self.host,
             timeout=self._timeout)
+        quick_rounds.quicken(handler)
+        return handler
+
+    def close_rounds_when_joined(self, expected: Callable[[], set[tuple[str, int]] | None]
+                                 ) -> None:
+        """A round this machine waits in closes as soon as it has MIN machines and every
+        machine ``expected()`` names (address, agent pid) has joined it, instead of
+        waiting out the last call; None from ``expected``: not known yet (a machine is
+        still saying who it is), so torch's last call decides. ``expected`` is asked on
+        the thread that joins the round, at each poll while the last call runs."""
+        def ready(joined: set[tuple[str, int]]) -> bool:
+            machines = expected()
+            return machines is not None and machines <= joined
+
+        self._ready = ready
 
     def _note(self, error: RendezvousRejected) -> None:
         if self.rejected is None:  # a copy: the one raised will carry frames that hold stores
@@ -148,7 +166,8 @@ class Rendezvous:
     def next_round(self, local_world_size: int) -> RoundInfo:
         """Join the next round, then agree on ranks and on a fresh worker store."""
         _, handler = self._live()
-        info = handler.next_rendezvous()
+        with quick_rounds.closing(self._ready):
+            info = handler.next_rendezvous()
         self.rounds += 1
         round_store: Store = info.store  # torch prefixes it per round
         node_rank, nnodes = info.rank, info.world_size

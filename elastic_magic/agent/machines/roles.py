@@ -80,7 +80,8 @@ class SingleMachine:
         spec = self.spec
         return Rendezvous(self.run_id, key=self.rdzv_key, host=spec.rdzv_host,
                           port=spec.rdzv_port, min_nodes=spec.min_nodes,
-                          max_nodes=spec.max_nodes, join_timeout=spec.timeout)
+                          max_nodes=spec.max_nodes, join_timeout=spec.timeout,
+                          last_call_timeout=spec.last_call)
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
@@ -174,6 +175,7 @@ class Head(SingleMachine):
         self.hub: Hub | None = None
         self.names: dict[int, str] = {}  # hub connection -> the machine's address
         self.pids: dict[int, int] = {}  # hub connection -> its agent's pid
+        self.greeted: set[int] = set()  # hub connections that said Hello
         self.rendezvous: Rendezvous | None = None
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
         # what a --launcher started for the job, and gives back
@@ -194,6 +196,7 @@ class Head(SingleMachine):
         self.emit(self.network)
         self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
         self.rendezvous = rendezvous
+        rendezvous.close_rounds_when_joined(self._joining)
         try:
             self.launched.start(rendezvous.endpoint, self.token)
         except BaseException:
@@ -201,6 +204,16 @@ class Head(SingleMachine):
             raise
         return rendezvous
 
+    def _joining(self) -> set[tuple[str, int]] | None:
+        """Whom a round waits for: every machine linked here but those leaving, as (address,
+        agent pid); None while one has not said who it is (its Hello is on its way). Asked
+        on the rendezvous's thread: it reads copies (each one atomic under the GIL)."""
+        hub = self.hub
+        linked = hub.linked() if hub is not None else set()
+        names, pids, leaving = dict(self.names), dict(self.pids), set(self.launched.released)
+        if linked - self.greeted:
+            return None
+        return {(names[n], pid) for n, pid in pids.items() if n in names and n not in leaving}
 
     def handle(self, item: FromLink, group: WorkerGroup | None, server: StateServer | None,
                world_size: int) -> Action | None:
@@ -210,6 +223,7 @@ class Head(SingleMachine):
             case Hello(host, nproc, pid, allocation):
                 self.names[item.node] = host
                 self.pids[item.node] = pid
+                self.greeted.add(item.node)
                 self.launched.allocations[item.node] = allocation
                 self.emit(NodeConnected(host, nproc, True))
             case Forward(event):  # its ranks' output belongs to our current attempt here

@@ -2,13 +2,14 @@
 
 elastic_magic uses torch's own rendezvous, process groups and data loader (DESIGN.md,
 decisions 1 and 22), and in a few places it depends on names torch keeps private: to skip
-the sleeps of a rendezvous round, to host each round's worker store itself, to read the
+the sleeps of a rendezvous round and close it once every machine linked to the head has
+joined (``rounds.py`` in this package), to host each round's worker store itself, to read the
 number of the round a machine joined, to take a lost machine out of the rendezvous state at
-once, to make the default process group on first
-use, to spot torch's DataLoader driving an ``ElasticSampler``, and to skip torch's operator
-clean-up when a forked worker exits. Each is a small function below saying what torch does
-there and why we reach in; the rest of the package calls only these
-(``tests/test_torch_internals.py`` fails if another module names a private torch name).
+once, to make the default process group on first use, to spot torch's DataLoader driving an
+``ElasticSampler``, and to skip torch's operator clean-up when a forked worker exits. Each is
+a small function saying what torch does there and why we reach in; the rest of the package
+calls only these (``tests/test_torch_internals.py`` fails if another module names a private
+torch name).
 
 Private names move between torch releases without notice. So every one is described by a
 :class:`Need` (where it lives, the parameters a function takes, the attributes a method
@@ -124,6 +125,7 @@ LIBRARY_FINALIZER = Need(
     "torch.library", "Library.__init__", reads=("_del_library",),
     why="to skip torch's operator clean-up at a worker's exit")
 
+NEEDS: tuple[Need, ...]  # more from rounds.py, at the end
 NEEDS = (DELAY, OPERATION_RUN, RENDEZVOUS_STATE, NODE, STATE_HOLDER, HANDLER_STATE,
          CREATE_STORE, NEXT_ROUND, STOP_HEARTBEATS, REMOVE_EPILOGUE, DEFAULT_GROUP,
          MESH_CHECK, LOADER_ITERATOR, DEL_LIBRARY, LIBRARY_FINALIZER)
@@ -134,7 +136,7 @@ def _unsupported(need: Need, problem: str) -> NoReturn:
 
     raise UnsupportedTorch(
         f"torch {torch.__version__} is not supported by elastic_magic: {need.where} "
-        f"{problem}. elastic_magic relies on it {need.why} (elastic_magic/torch_internals.py)."
+        f"{problem}. elastic_magic relies on it {need.why} (elastic_magic/torch_internals/)."
         f" Install a supported torch: pip install 'torch{SUPPORTED_TORCH}' (tested with "
         f"torch {TESTED_TORCH}).")
 
@@ -197,48 +199,6 @@ def check_all() -> None:
     """Check every private name elastic_magic relies on (UnsupportedTorch if one fails)."""
     for need in NEEDS:
         check(need)
-
-
-# Rounds without idle waits (agent/machines/quick_rounds.py) -------------------------------------
-
-_poll_hooks: tuple[Callable[..., None], Callable[..., None]] | None = None
-
-
-def pace_rendezvous_polls(
-    delay: Callable[[float | tuple[float, float]], None], run: Callable[..., None]
-) -> tuple[Callable[[float | tuple[float, float]], None], Callable[..., None]]:
-    """Install ``delay`` and ``run`` in torch's rendezvous; torch's own two are returned.
-
-    torch's rendezvous sleeps through ``dynamic_rendezvous._delay(seconds)``, a module
-    global: a random 0-0.3 s before a handler's first round, and 1 s between the polls of
-    an operation (join, leave, close) that waits for other machines. Those polls run inside
-    ``_DistributedRendezvousOpExecutor.run``, which keeps the state it last read in
-    ``self._state`` (see :func:`operation_state`). ``delay`` replaces the global;
-    ``run(executor, *args, **kwargs)`` replaces the method and must call torch's. Once per
-    process (a second call with the same pair returns torch's two again)."""
-    global _poll_hooks
-    module: Any = importlib.import_module(_RENDEZVOUS)
-    if _poll_hooks is not None:
-        if (module._delay, module._DistributedRendezvousOpExecutor.run) != (delay, run):
-            raise RuntimeError("torch's rendezvous polls are already paced by others")
-        return _poll_hooks
-    torch_delay, torch_run = _get(DELAY), _get(OPERATION_RUN)
-    # inspect.signature and the checks above see torch's own through the replacements.
-    functools.update_wrapper(delay, torch_delay, assigned=(), updated=())
-    functools.update_wrapper(run, torch_run, assigned=(), updated=())
-    module._delay = delay
-    module._DistributedRendezvousOpExecutor.run = run
-    _poll_hooks = (torch_delay, torch_run)
-    return _poll_hooks
-
-
-def operation_state(executor: Any) -> Any:
-    """The rendezvous state (``_RendezvousState``: round, complete, closed, deadline,
-    participants, wait_list) that the operation ``executor`` runs last read: torch keeps
-    it in ``executor._state``, refreshed at every poll."""
-    _get(OPERATION_RUN)
-    _get(RENDEZVOUS_STATE)
-    return executor._state
 
 
 # Rendezvous handlers with per-round worker stores (agent/machines/rendezvous.py) ----------------
@@ -393,3 +353,16 @@ def is_library_cleanup(function: Any) -> bool:
     for ~130 libraries); the zygote turns those finalizers off for the workers it forks."""
     _get(LIBRARY_FINALIZER)
     return function is _get(DEL_LIBRARY)
+
+
+# Rendezvous rounds without idle waits (agent/machines/quick_rounds.py): in rounds.py
+from . import rounds  # noqa: E402  (it builds on what is above)
+
+STATE_CACHE: Need = rounds.STATE_CACHE
+JOIN_OP: Need = rounds.JOIN_OP
+ACTIONS: Need = rounds.ACTIONS
+CONTEXT: Need = rounds.CONTEXT
+pace_rendezvous_polls, operation_state = rounds.pace_rendezvous_polls, rounds.operation_state
+read_state_at_every_poll, completing_join = (rounds.read_state_at_every_poll,
+                                             rounds.completing_join)
+NEEDS += (STATE_CACHE, JOIN_OP, ACTIONS, CONTEXT)
