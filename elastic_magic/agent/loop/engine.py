@@ -14,8 +14,11 @@ machines' results): they are never lost while the engine waits.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
@@ -44,8 +47,10 @@ from ..diagnosis.hangs import HangWatch
 from ..diagnosis.stack_requests import StackRequests
 from ..inbox import FromLink, Inbox, InboxItem, WorkerReport
 from ..local.group import WorkerGroup
+from ..local.pool import warm_pool
 from ..local.survivors import Survivors
 from ..local.workers import Worker, torchrun_env
+from ..local.zygote_link import PoolError
 from ..machines.rendezvous import Rendezvous
 from ..machines.roles import SingleMachine
 from ..policy import Membership, Next, Resize, Step
@@ -94,8 +99,7 @@ class Engine:
         self.round: RoundInfo | None = None
         self.group: WorkerGroup | None = None
         self.state = JobState.RENDEZVOUS
-        self.attempt = -1
-        self.world_size = 0
+        self.attempt, self.world_size = -1, 0
         self.failures: list[RankFailure] = []
         self.stop_reason: str | None = None
 
@@ -105,13 +109,14 @@ class Engine:
         """What a job holds before its first round: its run's log folder (first, so no
         prune takes this run; the head or a machine alone makes it, a joined machine's may
         have been made by another agent of the job on this host), the checkpoint it resumes
-        from, the rendezvous."""
+        from, the rendezvous, a joining machine's warm pool."""
         self.run_folder = RunFolder.open(self.log_root, fresh=self.role.hosts_rendezvous)
         if is_default(self.spec.log_dir):
             prune(self.spec.log_dir)
         self.elastic_state.resume()
         self.rendezvous = self.role.open()
         self.board.publish(join_command=self.role.join_command)
+        _warm_before_joining(self)
 
     def apply_resize(self) -> None:
         """Before a round: the size asked for, and the slots named back, take effect."""
@@ -316,3 +321,22 @@ class Engine:
             self.log_root = self.run_folder.where()  # the result points at the job's logs
             self.run_folder.close()
             self.run_folder = None
+
+
+def _warm_before_joining(engine: Engine) -> None:
+    """A machine joining a running job starts its warm pool (Python, torch, the preload)
+    before it joins a round: the running group trains on meanwhile, instead of waiting in
+    the regroup that the join sets off while this machine's first workers start. The
+    zygote's environment is what its workers will have, but for the per-round variables
+    (``zygote_env``): a placeholder round gives those."""
+    if engine.role.hosts_rendezvous or not engine.spec.pool:
+        return
+    nproc = engine.membership.nproc
+    placeholder = RoundInfo(round=0, round_id="", node_rank=0, nnodes=1, base_rank=0,
+                            world_size=nproc, master_addr="127.0.0.1", master_port=0)
+    env = torchrun_env(Worker(0, 0, 0), placeholder, engine.spec, nproc=nproc,
+                       run_id=engine.run_id, restart_count=0, error_file=Path(os.devnull),
+                       network=engine.role.network, slots=engine.membership.slots)
+    with contextlib.suppress(PoolError):  # the round starts fresh workers, as without it
+        warm_pool().zygote_for(env, engine.payload.cwd, engine.payload.sys_path,
+                               engine.spec.preload)
