@@ -231,3 +231,50 @@ def test_a_lost_peer_is_a_consequence_of_the_killed_rank(log_dir, recorder):
     assert "Traceback" not in text  # rank 0's traceback is in its log, not here
     (line,) = [line for line in text.splitlines() if line.startswith("  rank 0: ")]
     assert "by peer" in line and line.endswith("(after rank 1 was killed by SIGKILL)")
+
+
+# Rank 0 waits for rank 1 in an all_reduce of their own group; ranks 1 and 2 sleep, outside
+# any collective. The test stops rank 1's shepherd (SIGSTOP), then SIGKILLs rank 1's worker:
+# its report pipe closes at once, but its exit shows only when its shepherd exits, and rank 0
+# reports its lost peer meanwhile (a window of 0.05-0.1 s without the SIGSTOP; the chaos test
+# of test_survivors found it).
+DYING = textwrap.dedent("""
+    import os, time, torch, torch.distributed as dist
+    pair = dist.new_group([0, 1])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        open(READY, "w").close()
+        dist.all_reduce(torch.ones(1), group=pair)
+    while True:
+        time.sleep(0.01)
+""")
+
+
+def test_a_rank_whose_pipe_closed_is_the_root_cause_before_its_exit_shows(tmp_path, log_dir,
+                                                                         recorder):
+    """Not a hang: the busy rank 2 is not blamed ("lagged behind"); the dying rank 1 is."""
+    import os
+    import signal
+
+    import psutil
+
+    from elastic_magic.agent.handles.job import Job
+    from elastic_magic.result import is_consequence
+    from elastic_magic.spec import JobSpec
+
+    ready = tmp_path / "ready"
+    spec = JobSpec.create(3, log_dir=log_dir, timeout=60)
+    job = Job(spec, build_payload(DYING, spec, namespace={"READY": str(ready)})).start()
+    deadline = time.monotonic() + 60
+    while not ready.exists() and not job.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ready.exists(), "rank 0 never reached its all_reduce"
+    shepherd = job.status_snapshot.pids[1]
+    (worker,) = psutil.Process(shepherd).children()
+    os.kill(shepherd, signal.SIGSTOP)  # the teardown's SIGKILL ends it
+    os.kill(worker.pid, signal.SIGKILL)
+    result = job.wait(recorder)
+    assert not result.ok
+    assert result.failure.rank == 1 and result.failure.signal == "SIGKILL", result.failure
+    assert [f.rank for f in result.failures if not is_consequence(f)] == [1], result.failures
+    assert result.stacks == {}  # an ordinary failure: no hang to diagnose
