@@ -116,6 +116,10 @@ DEFAULT_GROUP = Need(
 MESH_CHECK = Need(
     "torch.distributed.device_mesh", "is_initialized",
     why="to give a DeviceMesh the job's default process group")
+GROUP_NAMES = Need(
+    "torch.distributed.distributed_c10d", "_process_group_name",
+    reads=("_world", "group_count"),
+    why="to name a survivor's next default group as new ranks name their first")
 LOADER_ITERATOR = Need(
     "torch.utils.data.dataloader", "_BaseDataLoaderIter._reset", reads=("_index_sampler",),
     why="to tell torch's DataLoader iterating an ElasticSampler, which must be refused")
@@ -128,7 +132,7 @@ LIBRARY_FINALIZER = Need(
 NEEDS: tuple[Need, ...]  # more from rounds.py, at the end
 NEEDS = (DELAY, OPERATION_RUN, RENDEZVOUS_STATE, NODE, STATE_HOLDER, HANDLER_STATE,
          CREATE_STORE, NEXT_ROUND, STOP_HEARTBEATS, REMOVE_EPILOGUE, DEFAULT_GROUP,
-         MESH_CHECK, LOADER_ITERATOR, DEL_LIBRARY, LIBRARY_FINALIZER)
+         MESH_CHECK, GROUP_NAMES, LOADER_ITERATOR, DEL_LIBRARY, LIBRARY_FINALIZER)
 
 
 def _unsupported(need: Need, problem: str) -> NoReturn:
@@ -327,6 +331,14 @@ def route_default_group_checks(is_initialized: Callable[[], bool]) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     c10d.is_initialized = device_mesh.is_initialized = is_initialized
+
+
+def forget_group_names() -> None:
+    """Name groups from "0" again, as new ranks do. torch names unnamed groups by a count
+    (the default group "0" in a fresh process) and resets it only when it destroys a
+    default group: one interrupted while being made (a survivor leaving its payload) leaves
+    it one ahead, and the survivor's next group would wait for the new ranks' group "0"."""
+    _get(GROUP_NAMES).__globals__["_world"].group_count = 0
 
 
 # torch's DataLoader (data.py) ----------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 
 import cloudpickle
 
+from elastic_magic import torch_internals
 from elastic_magic.messages import (
     ErrorInfo,
     Failed,
@@ -141,6 +142,9 @@ def shutdown_process_group() -> None:
     default_group.disarm()
     if dist.is_initialized():
         dist.destroy_process_group()
+    else:  # one interrupted while being made (a survivor leaving) left torch's count of
+        # group names one ahead: the survivor's next group would wait for new ranks' "0"
+        torch_internals.forget_group_names()
     default_group.release_destroyed()
 
 
