@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import elastic_magic
@@ -32,14 +33,19 @@ def free_port() -> int:
 
 
 def torchrun(script: Path, nproc: int, *args: str, env: dict[str, str] | None = None,
-             timeout: float = 300, torchrun_args: tuple[str, ...] = ()) -> None:
-    """``torchrun --standalone`` to the end; its own session, killed by PID on timeout."""
+             timeout: float = 300, torchrun_args: tuple[str, ...] = (),
+             while_running: Callable[[int], object] | None = None) -> None:
+    """``torchrun --standalone`` to the end; its own session, killed by PID on timeout.
+    ``while_running(pid)``: called with torchrun's PID once it started (its workers are
+    its children), before the wait."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={nproc}", *torchrun_args, str(script), *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
         start_new_session=True)
     try:
+        if while_running is not None:
+            while_running(proc.pid)
         proc.wait(timeout)
     finally:
         if proc.poll() is None:
