@@ -52,6 +52,16 @@ def layout(sizes: tuple[int, ...] | list[int]) -> tuple[bytes, list[int], int]:
     return header, offsets, at
 
 
+def write_all_at(fd: int, data: Any, offset: int) -> int:
+    """Write all of ``data`` (bytes or a buffer) into the file ``fd`` at ``offset``
+    (``pwrite`` may write less than asked); where it ended."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+    return offset
+
+
 def part_spans(read: Callable[[int], bytes]) -> list[tuple[int, int]] | None:
     """Where each part is, (offset, size), in a snapshot whose first bytes ``read(n)``
     gives; None for one of one part."""
@@ -92,10 +102,7 @@ class Prepared:
         """Write it into the file ``fd`` at ``offset`` (``pwrite``: no seek shared with
         anyone, no buffer between)."""
         for data in self._buffers():
-            view = memoryview(data).cast("B")
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view, offset = view[written:], offset + written
+            offset = write_all_at(fd, data, offset)
 
     def _buffers(self) -> Iterator[Any]:
         import torch

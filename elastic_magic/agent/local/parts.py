@@ -23,7 +23,7 @@ import fcntl
 import os
 
 from ...file_locks import ofd_lock
-from ...snapshot_format import layout
+from ...snapshot_format import layout, write_all_at
 
 SPARE_FILES = 1  # free files kept for the commits to come; more are closed
 
@@ -57,7 +57,7 @@ class CommitParts:
             fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
             self._files.append(fd)
         os.ftruncate(fd, total)
-        os.pwrite(fd, header, 0)
+        write_all_at(fd, header, 0)
         self._pending = (token, sizes, fd)
         return fd
 
@@ -80,7 +80,7 @@ class CommitParts:
                 if isinstance(source, int):
                     copy_range(source, 0, fd, offset, size)
                 else:
-                    write_at(fd, source, offset)
+                    write_all_at(fd, source, offset)
         finally:
             if isinstance(source, int):
                 os.close(source)
@@ -111,13 +111,6 @@ class CommitParts:
             return False
         ofd_lock(fd, fcntl.F_UNLCK)
         return True
-
-
-def write_at(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
 
 
 def append(out: int, source: bytes | int, size: int) -> None:

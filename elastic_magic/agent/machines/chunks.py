@@ -24,7 +24,7 @@ from typing import Protocol
 
 from ...chunk_messages import ChunkKept, ChunkKey, ChunkPiece
 from ...messages import LinkMessage
-from ...snapshot_format import part_spans
+from ...snapshot_format import part_spans, write_all_at
 from ..local.parts import copy_range
 
 PIECE = 4 << 20  # bytes a frame: what a chunk in flight costs a heap
@@ -160,11 +160,7 @@ class ChunkSink:
             fd = self._files.get((node, piece.key))
             if fd is None:
                 fd = self._files[(node, piece.key)] = memory_file()
-        view = memoryview(piece.data)
-        offset = piece.offset
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
+        write_all_at(fd, piece.data, piece.offset)
 
     def take(self, node: int, key: ChunkKey, size: int | None = None) -> int | None:
         """The chunk's memory file, now the caller's; None unless ``size`` bytes came
