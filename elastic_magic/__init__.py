@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .events import JobState
     from .payload import PayloadError
     from .result import JobFailedError, JobResult, RankFailure
+    from .resume import run
     from .session import Session, SessionEndedError
     from .spec import JobSpec, SpecError
     from .state import State
@@ -43,6 +44,7 @@ _EXPORTS = {
     "ElasticSampler": ".data",
     "State": ".state",
     "launch": ".api",
+    "run": ".resume",
 }
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "State",
     "launch",
     "load_ipython_extension",
+    "run",
     "unload_ipython_extension",
 ]
 

@@ -193,6 +193,7 @@ class StateReply:
     commit_id: int
     snapshot: bytes | None = None
     handoff: Handoff | None = None
+    token: int = 0  # the commit's: a survivor holding the same rolls back from its memory
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,10 @@ from collections.abc import Callable
 from typing import Any
 
 from . import rng, sharded, snapshot_format
+from .collectives import broadcast_flag, gather_int, gather_ints
 from .data import DataLoader, ElasticSampler, _dist, rank_and_world
 from .file_locks import ofd_lock
+from .kept import Kept
 from .messages import (
     Commit,
     CommitIntent,
@@ -103,31 +105,6 @@ def _stateful(name: str, value: Any) -> Any:
     return None
 
 
-def _broadcast_flag(dist: Any, flag: bool) -> bool:
-    """Rank 0's ``flag`` on every rank (a tensor collective: nothing is unpickled)."""
-    import torch
-
-    tensor = torch.tensor([int(flag)], dtype=torch.uint8, device=rng.collective_device(dist))
-    dist.broadcast(tensor, src=0)
-    return bool(tensor.item())
-
-
-def _gather_int(dist: Any, value: int) -> list[int]:
-    """Every rank's ``value``, in rank order."""
-    return [row[0] for row in _gather_ints(dist, [value])]
-
-
-def _gather_ints(dist: Any, values: list[int]) -> list[list[int]]:
-    """Every rank's ``values``, in rank order (a tensor collective: nothing unpickled)."""
-    import torch
-
-    device = rng.collective_device(dist)
-    rows = [torch.empty(len(values), dtype=torch.int64, device=device)
-            for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, torch.tensor(values, dtype=torch.int64, device=device))
-    return [[int(v) for v in row.tolist()] for row in rows]
-
-
 class State:
     """Stateful objects (restored in place), plain values, RNG states and commits.
 
@@ -145,6 +122,9 @@ class State:
         object.__setattr__(self, "_on_resize", on_resize)
         object.__setattr__(self, "_staged", None)  # the last commit's copy, once sent
         object.__setattr__(self, "restored_step", None)
+        object.__setattr__(self, "_kept", None)  # our own record of the last commit
+        object.__setattr__(self, "_sharded", False)
+        object.__setattr__(self, "_on_reset", [])
         named = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                  "sampler": sampler}
         for name, value in {**named, **values}.items():
@@ -193,14 +173,22 @@ class State:
                              buffer)
         return buffer.getvalue()
 
-    def _tree(self, rngs: list[dict[str, Any]], rank: int) -> tuple[dict[str, Any],
-                                                                    sharded.Split]:
+    def on_reset(self, callback: Callable[[], Any]) -> Callable[[], Any]:
+        """Run ``callback()`` each time ``elastic_magic.run`` goes on in place in a new
+        group, after the rollback (Horovod's reset callbacks); usable as a decorator."""
+        self._on_reset.append(callback)
+        return callback
+
+    def _tree(self, rngs: list[dict[str, Any]], rank: int,
+              dicts: dict[str, Any] | None = None) -> tuple[dict[str, Any], sharded.Split]:
         """What a commit saves, DTensors replaced by where they were (rank 0's part), and
         this rank's chunks of them."""
         split = sharded.Split({})
-        objects = {name: sharded.split(obj.state_dict(), rank, (name,), split)
-                   for name, obj in self._objects.items()}
+        dicts = dicts or {name: obj.state_dict() for name, obj in self._objects.items()}
+        objects = {name: sharded.split(tree, rank, (name,), split)
+                   for name, tree in dicts.items()}
         values = sharded.split(dict(self._values), rank, ("values",), split)
+        object.__setattr__(self, "_sharded", split.sharded)
         return {"values": values, "commits": self._commits, "objects": objects,
                 "rngs": rngs, "world_size": len(rngs)}, split
 
@@ -232,15 +220,19 @@ class State:
             return False
         client.drain()  # a commit still being sent is the latest
         reply: StateReply = client.request(StateGet)
-        memory_file = _open_handoff(reply.handoff)
-        if reply.handoff and memory_file is None:  # cannot read the agent's file
+        kept = self._kept if self._kept and self._kept.holds(reply.token, self._objects) \
+            else None  # a survivor going on in place (elastic_magic.run), from its memory
+        memory_file = None if kept else _open_handoff(reply.handoff)
+        if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
             reply = client.request(lambda request_id: StateGet(request_id, inline=True))
         dist = _dist()
         if dist is not None:  # every rank must start from the same commit
-            ids = _gather_int(dist, reply.commit_id)
+            ids = gather_int(dist, reply.commit_id)
             if len(set(ids)) != 1:
                 raise RuntimeError(f"ranks received different snapshots: {ids}")
-        if memory_file is not None:
+        if kept:
+            kept.roll_back(self, dist.get_world_size() if dist is not None else 1)
+        elif memory_file is not None:
             with memory_file:
                 self.load(memory_file)
         elif reply.snapshot is None:
@@ -248,6 +240,7 @@ class State:
         else:
             self.load(reply.snapshot)
         object.__setattr__(self, "restored_step", self.step)
+        object.__setattr__(self, "_kept", kept)  # after a load, the objects have changed
         return True
 
     def commit(self, *, every: int = 1, seconds: float | None = None) -> bool:
@@ -265,7 +258,7 @@ class State:
         if seconds is not None and not due:
             due = time.monotonic() - self._last_commit >= seconds
             if dist is not None:  # every rank must agree, or the collectives below hang
-                due = _broadcast_flag(dist, due)
+                due = broadcast_flag(dist, due)
         if not due:
             return False
         object.__setattr__(self, "_since_commit", 0)
@@ -275,7 +268,8 @@ class State:
         # every rank's random streams; waits until all finished the step
         rngs = rng.gather(dist) if dist is not None else [rng.current()]
         rank = dist.get_rank() if dist is not None else 0
-        tree, split = self._tree(rngs, rank)
+        dicts = {name: obj.state_dict() for name, obj in self._objects.items()}
+        tree, split = self._tree(rngs, rank, dicts)
         # Replicated (DDP) or one rank: rank 0 has it all. Sharded: a part from each rank.
         part: dict[str, Any] | None = tree if rank == 0 else None
         if split.sharded:
@@ -291,9 +285,12 @@ class State:
             token = secrets.randbits(62)
         sizes: tuple[int, ...] = (size,)
         if dist is not None:  # every rank leaves, or none; the parts of a commit match
-            rows = _gather_ints(dist, [int(leave), token, size])
+            rows = gather_ints(dist, [int(leave), token, size])
             leave, token = bool(rows[0][0]), rows[0][1]
             sizes = tuple(row[2] for row in rows) if split.sharded else (rows[0][2],)
+        if client is not None and not split.sharded:  # to roll back to in place
+            object.__setattr__(self, "_kept", Kept.of(token, dicts, self._values,
+                                                      self._commits, rngs, rank))
         if client is not None and prepared is not None:
             commit = functools.partial(Commit, step=self.step, time=time.time(), part=rank,
                                        parts=len(sizes), token=token, sizes=sizes)
@@ -302,7 +299,7 @@ class State:
             if client is not None:
                 client.drain()
             if dist is not None:
-                _gather_int(dist, 0)
+                gather_int(dist, 0)
             raise ResizeExit(self.step)
         return True
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import queue
 import signal
 import sys
 import threading
@@ -97,7 +96,7 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
     control, report = Channel(control_fd, key), Channel(report_fd, key)
     client = agent_client.AgentClient(report)
     agent_client.install(client)
-    inbox: queue.Queue[Run | Exit] = queue.Queue()
+    inbox = leave.inbox
     exiting = threading.Event()
 
     def listen() -> None:
@@ -130,7 +129,7 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
     buffer_stdout(nonce)
     report_progress(client)
-    while isinstance(message := inbox.get(), Run):
+    while isinstance(message := leave.next_message(), Run):
         if message.env:  # a survivor's new group: its ranks, size and store
             with contextlib.suppress(Exception):  # a session's rank still holds the old one
                 shutdown_process_group()

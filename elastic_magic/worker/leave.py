@@ -12,10 +12,12 @@ an Interrupt that arrives as the payload ends never breaks the report being writ
 
 from __future__ import annotations
 
+import queue
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 _asked = threading.Event()
 _lock = threading.Lock()
@@ -54,3 +56,54 @@ def leavable() -> Iterator[None]:
     finally:
         with _lock:
             _busy = False
+
+
+def pause() -> None:
+    """A survivor left its payload's code and waits in it (``elastic_magic.run``): the
+    agent's word is only recorded from now on; one already on its way is taken here."""
+    global _busy
+    try:
+        with _lock:
+            _busy = False
+        signal.pthread_sigmask(signal.SIG_BLOCK, ())  # a call: a pending SIGINT raises here
+    except KeyboardInterrupt:
+        if not _asked.is_set():  # a user's Ctrl-C, not the agent's word
+            raise
+
+
+def resume() -> None:
+    """The survivor's code runs again in its new group: the agent's word interrupts it."""
+    global _busy
+    with _lock:
+        _busy = True
+
+
+# -- going on inside the cell (elastic_magic.run): the next group's Run, as the loop gets it
+
+class RerunCell(BaseException):
+    """A survivor cannot go on inside its cell (its rank changed, or the job ends): the
+    payload ends quietly (it has reported Parked) and the worker's loop takes the message
+    that came instead, as after any parked payload."""
+
+
+inbox: queue.Queue[Any] = queue.Queue()  # the agent's Run and Exit, in order
+_put_back: list[Any] = []
+_running: list[Any] = []  # [payload, stay] of the payload that runs now
+
+
+def next_message() -> Any:
+    """The next Run or Exit for the worker's loop (or a survivor going on in its cell)."""
+    return _put_back.pop() if _put_back else inbox.get()
+
+
+def put_back(message: Any) -> None:
+    _put_back.append(message)
+
+
+def running(payload: Any, stay: bool) -> None:
+    _running[:] = [payload, stay]
+
+
+def running_payload() -> tuple[Any, bool] | None:
+    """The payload running now and whether it stays (survivors), if any."""
+    return (_running[0], _running[1]) if _running else None

@@ -43,16 +43,19 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
     value = None
     progress.running.set()
     leave.begin()
+    leave.running(payload, stay)
     try:
         namespace = _prepare(payload)
         report.send(Running(time.time()))
         with session.running_cell() if payload.session else contextlib.nullcontext(), \
                 leave.leavable() if stay else contextlib.nullcontext():
             value = _execute(payload, namespace)
+    except leave.RerunCell:  # a survivor that went on in its cell must start it again
+        return drop_cell(namespace)
     except ResizeExit as exc:  # a resize was applied at a commit: leave cleanly
         report.send(Resized(exc.step, time.time()))
         if stay:
-            return _park(report, exc, "left at a commit for a resize", namespace)
+            return _park(report, exc, namespace)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -60,16 +63,11 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
         if exc.code not in (None, 0):
             code = exc.code if isinstance(exc.code, int) else 1
             return _fail(report, exc, exit_code=code, leave=not payload.session)
-    except KeyboardInterrupt as exc:
-        if stay and leave.asked():  # the agent's Interrupt, not a stop (a signal)
-            return _park(report, exc, "left on the agent's word: the group re-forms",
-                         namespace)
-        return _fail(report, exc, exit_code=130, leave=not payload.session)
     except BaseException as exc:  # user code may raise anything
-        if stay and isinstance(exc, Exception):  # reported; the agent decides who stays
-            return _park(report, exc, f"failed: {type(exc).__qualname__}", namespace,
-                         failed=True)
-        return _fail(report, exc, exit_code=1, leave=not payload.session)
+        if stay and why_parked(exc) is not None:  # reported; the agent decides who stays
+            return _park(report, exc, namespace)
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        return _fail(report, exc, exit_code=code, leave=not payload.session)
     try:
         report.drain()  # the cell's last commit is in the agent before its result
     except BaseException as exc:
@@ -203,13 +201,24 @@ def describe_exception(exc: BaseException, exit_code: int) -> ErrorInfo:
     )
 
 
-def _park(report: AgentClient, exc: BaseException, why: str, namespace: dict[str, Any], *,
-          failed: bool = False) -> None:
-    """Survivors stay: leave the payload but not the process. The commit being sent is
-    in the agent first (no stale commit reaches the next group), the error, if any, is
-    reported, and the rank says it has left; then, while the agent forms the next group,
-    the cell's objects (its data loaders' workers too) and the process group are dropped,
-    and the rank waits for the next Run, which runs the cell from the top."""
+def why_parked(exc: BaseException) -> tuple[str, bool] | None:
+    """Survivors stay: why a rank leaves its payload for the next group on ``exc`` and
+    whether that is a failure to report; None when it does not stay (a user's interrupt,
+    ``sys.exit``)."""
+    if isinstance(exc, ResizeExit):
+        return "left at a commit for a resize", False
+    if isinstance(exc, KeyboardInterrupt):  # the agent's Interrupt, not a stop (a signal)
+        return ("left on the agent's word: the group re-forms", False) if leave.asked() \
+            else None
+    if isinstance(exc, Exception):  # the agent decides who stays
+        return f"failed: {type(exc).__qualname__}", True
+    return None
+
+
+def report_parked(report: AgentClient, exc: BaseException) -> None:
+    """The commit being sent is in the agent first (no stale commit reaches the next
+    group), the error, if any, is reported, and the rank says it has left its payload."""
+    why, failed = why_parked(exc) or ("left", False)
     with contextlib.suppress(BaseException):
         report.drain()
     progress.running.clear()
@@ -218,14 +227,35 @@ def _park(report: AgentClient, exc: BaseException, why: str, namespace: dict[str
         sys.stderr.write(info.traceback)
         report.send(Failed(info))
     report.send(Parked(why, time.time()))
-    traceback.clear_frames(exc.__traceback__)
-    namespace.clear()
+
+
+def leave_group(exc: BaseException | None) -> None:
+    """Drop what held the old process group (the failed frames' DDP reducer first), then
+    the group."""
+    if exc is not None:
+        traceback.clear_frames(exc.__traceback__)
     del exc
     gc.collect()  # the model, the DDP reducer: what held the old group goes first
     with contextlib.suppress(Exception):  # a group whose peer died may refuse a clean end
         shutdown_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _park(report: AgentClient, exc: BaseException, namespace: dict[str, Any]) -> None:
+    """Survivors stay: leave the payload but not the process. Having said so, while the
+    agent forms the next group, the cell's objects (its data loaders' workers too) and the
+    process group are dropped, and the rank waits for the next Run, which runs the cell
+    from the top."""
+    report_parked(report, exc)
+    traceback.clear_frames(exc.__traceback__)
+    del exc
+    drop_cell(namespace)
+
+
+def drop_cell(namespace: dict[str, Any]) -> None:
+    namespace.clear()
+    leave_group(None)
 
 
 def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool = True) -> None:

@@ -341,8 +341,9 @@ class StateServer:
         store = self.store
         if store.memory_file is not None and not inline:
             # The worker reads our memory file through /proc (or asks again, inline).
-            return StateReply(store.commit_id, handoff=Handoff.of(store.memory_file))
-        return StateReply(store.commit_id, snapshot=store.blob)
+            return StateReply(store.commit_id, handoff=Handoff.of(store.memory_file),
+                              token=store.token)
+        return StateReply(store.commit_id, snapshot=store.blob, token=store.token)
 
     def target(self, request: CommitTarget, inline: bool) -> CommitReply:
         """Where a rank writes its part of a commit: our memory file for it (a rank of

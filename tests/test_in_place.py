@@ -1,0 +1,152 @@
+"""Survivors go on in place (``elastic_magic.run``, Horovod's ``hvd.elastic.run``): a
+survivor stays in the function's caller through a peer's death and a resize, keeps what
+the cell made before the call, and rolls back from its own memory when nothing it holds
+changed since the commit (from the agent's copy otherwise); the training ends as without
+failures."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+import threading
+
+from conftest import assert_stayed
+
+from elastic_magic.agent.handles.job import Job
+from elastic_magic.payload import build_payload
+from elastic_magic.spec import JobSpec
+
+WIDTH = 600  # the model's state is above kept.COPY_LIMIT: kept as versions, not a copy
+
+# Rank 1 dies before its forward at step 3 (rank 0 then waits in the backward's all-reduce:
+# nothing changed since the commit) and after its optimizer step at step 6 (rank 0 has
+# stepped too); the test resizes to 3 once rank 0 prints STEP 9.
+CELL = textwrap.dedent("""
+    import os, signal, time, torch, torch.distributed as dist, elastic_magic
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    with open(os.path.join(OUT, f"top_{os.getpid()}"), "a") as f:
+        f.write("ran\\n")  # the cell's top, once per process that runs it
+    torch.manual_seed(0)
+    model = torch.nn.Linear(WIDTH, WIDTH)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = elastic_magic.State(model=model, optimizer=opt, step=0)
+    resets = []
+    state.on_reset(lambda: resets.append(dist.get_world_size()))
+
+    @elastic_magic.run
+    def train(state):
+        ddp = DDP(model)
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        rank = dist.get_rank()
+        if rank == 0:
+            print("ENTER", state.step, "memory" if state._kept else "agent", resets,
+                  flush=True)
+        while state.step < 12:
+            if (attempt, state.step, rank) == (0, 3, 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            ddp(torch.ones(2, WIDTH)).square().mean().backward()
+            opt.step()
+            if (attempt, state.step, rank) == (1, 6, 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+            state.step += 1
+            if rank == 0:
+                print("STEP", state.step, flush=True)
+            if state.step >= 9 and dist.get_world_size() == 2:
+                time.sleep(0.2)  # the resize is applied at one of these commits
+            state.commit()
+        return [p.detach().clone() for p in model.parameters()]
+
+    train(state)
+""")
+
+
+def baseline():
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(WIDTH, WIDTH)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(12):
+        opt.zero_grad()
+        model(torch.ones(2, WIDTH)).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_survivors_go_on_in_place_through_kills_and_a_resize(tmp_path, log_dir, recorder):
+    import torch
+
+    spec = JobSpec.create(2, log_dir=log_dir, max_restarts=2, survivors=True, max_nproc=3)
+    payload = build_payload(CELL, spec, namespace={"OUT": str(tmp_path), "WIDTH": WIDTH})
+    job = Job(spec, payload).start()
+
+    def resize_at_step_nine():
+        while not any(line == "STEP 9" for line in recorder.lines(0)):
+            threading.Event().wait(0.02)
+        job.scale(3)
+
+    threading.Thread(target=resize_at_step_nine, daemon=True).start()
+    result = job.wait(recorder)
+    assert result.ok and result.restarts == 2 and result.world_size == 3, result
+    assert_stayed(recorder, [(0,), (0,), (0, 1)])
+    enters = [line.split(maxsplit=1)[1] for line in recorder.lines(0)
+              if line.startswith("ENTER")]
+    # rolled back from its own memory after a death in the collectives and at the resize,
+    # from the agent's copy after a death once rank 0 had stepped; reset callbacks each time
+    assert enters[:3] == ["0 agent []", "3 memory [2]", "6 agent [2, 2]"], enters
+    assert len(enters) == 4 and re.fullmatch(r"(9|10|11) memory \[2, 2, 3\]", enters[3])
+    tops = {path.name: path.read_text().count("ran") for path in tmp_path.glob("top_*")}
+    # 2 first ranks, 2 replacing rank 1, 1 added: no process ran the cell's top twice
+    assert sorted(tops.values()) == [1] * 5, tops
+    for got, want in zip(result.values[0], baseline(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+# A sharded State cannot go on in place (its parameters are laid out over the old group):
+# the survivor stays in its process and runs the cell again from the top.
+SHARDED = textwrap.dedent("""
+    import os, signal, torch, torch.distributed as dist, elastic_magic
+    from torch.distributed.fsdp import fully_shard
+    with open(os.path.join(OUT, f"top_{os.getpid()}"), "a") as f:
+        f.write("ran\\n")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = elastic_magic.State(model=model, optimizer=opt, step=0)
+
+    @elastic_magic.run
+    def train(state):
+        while state.step < 6:
+            if (KILL and state.step == 3 and dist.get_rank() == 1
+                    and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            model(torch.ones(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state.step += 1
+            state.commit()
+        return [p.full_tensor().clone() for p in model.parameters()]
+
+    train(state)
+""")
+
+
+def test_a_sharded_state_runs_the_cell_again_in_the_survivors_process(tmp_path, log_dir,
+                                                                      recorder):
+    import torch
+
+    def run(kill, out):
+        out.mkdir()
+        spec = JobSpec.create(2, log_dir=log_dir, max_restarts=1, survivors=True)
+        payload = build_payload(SHARDED, spec, namespace={"OUT": str(out), "KILL": kill})
+        return Job(spec, payload).start().wait(recorder if kill else lambda events: None)
+
+    killed, undisturbed = run(True, tmp_path / "killed"), run(False, tmp_path / "whole")
+    assert killed.ok and killed.restarts == 1 and undisturbed.ok, (killed, undisturbed)
+    assert_stayed(recorder, [(0,)])
+    tops = sorted(path.read_text().count("ran") for path in (tmp_path / "killed").iterdir())
+    assert tops == [1, 1, 2], tops  # rank 0 ran it twice in its one process
+    for got, want in zip(killed.values[0], undisturbed.values[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
