@@ -114,6 +114,54 @@ MLP_KILLED_STATE = MLP_SETUP + textwrap.dedent("""
     dist.destroy_process_group()
 """)
 
+# (a) going on in place (``@elastic_magic.run``): the model, optimizer and loader are made
+# once per process, DDP (tied to the group) in the function. KILL: as MLP_KILLED_STATE.
+# RESIZE: as MLP_ELASTIC (~20 ms of work a step, first steps stamped ``w<world size>``).
+MLP_IN_PLACE = textwrap.dedent("""
+    import os, signal, time, torch, torch.distributed as dist, elastic_magic
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 32), torch.randn(SAMPLES, 1))
+    net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    sampler = elastic_magic.ElasticSampler(len(data), global_batch_size=48, seed=0)
+    loader = elastic_magic.DataLoader(data, batch_sampler=sampler, num_workers=2)
+    state = elastic_magic.State(model=net, optimizer=optimizer, loader=loader, step=0)
+
+    @elastic_magic.run
+    def train(state):
+        model = DDP(net)
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        first = True
+        while state.step < STEPS:
+            sampler.set_epoch(state.step // (SAMPLES // 48))
+            for x, y in loader:
+                loss = nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if first:
+                    stamp(f"w{dist.get_world_size()}" if RESIZE else f"step{attempt}")
+                    first = False
+                if RESIZE:
+                    time.sleep(0.02)
+                state.step += 1
+                state.commit()
+                if KILL and attempt == "0":
+                    dist.barrier()
+                    if dist.get_rank() == 1:
+                        stamp("kill")
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    time.sleep(60)
+                if state.step >= STEPS:
+                    break
+
+    train(state)
+    del loader
+    dist.destroy_process_group()
+""")
+
 # (a) with an elastic State, committing every step (~20 ms of work a step) until resized:
 # each run stamps its first step as ``w<world size>``.
 MLP_ELASTIC = MLP_SETUP + textwrap.dedent("""

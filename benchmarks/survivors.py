@@ -3,8 +3,11 @@
 - survivors_model_size: a DDP training with AdamW whose State (parameters and both Adam
   moments) is about 10 MB and about 1 GB (100 MB with ``--quick``), committing every step;
   rank 1 SIGKILLs itself after the second step's commit, and the figure is from the kill to
-  the first step again on every rank (as train_recovery_survivors), with ``--survivors``
-  beside every rank starting again.
+  the first step again on every rank (as train_recovery_survivors), and from the kill to
+  rank 0 (a survivor) ready again with the State rolled back (``_rank0_ready``; it waits
+  in the restore's collective for the new rank, which builds the model first). Sides:
+  going on in place (``@elastic_magic.run``), ``--survivors`` running the cell again from
+  the top, and every rank starting again.
 - survivors_efficiency: the DDP training cell (a) of cells.py for 5 minutes (30 s with
   ``--quick``), a rank's worker SIGKILLed from outside every 10 s; the figure is the
   steps in the final committed progress (counted by the training: its step counter at the
@@ -51,6 +54,7 @@ SIZED_KILLED = textwrap.dedent("""
     model = DDP(nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(4))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = elastic_magic.State(model=model, optimizer=optimizer, step=0)
+    stamp(f"ready{attempt}")
     x = torch.randn(8, WIDTH)
     first = True
     while state.step < 4:
@@ -72,6 +76,45 @@ SIZED_KILLED = textwrap.dedent("""
 """)
 
 
+# The same going on in place (@elastic_magic.run): a survivor keeps its model and optimizer
+# and stamps ``ready<restart count>`` as it enters the function again, rolled back.
+SIZED_IN_PLACE = textwrap.dedent("""
+    import os, signal, time, torch, torch.distributed as dist, elastic_magic
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(4)))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    state = elastic_magic.State(model=net, optimizer=optimizer, step=0)
+    x = torch.randn(8, WIDTH)
+
+    @elastic_magic.run
+    def train(state):
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        stamp(f"ready{attempt}")
+        model = DDP(net)
+        first = True
+        while state.step < 4:
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+            if first:
+                stamp(f"step{attempt}")
+                first = False
+            state.step += 1
+            state.commit()
+            if attempt == "0" and state.step == 2:
+                dist.barrier()
+                if dist.get_rank() == 1:
+                    stamp("kill")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
+
+    train(state)
+    dist.destroy_process_group()
+""")
+
+
 def _width(state_bytes: float) -> int:
     """The layers' width for a State of ``state_bytes``: 4 layers of float32 weights, each
     kept three times (the parameter and Adam's two moments)."""
@@ -84,11 +127,16 @@ def survivors_model_size(nproc: int, quick: bool) -> dict[str, float]:
            namespace=cells.namespace(scratch(), cells.params(quick)))
     sides = {}
     for label, size in (("10mb", 10e6), ("100mb" if quick else "1gb", 1e8 if quick else 1e9)):
-        for side, survivors in (("survivors", True), ("restart", False)):
+        for side, survivors, cell in (("in_place", True, SIZED_IN_PLACE),
+                                      ("survivors", True, SIZED_KILLED),
+                                      ("restart", False, SIZED_KILLED)):
             out = scratch()
-            launch(cells.STAMP + SIZED_KILLED, nproc, max_restarts=1, survivors=survivors,
+            launch(cells.STAMP + cell, nproc, max_restarts=1, survivors=survivors,
                    namespace=cells.namespace(out, {"WIDTH": _width(size)}))
             sides[f"elastic_magic_{side}_{label}"] = _recovered(out, nproc)
+            # the survivor's own recovery: from the kill to rank 0 ready again, rolled back
+            sides[f"elastic_magic_{side}_{label}_rank0_ready"] = \
+                cells.every(out, "ready1", nproc)[0] - cells.every(out, "kill", 1)[0]
     return sides
 
 

@@ -102,10 +102,13 @@ def train_recovery_survivors(nproc: int, quick: bool) -> dict[str, float]:
     values = cells.params(quick)
     _ours(cells.MLP, nproc, values)  # the pool has seen the cell
     sides = {}
-    for side, survivors in (("elastic_magic_survivors", True), ("elastic_magic_restart", False)):
+    for side, survivors, cell in (
+            ("elastic_magic_in_place", True, cells.MLP_IN_PLACE),
+            ("elastic_magic_survivors", True, cells.MLP_KILLED_STATE),
+            ("elastic_magic_restart", False, cells.MLP_KILLED_STATE)):
         out = scratch()
-        launch(cells.STAMP + cells.MLP_KILLED_STATE, nproc, max_restarts=1,
-               survivors=survivors, namespace=cells.namespace(out, values))
+        launch(cells.STAMP + cell, nproc, max_restarts=1, survivors=survivors,
+               namespace=cells.namespace(out, {**values, "KILL": 1, "RESIZE": 0}))
         sides[side] = _recovered(out, nproc)
     theirs, _ = cells.run_torchrun(cells.MLP_KILLED, nproc, values, "--max-restarts=1",
                                    "--monitor-interval=0.1",
@@ -114,7 +117,9 @@ def train_recovery_survivors(nproc: int, quick: bool) -> dict[str, float]:
 
 
 def train_resize_survivors(nproc: int, quick: bool) -> dict[str, float]:
-    return {"elastic_magic_survivors": _resize(nproc, quick, survivors=True),
+    return {"elastic_magic_in_place": _resize(nproc, quick, survivors=True,
+                                              cell=cells.MLP_IN_PLACE),
+            "elastic_magic_survivors": _resize(nproc, quick, survivors=True),
             "elastic_magic_restart": _resize(nproc, quick, survivors=False)}
 
 
@@ -122,14 +127,14 @@ def train_resize(nproc: int, quick: bool) -> dict[str, float]:
     return {"elastic_magic": _resize(nproc, quick, survivors=False)}
 
 
-def _resize(nproc: int, quick: bool, survivors: bool) -> float:
+def _resize(nproc: int, quick: bool, survivors: bool, cell: str = cells.MLP_ELASTIC) -> float:
     """2 -> 3 (``nproc`` -> ``nproc + 1``) at the next commit."""
     cells.set_env()
-    values = cells.params(quick, SAMPLES=960)
+    values = {**cells.params(quick, SAMPLES=960), "STEPS": 100000, "KILL": 0, "RESIZE": 1}
     _ours(cells.MLP, nproc, values)
     out, bigger = scratch(), nproc + 1
     spec = JobSpec.create(nproc, min_nproc=1, max_nproc=bigger, survivors=survivors)
-    job = Job(spec, build_payload(cells.STAMP + cells.MLP_ELASTIC, spec,
+    job = Job(spec, build_payload(cells.STAMP + cell, spec,
                                   namespace=cells.namespace(out, values))).start()
     requested: list[float] = []
 
