@@ -34,18 +34,25 @@ STAMP = textwrap.dedent("""
 """)
 
 # (a) a DDP MLP with AdamW, fed by elastic_magic.DataLoader with 2 loader workers.
-MLP_SETUP = textwrap.dedent("""
+# Its objects, without the process group (made where DDP first uses it) ...
+MLP_OBJECTS = textwrap.dedent("""
     import torch, torch.distributed as dist, elastic_magic
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 32), torch.randn(SAMPLES, 1))
-    model = DDP(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     sampler = elastic_magic.ElasticSampler(len(data), global_batch_size=48, seed=0)
     loader = elastic_magic.DataLoader(data, batch_sampler=sampler, num_workers=2)
+""")
+# ... and the cell as torchrun scripts have it: the group made first, DDP, one step.
+MLP_SETUP = textwrap.dedent("""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+""") + MLP_OBJECTS + textwrap.dedent("""
+    model = DDP(net)
 
     def train_step(x, y):
         loss = nn.functional.mse_loss(model(x), y)
@@ -117,16 +124,8 @@ MLP_KILLED_STATE = MLP_SETUP + textwrap.dedent("""
 # (a) going on in place (``@elastic_magic.run``): the model, optimizer and loader are made
 # once per process, DDP (tied to the group) in the function. KILL: as MLP_KILLED_STATE.
 # RESIZE: as MLP_ELASTIC (~20 ms of work a step, first steps stamped ``w<world size>``).
-MLP_IN_PLACE = textwrap.dedent("""
-    import os, signal, time, torch, torch.distributed as dist, elastic_magic
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    torch.manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 32), torch.randn(SAMPLES, 1))
-    net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    sampler = elastic_magic.ElasticSampler(len(data), global_batch_size=48, seed=0)
-    loader = elastic_magic.DataLoader(data, batch_sampler=sampler, num_workers=2)
+MLP_IN_PLACE = MLP_OBJECTS + textwrap.dedent("""
+    import os, signal, time
     state = elastic_magic.State(model=net, optimizer=optimizer, loader=loader, step=0)
 
     @elastic_magic.run

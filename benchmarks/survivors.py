@@ -12,9 +12,10 @@
   ``--quick``), a rank's worker SIGKILLed from outside every 10 s; the figure is the
   steps in the final committed progress (counted by the training: its step counter at the
   end, which a restore rolls back) over the steps of an undisturbed run of the same side
-  in the same time. Sides: ``--survivors``, every rank starting again, and the same script
-  under ``torchrun --max-restarts`` (its own agent), which saves its own checkpoint with
-  ``torch.save`` after every step where the cell commits its State.
+  in the same time. Sides: going on in place (``@elastic_magic.run``; its undisturbed run
+  is the cell's, shared with the next sides), ``--survivors``, every rank starting again,
+  and the same script under ``torchrun --max-restarts`` (its own agent), which saves its
+  own checkpoint with ``torch.save`` after every step where the cell commits its State.
 """
 
 from __future__ import annotations
@@ -179,6 +180,37 @@ EFFICIENCY = cells.MLP_SETUP + textwrap.dedent("""
     del loader
     dist.destroy_process_group()
 """)
+# The same going on in place (@elastic_magic.run), as the README shows it.
+EFFICIENCY_IN_PLACE = cells.MLP_OBJECTS + textwrap.dedent("""
+    import os, time
+    state = elastic_magic.State(model=net, optimizer=optimizer, loader=loader, step=0)
+
+    @elastic_magic.run
+    def train(state):
+        model = DDP(net)
+        stop = torch.zeros(1)
+        while not stop.item():
+            sampler.set_epoch(state.step // (SAMPLES // 48))
+            for x, y in loader:
+                loss = nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                state.step += 1
+                state.commit()
+                stop[0] = time.time() * 1000 >= END_MS
+                dist.broadcast(stop, 0)
+                if stop.item():
+                    break
+
+    train(state)
+    if dist.get_rank() == 0:
+        with open(os.path.join(OUT, "steps.tmp"), "w") as f:
+            f.write(str(state.step))
+        os.replace(os.path.join(OUT, "steps.tmp"), os.path.join(OUT, "steps"))
+    del loader
+    dist.destroy_process_group()
+""")
 SAMPLES = 48_000  # 1000 steps an epoch: few epoch starts (each forks the loader's workers)
 RESTARTS = 1000  # more than the failures of any run
 
@@ -229,11 +261,12 @@ def _values(end: float, own_checkpoint: bool) -> dict[str, int]:
     return {"SAMPLES": SAMPLES, "END_MS": int(end * 1000), "OWN_CHECKPOINT": int(own_checkpoint)}
 
 
-def _ours(nproc: int, duration: float, period: float | None, survivors: bool) -> int:
+def _ours(nproc: int, duration: float, period: float | None, survivors: bool,
+          cell: str = EFFICIENCY) -> int:
     """Useful steps of the cell run as a job for ``duration`` s, failing every ``period``."""
     out, end = scratch(), time.time() + duration
     spec = JobSpec.create(nproc, max_restarts=RESTARTS, survivors=survivors)
-    payload = build_payload(EFFICIENCY, spec,
+    payload = build_payload(cell, spec,
                             namespace=cells.namespace(out, _values(end, False)))
     job = Job(spec, payload).start()
     killed: list[int] = []
@@ -279,6 +312,8 @@ def survivors_efficiency(nproc: int, quick: bool) -> dict[str, float]:
            namespace=cells.namespace(scratch(), cells.params(quick)))
     ours = _ours(nproc, duration, None, survivors=False)
     theirs = _torchrun(nproc, duration, None)
-    return {"elastic_magic_survivors": _ours(nproc, duration, period, True) / ours,
+    return {"elastic_magic_in_place": _ours(nproc, duration, period, True,
+                                            EFFICIENCY_IN_PLACE) / ours,
+            "elastic_magic_survivors": _ours(nproc, duration, period, True) / ours,
             "elastic_magic_restart": _ours(nproc, duration, period, False) / ours,
             "torchrun": _torchrun(nproc, duration, period) / theirs}
