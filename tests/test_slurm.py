@@ -28,7 +28,7 @@ from test_launchers import (
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import NodeConnected, RendezvousCompleted
+from elastic_magic.events import MachinesChanged, NodeConnected, RendezvousCompleted
 from elastic_magic.payload import build_payload
 
 
@@ -178,6 +178,10 @@ def test_a_preempted_machine_leaves_at_a_commit_and_its_replacement_waits_with_t
     assert any("left at a commit: its scheduler sent SIGTERM" in r for r in left), left
     sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
     assert 2 in sizes[sizes.index(3):], sizes  # it went on smaller
+    # A machine that ran in the job and left is no failure to come up: no back-off
+    # delays its replacement.
+    shown = [line for e in recorder.of(MachinesChanged) for line in e.allocations]
+    assert not any("failed in a row" in line for line in shown), shown
     assert done_steps(recorder) == list(range(1, STEPS + 1))
     assert_same_parameters(result.values[0], baseline, atol=1e-5)
     deadline = time.monotonic() + 30
