@@ -24,11 +24,12 @@ from test_elastic import baseline as baseline  # the module-scoped fixture
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.checks import SpecError
-from elastic_magic.events import NodeConnected, RendezvousCompleted
+from elastic_magic.events import MachinesChanged, NodeConnected, RendezvousCompleted
 from elastic_magic.launchers import (
     CONFIG_VARIABLE,
     Allocation,
     JoinRequest,
+    LauncherError,
     launcher_names,
     launcher_options,
     make_launcher,
@@ -77,6 +78,19 @@ def test_scaling_machines_needs_a_launcher_and_stays_within_nnodes(log_dir):
                                 launch=["hosts=a"]), build_payload("1", job.spec))
     with pytest.raises(SpecError, match="between 1 and 3 machines"):
         job.scale_nodes(4)
+
+
+def test_a_scale_asked_before_the_job_starts_is_kept_and_one_after_it_ended_is_refused(
+        log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes="1:3", launcher="local", log_dir=log_dir, timeout=60)
+    source = "import torch.distributed as dist\ndist.get_world_size()"
+    job = Job(spec, build_payload(source, spec))
+    job.scale_nodes(1)  # before the launcher exists: it starts with none to ask for
+    result = job.start().wait(recorder)
+    assert result.ok and result.values == {0: 1}, result
+    assert [e.allocations for e in recorder.of(MachinesChanged) if e.allocations] == []
+    with pytest.raises(ValueError, match="has already ended"):
+        job.scale_nodes(2)
 
 
 # -- the watchdog ----------------------------------------------------------------------
@@ -523,8 +537,10 @@ def test_the_cluster_grows_replaces_and_gives_back_pending_ones_first():
 
     settle(lambda: len(launcher.states) == 3)
     settle(lambda: shown and "1: pending (Priority)" in shown[-1])
-    launcher.states["1"] = launcher.states["2"] = "running"
-    launcher.states["3"] = "ended"  # preempted, say: replaced
+    for allocation_id in ("1", "2", "3"):  # their machines joined the job
+        launcher.states[allocation_id] = "running"
+        cluster.joined(allocation_id)
+    launcher.states["3"] = "ended"  # preempted, say: replaced at once
     settle(lambda: len(launcher.states) == 4)
     cluster.scale(1)  # 4 waits, so it goes first; then the newest running one leaves
     settle(lambda: launcher.cancelled == ["4"] and released == ["2"])
@@ -534,6 +550,72 @@ def test_the_cluster_grows_replaces_and_gives_back_pending_ones_first():
     cluster.close()
     assert launcher.all_cancelled and shown[-1] == ()
     assert cluster.watchdog is not None and cluster.watchdog.proc.returncode == 0
+
+
+class Scripted(Recording):
+    """Each start does what the script says next: "ok" (it waits), "fail" (it ends at once,
+    as a job whose node cannot run the join does) or "refuse" (the scheduler says no)."""
+
+    def __init__(self, script: list[str]) -> None:
+        super().__init__()
+        self.script = script
+        self.polls = 0
+
+    def start(self, request):
+        outcome = self.script.pop(0) if self.script else "ok"
+        if outcome == "refuse":
+            raise LauncherError("sbatch: error: invalid partition specified: gpu")
+        allocation = super().start(request)
+        if outcome == "fail":
+            self.states[allocation.id] = "ended"
+        return allocation
+
+    def allocations(self):
+        self.polls += 1
+        return [Allocation(i, s, "NonZeroExitCode" if s == "ended" else "")
+                for i, s in self.states.items() if i not in self.cancelled]
+
+
+def test_machines_that_fail_to_come_up_are_asked_for_less_often_then_no_more():
+    launcher = Scripted(["fail", "fail", "ok", "fail", "refuse", "fail", "ok"])
+    shown: list[tuple[str, ...]] = []
+    cluster = Cluster(launcher, JoinRequest("h:1", "t", "run"), machines=1,
+                      publish=shown.append, poll_interval=0.005, retry_delay=0.01,
+                      max_failures=3)
+    cluster.start()
+
+    def settle(check) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, (launcher.states, shown)
+            time.sleep(0.005)
+
+    def said(fragment: str) -> bool:
+        return any(fragment in line for lines in shown for line in lines)
+
+    settle(lambda: launcher.states.get("3") == "pending")  # the third came up
+    assert said("asking for a machine again in 0.01s (1 failed in a row; the last: "
+                "1 ended before its machine joined: NonZeroExitCode)")
+    assert said("again in 0.02s (2 failed in a row; the last: 2 ended")  # doubled
+    launcher.states["3"] = "running"
+    cluster.joined("3")  # its machine joined: the streak ends
+    launcher.states["3"] = "ended"  # then it is preempted: replaced at once
+    settle(lambda: said("no more machines asked for"))
+    # Three more failures in a row (one a refusal), counted afresh after the join.
+    assert said("again in 0.02s (2 failed in a row; the last: cannot start a machine: "
+                "sbatch: error: invalid partition specified: gpu)")
+    assert shown[-1][-1] == ("no more machines asked for (3 failed in a row; the last: 5 "
+                             "ended before its machine joined: NonZeroExitCode); "
+                             "`%elastic scale --nodes N` asks again")
+    polls = launcher.polls
+    settle(lambda: launcher.polls > polls + 5)
+    assert sorted(launcher.states) == ["1", "2", "3", "4", "5"]  # nothing more asked for
+    cluster.scale(1)  # the user asks again: at once
+    settle(lambda: launcher.states.get("6") == "pending")
+    settle(lambda: shown[-1][0] == "6: pending")
+    assert not any("failed in a row" in line for line in shown[-1]), shown[-1]
+    cluster.close()
+    assert launcher.all_cancelled
 
 
 def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, recorder):

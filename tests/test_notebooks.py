@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 
 import nbformat
+import netns
 import pytest
+import slurm
 import torch
 from nbclient import NotebookClient
 
@@ -152,11 +156,49 @@ def test_debugging_tutorial_names_root_cause_logs_and_stacks(tmp_path):
     assert "rank 0: waited in barrier at cell line 11" in text
 
 
-def test_cluster_tutorial_grows_gives_back_and_leaves_nothing(tmp_path):
+def test_cluster_tutorial_grows_gives_back_and_leaves_nothing(tmp_path, monkeypatch):
+    """Against the tests' Slurm cluster (tests/slurm.py: two machines in network
+    namespaces) where one can be started, the options in a launcher config file as a user's
+    would be; elsewhere with the local launcher (CI has Slurm: there it must run)."""
+    reason = netns.unavailable() or slurm.unavailable()
+    if reason is None:
+        return _cluster_tutorial_on_slurm(tmp_path, monkeypatch)
+    if os.environ.get("CI"):
+        pytest.fail(f"CI runs the tutorial against Slurm in namespaces, but {reason}")
     text = shown(execute("07_cluster.ipynb", tmp_path, timeout=600))
     assert "launcher local" in text
-    assert "running on 3 machines, world size 3" in text
     assert "local1#1: running" in text  # %elastic status lists the allocations
+    _assert_tutorial_ran(text)
+
+
+def _cluster_tutorial_on_slurm(tmp_path, monkeypatch) -> None:
+    from test_launchers import _in_namespaces
+    from test_slurm import options, slurm_cluster
+
+    with netns.network_of(2, tmp_path) as network, \
+            slurm_cluster(network, tmp_path, monkeypatch) as cluster:
+        config = tmp_path / "launchers.ini"
+        config.write_text("[slurm]\n" + "".join(
+            f"{k} = {v}\n" for k, v in {**options(tmp_path), "nproc": "1"}.items()))
+        # What the tutorial says to set for a cluster; the kernel inherits it.
+        monkeypatch.setenv("ELASTIC_MAGIC_LAUNCHERS", str(config))
+        monkeypatch.setenv("TUTORIAL_LAUNCHER", "slurm")
+        monkeypatch.setenv("TUTORIAL_HEAD", network.head_address)
+        text = shown(execute("07_cluster.ipynb", tmp_path, timeout=600))
+        assert "launcher slurm" in text
+        assert f"launcher config {config}" in text
+        assert re.search(r"\d+: running on em[12]", text), text  # squeue's, in the status
+        _assert_tutorial_ran(text)
+        deadline = time.monotonic() + 30  # nothing left: no Slurm job, token, join
+        while cluster.queue() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert cluster.queue() == []
+        assert list((tmp_path / "tokens").iterdir()) == []
+        assert _in_namespaces(network, "elastic_magic.cli") == []
+
+
+def _assert_tutorial_ran(text: str) -> None:
+    assert "running on 3 machines, world size 3" in text
     assert "2 machines asked of its launcher" in text
     assert "running on 2 machines, world size 2" in text
     assert "restarts: 0" in text and "same parameters as the run on one machine" in text

@@ -1,7 +1,8 @@
 """The Slurm launcher against a real Slurm (tests/slurm.py: munged, slurmctld, one slurmd
-per network namespace): a training job grows onto allocations as Slurm starts them, waits
-with Slurm's own reason shown, and leaves nothing in the queue, also when the kernel is
-killed outright; the token is in no command line and no job field."""
+per network namespace): a training job grows onto allocations as Slurm starts them, gives
+one back (it leaves at a commit, then its Slurm job is cancelled), waits with Slurm's own
+reason shown, and leaves nothing in the queue, also when the kernel is killed outright; the
+token is in no command line and no job field."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from test_launchers import (
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import NodeConnected, RendezvousCompleted
+from elastic_magic.events import MachinesChanged, NodeConnected, RendezvousCompleted
 from elastic_magic.payload import build_payload
 
 
@@ -63,7 +64,7 @@ def _job_fields(slurm, job_ids: list[str]) -> str:
 
 
 @pytest.mark.parametrize("network", [2], indirect=True)
-def test_slurm_grows_a_training_job_from_one_machine_to_three(
+def test_slurm_grows_a_training_job_from_one_machine_to_three_and_gives_one_back(
         baseline, network, slurm, tmp_path, log_dir, recorder):
     spec = em.JobSpec.create(1, nnodes="1:3", rdzv_endpoint=network.head_address,
                              launcher="slurm",
@@ -81,6 +82,15 @@ def test_slurm_grows_a_training_job_from_one_machine_to_three(
         seen["fields"] = _job_fields(slurm, job_ids)
         seen["token_files"] = [p.stat().st_mode & 0o777
                                for p in (tmp_path / "tokens").iterdir()]
+        # Give one back: it leaves at a commit, then its Slurm job is cancelled.
+        seen["at"] = job.status_snapshot.last_commit  # where it was, should it fail
+        job.scale_nodes(2)
+        job._board.wait_for(lambda s: s.nnodes == 2, timeout=120)
+        deadline = time.monotonic() + 30
+        while len(slurm.queue()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen["queue"] = [line.split()[0] for line in slurm.queue()]
+        seen["queued"] = job_ids
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -88,7 +98,13 @@ def test_slurm_grows_a_training_job_from_one_machine_to_three(
     watcher.join(timeout=10)
     assert result.ok, (result, slurm.logs())
     sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
-    assert sizes[0] < 3 and sizes[-1] == 3, sizes
+    assert sizes[0] < 3 and 3 in sizes and sizes[-1] == 2, sizes
+    assert result.restarts == 0  # a membership change at a commit, not a failure
+    left = [e.reason for e in recorder.of(NodeConnected) if not e.connected]
+    assert any("left at a commit: given back to the scheduler" in r for r in left), left
+    # The one given back is out of the queue (the other stays while the job runs).
+    assert len(seen["queued"]) == 2 and len(seen["queue"]) <= 1, seen
+    assert set(seen["queue"]) < set(seen["queued"]), seen
     assert len(seen["machines"]) == 2, seen
     assert all("running on em" in m for m in seen["machines"]), seen
     assert seen["holding"] == [] and job.token not in seen["fields"], seen
@@ -162,6 +178,10 @@ def test_a_preempted_machine_leaves_at_a_commit_and_its_replacement_waits_with_t
     assert any("left at a commit: its scheduler sent SIGTERM" in r for r in left), left
     sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
     assert 2 in sizes[sizes.index(3):], sizes  # it went on smaller
+    # A machine that ran in the job and left is no failure to come up: no back-off
+    # delays its replacement.
+    shown = [line for e in recorder.of(MachinesChanged) for line in e.allocations]
+    assert not any("failed in a row" in line for line in shown), shown
     assert done_steps(recorder) == list(range(1, STEPS + 1))
     assert_same_parameters(result.values[0], baseline, atol=1e-5)
     deadline = time.monotonic() + 30

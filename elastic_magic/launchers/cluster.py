@@ -6,6 +6,10 @@ grows as more allocations start (the rendezvous takes each machine that joins). 
 polls the scheduler every few seconds: an allocation that ended without being cancelled
 (preempted, failed, timed out) is replaced while the target wants it; ``scale`` moves the
 target (more: submitted; fewer: pending ones cancelled first, then the newest running).
+A machine that fails to come up (the scheduler refused it, or its allocation ended before
+its machine joined the job) is asked for again only after a delay that doubles each time;
+after MAX_FAILURES in a row no more are asked until the next ``scale``, and the status says
+so with the last failure's reason. A machine that joins ends the streak.
 What every allocation is doing, with the scheduler's reason for those that wait, goes to
 ``publish`` (the job's status). A :class:`Watchdog` in a session of its own holds what
 would end each allocation, and runs it if the kernel dies before ``close``.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,13 +30,17 @@ if TYPE_CHECKING:
     from ..spec import JobSpec
 
 POLL_INTERVAL = 2.0
+RETRY_DELAY = 5.0  # after a machine failed to come up; doubled for each failure in a row
+RETRY_DELAY_MOST = 60.0
+MAX_FAILURES = 5  # in a row: then no machine is asked for until the next scale
 
 
 class Cluster:
     def __init__(self, launcher: Launcher, request: JoinRequest, *, machines: int,
                  publish: Callable[[tuple[str, ...]], None],
                  release: Callable[[str], None] | None = None,
-                 poll_interval: float = POLL_INTERVAL) -> None:
+                 poll_interval: float = POLL_INTERVAL, retry_delay: float = RETRY_DELAY,
+                 max_failures: int = MAX_FAILURES) -> None:
         self.launcher = launcher
         self.request = request
         self.target = machines  # other machines than the head
@@ -42,6 +51,14 @@ class Cluster:
         self._releasing: list[str] = []  # asked to leave at a commit; then cancelled
         self._to_cancel: list[str] = []
         self.poll_interval = poll_interval
+        self.retry_delay = retry_delay
+        self.max_failures = max_failures
+        self._failures = 0  # machines that failed to come up, in a row
+        self._last_failure = ""
+        self._retry_at = 0.0  # time.monotonic() before which none is asked for
+        self._joined: set[str] = set()  # allocations whose machine joined the job
+        self._arrived: list[str] = []  # joined since the last step (from the agent's thread)
+        self._rescaled = False  # a scale since the last step: ask again at once
         self.watchdog: Watchdog | None = None  # started by the thread (see _run)
         self._live: list[str] = []  # allocation ids, oldest first
         self._ended: list[str] = []  # what ended unasked, described, for the status
@@ -60,6 +77,12 @@ class Cluster:
     def scale(self, machines: int) -> None:
         """Keep ``machines`` other machines (the head not counted) from now on."""
         self.target = machines
+        self._rescaled = True
+        self._wake.set()
+
+    def joined(self, allocation_id: str) -> None:
+        """The allocation's machine joined the job (from the agent's thread): it came up."""
+        self._arrived.append(allocation_id)
         self._wake.set()
 
     def _run(self) -> None:
@@ -89,6 +112,12 @@ class Cluster:
             if allocation_id in self._releasing:
                 self._releasing.remove(allocation_id)
             self._cancel(allocation_id)
+        while self._arrived:
+            self._joined.add(self._arrived.pop(0))
+            self._failures = 0  # one came up: the streak ends
+        if self._rescaled:  # the user asked: a fresh try, at once
+            self._rescaled = False
+            self._failures, self._retry_at = 0, 0.0
         try:
             allocations = self.launcher.allocations()
         except LauncherError as exc:
@@ -101,13 +130,17 @@ class Cluster:
             elif allocation.state == "ended" and allocation.id in self._live:
                 self._ended = [*self._ended[-4:], allocation.describe()]
                 self._forget(allocation.id)
+                if allocation.id in self._joined:  # it ran in the job (a preemption, say)
+                    self._failures, self._retry_at = 0, 0.0
+                else:
+                    why = f": {allocation.reason}" if allocation.reason else ""
+                    self._failed(f"{allocation.id} ended before its machine joined{why}")
         live = [a for a in allocations if a.state != "ended"]
-        errors: list[str] = []
-        while len(self._live) < self.target:
+        while len(self._live) < self.target and self._may_start():
             try:
                 started = self.launcher.start(self.request)
             except LauncherError as exc:
-                errors.append(f"cannot start a machine: {exc}")
+                self._failed(f"cannot start a machine: {exc}")
                 break
             finally:  # a token file written for a start that failed is the job's too
                 self._guard_files()
@@ -128,7 +161,29 @@ class Cluster:
                     self._live.remove(allocation_id)
                     self._releasing.append(allocation_id)
                     self.release(allocation_id)
-        self._show(tuple(a.describe() for a in live) + tuple(self._ended) + tuple(errors))
+        self._show(tuple(a.describe() for a in live) + tuple(self._ended) +
+                   self._failure_lines())
+
+    def _failed(self, what: str) -> None:
+        """A machine did not come up: the next is asked for after a longer delay."""
+        self._failures += 1
+        self._last_failure = what
+        self._retry_at = time.monotonic() + self._delay()
+
+    def _delay(self) -> float:
+        return min(self.retry_delay * 2 ** (self._failures - 1), RETRY_DELAY_MOST)
+
+    def _may_start(self) -> bool:
+        return self._failures < self.max_failures and time.monotonic() >= self._retry_at
+
+    def _failure_lines(self) -> tuple[str, ...]:
+        if not self._failures or len(self._live) >= self.target:
+            return ()
+        streak = f"{self._failures} failed in a row; the last: {self._last_failure}"
+        if self._failures >= self.max_failures:
+            return (f"no more machines asked for ({streak}); `%elastic scale --nodes N` "
+                    "asks again",)
+        return (f"asking for a machine again in {self._delay():g}s ({streak})",)
 
     def _guard_files(self) -> None:
         assert self.watchdog is not None
@@ -181,10 +236,13 @@ class Cluster:
 
 def start_cluster(spec: JobSpec, endpoint: str, token: str, run_id: str,
                   publish: Callable[[tuple[str, ...]], None],
-                  release: Callable[[str], None] | None = None) -> Cluster:
-    """The job's machines asked of its --launcher: all but the head, at once."""
+                  release: Callable[[str], None] | None = None,
+                  machines: int | None = None) -> Cluster:
+    """The job's machines asked of its --launcher, at once: ``machines`` (default: all
+    but the head)."""
     assert spec.launcher is not None
     launcher = make_launcher(spec.launcher, spec.launch)
     request = JoinRequest(endpoint, token, run_id)
-    return Cluster(launcher, request, machines=spec.max_nodes - 1, publish=publish,
-                   release=release).start()
+    return Cluster(launcher, request,
+                   machines=spec.max_nodes - 1 if machines is None else machines,
+                   publish=publish, release=release).start()

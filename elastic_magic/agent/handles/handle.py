@@ -168,7 +168,9 @@ class AgentThread:
         """Ask the job's --launcher for ``nnodes`` machines in all, this one included: more
         are submitted to the scheduler; fewer give machines back (pending allocations first,
         then the newest): its join is told to leave (SIGTERM, or its ssh stdin closed), the
-        others regroup from the last commit, and its allocation ends."""
+        others regroup from the last commit, and its allocation ends. Asked before the
+        job reaches its scheduler (not started yet, the rendezvous not open), it is kept:
+        the launcher then asks for that many."""
         if self.spec.launcher is None:
             raise SpecError("scale --nodes needs a job started with --launcher (slurm, ssh); "
                             "without one, machines join and leave with elastic-magic join.")
@@ -177,8 +179,12 @@ class AgentThread:
                             f"{self.spec.min_nodes} and {self.spec.max_nodes} machines "
                             "(--nnodes MIN:MAX).")
         agent = self._agent  # the launcher's target is thread-safe to move
-        if agent is not None and isinstance(agent.engine.role, Head):
-            agent.engine.role.launched.scale(nnodes)
+        if agent is None:  # it ended (or is ending): nothing will ask for machines
+            raise ValueError(f"{self.run_id} has already ended.")
+        role = agent.engine.role
+        if not isinstance(role, Head):  # cannot be: a job with --launcher hosts the others
+            raise SpecError(f"scale --nodes: {self.run_id} does not host its machines.")
+        role.launched.scale(nnodes)
 
     def wait_for_join_command(self, timeout: float | None = None) -> str | None:
         """The command other machines run to join (``--nnodes`` above 1), once the

@@ -4,10 +4,13 @@ The head owns one per job (``Head.launched``): it starts the launchers' Cluster 
 rendezvous accepts machines, knows which hub connection runs in which allocation (each
 machine says so in its Hello), and keeps the machines that leave at the next commit (given
 back by a scale, or asked by the scheduler's SIGTERM) until they are gone, when their
-allocations are cancelled. The launchers' code is imported only where one is used."""
+allocations are cancelled. A scale asked before the Cluster starts (before the rendezvous
+accepts machines) is kept: the Cluster starts with that many. The launchers' code is
+imported only where one is used."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -31,13 +34,16 @@ class Launched:
         self.allocations: dict[int, str] = {}  # hub connection -> its allocation
         self.released: dict[int, str] = {}  # connections leaving at a commit -> why
         self._due = False  # the group leaves at its next commit for them
+        self.machines = spec.max_nodes - 1  # what the Cluster keeps (the head not counted)
+        self._lock = threading.Lock()  # scale (the kernel's thread) against start
 
     def start(self, endpoint: str, token: str) -> None:
         if self.spec.launcher is None:
             return
         from ...launchers.cluster import start_cluster
-        self.cluster = start_cluster(self.spec, endpoint, token, self.run_id, self._show,
-                                     self.give_back)
+        with self._lock:
+            self.cluster = start_cluster(self.spec, endpoint, token, self.run_id,
+                                         self._show, self.give_back, self.machines)
 
     def _show(self, lines: tuple[str, ...]) -> None:
         """In the job's status and, as a line, in the dashboard and the text output (from
@@ -46,8 +52,17 @@ class Launched:
         self.emit(MachinesChanged(lines))
 
     def scale(self, nnodes: int) -> None:
-        if self.cluster is not None:
-            self.cluster.scale(nnodes - 1)  # the head is one of them
+        with self._lock:
+            self.machines = nnodes - 1  # the head is one of them
+            if self.cluster is not None:
+                self.cluster.scale(self.machines)
+
+    def arrived(self, node: int, allocation: str) -> None:
+        """A machine said Hello from ``allocation`` (empty: started by hand)."""
+        self.allocations[node] = allocation
+        cluster = self.cluster
+        if cluster is not None and allocation:
+            cluster.joined(allocation)
 
     def nodes_in(self, allocation: str) -> list[int]:
         """(From any thread: the dict is copied at once, under the GIL.)"""

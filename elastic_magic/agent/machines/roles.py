@@ -224,7 +224,7 @@ class Head(SingleMachine):
                 self.names[item.node] = host
                 self.pids[item.node] = pid
                 self.greeted.add(item.node)
-                self.launched.allocations[item.node] = allocation
+                self.launched.arrived(item.node, allocation)
                 self.emit(NodeConnected(host, nproc, True))
             case Forward(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0
