@@ -123,7 +123,7 @@ class State:
         object.__setattr__(self, "_staged", None)  # the last commit's copy, once sent
         object.__setattr__(self, "restored_step", None)
         object.__setattr__(self, "_kept", None)  # our own record of the last commit
-        object.__setattr__(self, "_sharded", False)
+        object.__setattr__(self, "_sharded", False)  # holds DTensors: cannot go on in place
         object.__setattr__(self, "_on_reset", [])
         named = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                  "sampler": sampler}
@@ -152,7 +152,9 @@ class State:
             self._objects.pop(name, None)
             self._values[name] = value
         else:
-            sharded.check(name, stateful)  # refuses a layout it cannot restore, now
+            # refuses a layout it cannot restore, now
+            if sharded.check(name, stateful):
+                object.__setattr__(self, "_sharded", True)
             self._values.pop(name, None)
             self._objects[name] = stateful
 
@@ -188,7 +190,7 @@ class State:
         objects = {name: sharded.split(tree, rank, (name,), split)
                    for name, tree in dicts.items()}
         values = sharded.split(dict(self._values), rank, ("values",), split)
-        object.__setattr__(self, "_sharded", split.sharded)
+        object.__setattr__(self, "_sharded", self._sharded or split.sharded)
         return {"values": values, "commits": self._commits, "objects": objects,
                 "rngs": rngs, "world_size": len(rngs)}, split
 
