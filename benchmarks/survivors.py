@@ -5,7 +5,9 @@
   rank 1 SIGKILLs itself after the second step's commit, and the figure is from the kill to
   the first step again on every rank (as train_recovery_survivors), and from the kill to
   rank 0 (a survivor) ready again with the State rolled back (``_rank0_ready``; it waits
-  in the restore's collective for the new rank, which builds the model first). Sides:
+  in the restore's collective for the new rank, which builds the model first); and, with no
+  new rank to wait for, 3 ranks shrunk to 2 at a commit: from that commit to rank 0 ready
+  again in the smaller group (``_shrunk_ready``). Sides:
   going on in place (``@elastic_magic.run``), ``--survivors`` running the cell again from
   the top, and every rank starting again.
 - survivors_efficiency: the DDP training cell (a) of cells.py for 5 minutes (30 s with
@@ -34,6 +36,7 @@ from pathlib import Path
 import psutil
 
 from elastic_magic.agent.handles.job import Job
+from elastic_magic.events import Committed
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
@@ -55,10 +58,10 @@ SIZED_KILLED = textwrap.dedent("""
     model = DDP(nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(4))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = elastic_magic.State(model=model, optimizer=optimizer, step=0)
-    stamp(f"ready{attempt}")
+    stamp(f"ready{attempt}w{dist.get_world_size()}")
     x = torch.randn(8, WIDTH)
     first = True
-    while state.step < 4:
+    while state.step < STEPS:
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()
@@ -67,7 +70,7 @@ SIZED_KILLED = textwrap.dedent("""
             first = False
         state.step += 1
         state.commit()  # waits for the commit before: the restore has a whole one either way
-        if attempt == "0" and state.step == 2:
+        if KILL and attempt == "0" and state.step == 2:
             dist.barrier()
             if dist.get_rank() == 1:
                 stamp("kill")
@@ -92,10 +95,10 @@ SIZED_IN_PLACE = textwrap.dedent("""
     @elastic_magic.run
     def train(state):
         attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-        stamp(f"ready{attempt}")
+        stamp(f"ready{attempt}w{dist.get_world_size()}")
         model = DDP(net)
         first = True
-        while state.step < 4:
+        while state.step < STEPS:
             optimizer.zero_grad()
             model(x).square().mean().backward()
             optimizer.step()
@@ -104,7 +107,7 @@ SIZED_IN_PLACE = textwrap.dedent("""
                 first = False
             state.step += 1
             state.commit()
-            if attempt == "0" and state.step == 2:
+            if KILL and attempt == "0" and state.step == 2:
                 dist.barrier()
                 if dist.get_rank() == 1:
                     stamp("kill")
@@ -133,12 +136,38 @@ def survivors_model_size(nproc: int, quick: bool) -> dict[str, float]:
                                       ("restart", False, SIZED_KILLED)):
             out = scratch()
             launch(cells.STAMP + cell, nproc, max_restarts=1, survivors=survivors,
-                   namespace=cells.namespace(out, {"WIDTH": _width(size)}))
-            sides[f"elastic_magic_{side}_{label}"] = _recovered(out, nproc)
-            # the survivor's own recovery: from the kill to rank 0 ready again, rolled back
-            sides[f"elastic_magic_{side}_{label}_rank0_ready"] = \
-                cells.every(out, "ready1", nproc)[0] - cells.every(out, "kill", 1)[0]
+                   namespace=cells.namespace(out, {"WIDTH": _width(size), "KILL": 1,
+                                                   "STEPS": 4}))
+            name = f"elastic_magic_{side}_{label}"
+            sides[name] = _recovered(out, nproc)
+            # rank 0 (a survivor, or restarted) ready again, rolled back: it waits for the
+            # new rank 1, which builds the model, in the restore's collective
+            sides[f"{name}_rank0_ready"] = \
+                cells.every(out, f"ready1w{nproc}", nproc)[0] - cells.every(out, "kill", 1)[0]
+            # the survivors alone: shrunk by one rank at a commit, no new rank to wait for
+            sides[f"{name}_shrunk_ready"] = _shrunk(cell, nproc + 1, _width(size), survivors)
     return sides
+
+
+def _shrunk(cell: str, nproc: int, width: int, survivors: bool) -> float:
+    """``nproc`` -> ``nproc - 1`` at the commit after step 2: from that commit (whole in the
+    agent, the ranks leave) to rank 0 ready again in the smaller group, rolled back."""
+    out, commits = scratch(), []
+    spec = JobSpec.create(nproc, min_nproc=nproc - 1, max_nproc=nproc, survivors=survivors)
+    job = Job(spec, build_payload(cells.STAMP + cell, spec, namespace=cells.namespace(
+        out, {"WIDTH": width, "KILL": 0, "STEPS": 6}))).start()
+
+    def shrink() -> None:
+        if job.wait_for_commit(2, timeout=600):
+            job.scale(nproc - 1)
+
+    def record(events: list[object]) -> None:
+        commits.extend(e for e in events if isinstance(e, Committed) and e.world_size == nproc)
+
+    threading.Thread(target=shrink, daemon=True).start()
+    if not job.wait(record).ok or not commits:
+        raise RuntimeError(f"the shrunk job failed or committed nothing at {nproc} ranks")
+    return cells.every(out, f"ready0w{nproc - 1}", nproc - 1)[0] - commits[-1].time
 
 
 # -- training efficiency under a failure every PERIOD seconds ------------------------------
