@@ -136,14 +136,26 @@ class JobLoop:
 
     def _keep_survivors(self) -> list[RankFailure]:
         """The healthy ranks park; the others are stopped (``local/survivors.py``). The
-        ranks that failed on their own, root cause first, and those that could not leave."""
+        ranks that failed on their own, root cause first, and those that could not leave.
+
+        When only lost peers had failed as the ranks were asked to leave, the rank that
+        died may not have been seen yet: a peer's error can reach the agent before the dead
+        rank's report pipe closes and its shepherd exits. The survivors' leaving waits until
+        every rank parked or ended (bounded: the link timeout, or a second without one
+        leaving), so such a death is seen by its end: the failures are taken up to then,
+        less the ranks stopped there for not leaving (their exit is the agent's doing)."""
         engine, group = self.engine, self.engine.group
         assert group is not None
         left_at = time.time()
         stuck = engine.survivors.keep(group, engine.switchboard.next_action,
                                       engine.spec.link_timeout)
         engine.switchboard.drain()
-        return [*group.failures_before(left_at), *stuck]
+        failures = group.failures_before(left_at)
+        if failures and all(is_consequence(f) for f in failures):
+            stopped = {f.rank for f in stuck}
+            failures = [f for f in group.failures_before(time.time())
+                        if f.rank not in stopped or f.exc_type is not None]
+        return [*failures, *stuck]
 
     def _regroup_due(self) -> bool:
         """Other machines wait for a round: leave the group (at its next commit, if State
