@@ -629,3 +629,46 @@ def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, reco
     endpoint = next(e.endpoint for e in recorder.events if type(e).__name__ == "AcceptingNodes")
     assert _processes_holding(endpoint) == []  # its join exited with the job
     assert job.status_snapshot.machines == ()
+
+
+def test_a_launcher_another_distribution_registers_drives_a_session(tmp_path, monkeypatch):
+    """A scheduler added by entry point, without touching elastic_magic: an installed
+    distribution's ``elastic_magic.launchers`` entry names its class, and a session with
+    ``--nnodes`` grows onto the machines it starts and ends them with the session."""
+    site = tmp_path / "site"
+    (site / "thirdparty-1.0.dist-info").mkdir(parents=True)
+    (site / "thirdparty-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: thirdparty\nVersion: 1.0\n")
+    (site / "thirdparty-1.0.dist-info" / "entry_points.txt").write_text(
+        "[elastic_magic.launchers]\ncounting = thirdparty_launcher:CountingLauncher\n")
+    (site / "thirdparty_launcher.py").write_text(textwrap.dedent("""
+        from elastic_magic.launchers.local import LocalLauncher
+
+        class CountingLauncher(LocalLauncher):
+            name = "counting"
+            started = []
+
+            def start(self, request):
+                allocation = super().start(request)
+                CountingLauncher.started.append(allocation.id)
+                return allocation
+    """))
+    monkeypatch.syspath_prepend(str(site))
+    assert "counting" in launcher_names()
+    import psutil
+
+    session = em.Session(1, nnodes="2:2", launcher="counting", timeout=60,
+                         render=lambda events: None)
+    try:
+        result = session.run("import torch.distributed as dist\ndist.get_world_size()")
+        assert set(result.values.values()) == {2}, result.values
+        import thirdparty_launcher
+
+        assert len(thirdparty_launcher.CountingLauncher.started) == 1  # the second machine
+        joins = [p for p in psutil.Process().children(recursive=True)
+                 if "join" in p.cmdline()]
+        assert len(joins) == 1, joins
+    finally:
+        session.stop()
+    psutil.wait_procs(joins, timeout=10)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in joins)

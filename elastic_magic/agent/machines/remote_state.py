@@ -52,7 +52,7 @@ def answer_node(chunks: ChunkSink, link: LinkLike, node: int, message: NodeReque
         # Sent on a thread, from our own descriptor of the memory file (a commit may
         # replace the store's meanwhile): the loop goes on serving.
         source = os.dup(store.source) if isinstance(store.source, int) else store.source
-        state = Reply(request.request_id, StateReply(store.commit_id))
+        state = Reply(request.request_id, StateReply(store.commit_id, token=store.token))
         threading.Thread(target=_send_state, name="elastic-chunk-send", daemon=True, args=(
             link, NodeReply(attempt, local_rank, state, streamed=store.size), source,
             store.token, message.have)).start()
