@@ -54,7 +54,11 @@ class Kept:
 
     @classmethod
     def of(cls, token: int, dicts: dict[str, Any], values: dict[str, Any], commits: int,
-           rngs: list[dict[str, Any]], rank: int) -> Kept:
+           rngs: list[dict[str, Any]], rank: int) -> Kept | None:
+        """None where the values hold large tensors: copying them at every commit would
+        cost the training more than reading the agent's copy at a rollback."""
+        if _tensor_bytes(values) > COPY_LIMIT:
+            return None
         copies, signatures = {}, {}
         for name, tree in dicts.items():
             if _tensor_bytes(tree) <= COPY_LIMIT:

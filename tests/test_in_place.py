@@ -150,3 +150,30 @@ def test_a_sharded_state_runs_the_cell_again_in_the_survivors_process(tmp_path, 
     assert tops == [1, 1, 2], tops  # rank 0 ran it twice in its one process
     for got, want in zip(killed.values[0], undisturbed.values[0], strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_commit_is_kept_by_versions_and_dropped_where_copies_would_cost():
+    """The record each rank keeps of its commit (a unit: no outside): large objects by their
+    tensors' versions, so an optimizer step, or a tensor replaced, sends the rollback to the
+    agent's copy; values holding large tensors are not kept at all (copying them at every
+    commit would cost the training more than the rollback saves)."""
+    import torch
+
+    from elastic_magic.kept import COPY_LIMIT, Kept
+
+    model = torch.nn.Linear(WIDTH, WIDTH)  # above COPY_LIMIT
+    small = torch.nn.Linear(2, 2)
+    objects = {"model": model, "small": small}
+    kept = Kept.of(7, {n: o.state_dict() for n, o in objects.items()}, {"step": 3}, 3,
+                   [{"seed": 0}], 0)
+    assert kept is not None and set(kept.signatures) == {"model"} and set(kept.copies) == {
+        "small"}
+    assert kept.holds(7, objects) and not kept.holds(8, objects)
+    with torch.no_grad():
+        small.weight.add_(1)  # kept as a copy: restored from it, whatever happened to it
+    assert kept.holds(7, objects)
+    with torch.no_grad():
+        model.weight.add_(1)  # an in-place write: its version moved
+    assert not kept.holds(7, objects)
+    big = torch.zeros(COPY_LIMIT // 4 + 1)
+    assert Kept.of(7, {}, {"buffer": big}, 3, [{"seed": 0}], 0) is None
