@@ -45,6 +45,12 @@ MLP_OBJECTS = textwrap.dedent("""
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     sampler = elastic_magic.ElasticSampler(len(data), global_batch_size=48, seed=0)
     loader = elastic_magic.DataLoader(data, batch_sampler=sampler, num_workers=2)
+
+    def step_of(model, x, y):  # one step of ``model`` (net, wrapped by DDP)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
 """)
 # ... and the cell as torchrun scripts have it: the group made first, DDP, one step.
 MLP_SETUP = textwrap.dedent("""
@@ -55,10 +61,7 @@ MLP_SETUP = textwrap.dedent("""
     model = DDP(net)
 
     def train_step(x, y):
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        step_of(model, x, y)
 """)
 MLP_TRAIN = textwrap.dedent("""
     for step, (x, y) in enumerate(loader):
@@ -136,10 +139,7 @@ MLP_IN_PLACE = MLP_OBJECTS + textwrap.dedent("""
         while state.step < STEPS:
             sampler.set_epoch(state.step // (SAMPLES // 48))
             for x, y in loader:
-                loss = nn.functional.mse_loss(model(x), y)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+                step_of(model, x, y)
                 if first:
                     stamp(f"w{dist.get_world_size()}" if RESIZE else f"step{attempt}")
                     first = False

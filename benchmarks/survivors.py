@@ -221,10 +221,7 @@ EFFICIENCY_IN_PLACE = cells.MLP_OBJECTS + textwrap.dedent("""
         while not stop.item():
             sampler.set_epoch(state.step // (SAMPLES // 48))
             for x, y in loader:
-                loss = nn.functional.mse_loss(model(x), y)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+                step_of(model, x, y)
                 state.step += 1
                 state.commit()
                 stop[0] = time.time() * 1000 >= END_MS
