@@ -3,6 +3,7 @@ nothing about who listens."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -229,3 +230,34 @@ Event = (
     | SessionReformed | MachinesChanged
 )
 EventSink = Callable[[Event], None]
+
+
+class HeldOutput:
+    """The output pumps' sink while a group starts: a rank handed its cell first (from the
+    pool) prints before the rest have started, and a view begins an attempt's panes at its
+    ``WorkersStarted``; so a new group's lines wait until that event is out (``release``)."""
+
+    def __init__(self, emit: EventSink) -> None:
+        self._emit = emit
+        self._held: list[Event] | None = []  # None once released
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.append(event)
+                return
+        self._emit(event)
+
+    def __enter__(self) -> HeldOutput:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Emit what was held, in order, and pass everything on from now on."""
+        with self._lock:
+            held, self._held = self._held or [], None
+            for event in held:
+                self._emit(event)

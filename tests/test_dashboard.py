@@ -13,6 +13,7 @@ import time
 import pytest
 
 from elastic_magic.agent.handles.job import Job
+from elastic_magic.events import Output, WorkersStarted
 from elastic_magic.payload import build_payload
 from elastic_magic.result import JobFailedError
 from elastic_magic.spec import JobSpec
@@ -132,6 +133,43 @@ def test_stop_message_from_the_frontend_stops_the_job(log_dir):
         view.finish()
     assert sent and result.state.value == "stopped" and result.stop_reason == "stop button"
     assert view.widget.header["state"] == "stopped"
+
+
+def test_a_ranks_first_lines_come_after_its_group_started_and_are_shown(log_dir):
+    """A rank handed its cell first (from the pool) prints before the others have started:
+    its first lines must not come before the group's WorkersStarted, where a view begins
+    the attempt's panes (they were dropped there)."""
+    cell = textwrap.dedent("""
+        import os, torch.distributed as dist
+        print("top", flush=True)
+        dist.init_process_group("gloo")  # every rank has printed before rank 0 fails
+        if dist.get_rank() == 0 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < 2:
+            raise ValueError("again")
+    """)
+    spec = JobSpec.create(4, max_restarts=2, log_dir=log_dir)
+    job = Job(spec, build_payload(cell, spec)).start()
+    view = LiveView(job)
+    seen = []
+
+    def render(events):
+        seen.extend(events)
+        view(events)
+
+    try:
+        job.wait(render)
+    finally:
+        view.finish()
+    started = set()
+    for event in seen:
+        if isinstance(event, WorkersStarted):
+            started.add(event.attempt)
+        elif isinstance(event, Output):
+            assert event.attempt in started, f"{event} came before its group started"
+    assert started == {0, 1, 2}
+    groups = [*view.state.earlier, {"lines": view.widget.lines}]
+    assert [sorted(int(r) for r, lines in group["lines"].items()
+                   if ["stdout", "top"] in [list(line) for line in lines])
+             for group in groups] == [[0, 1, 2, 3]] * 3
 
 
 @pytest.mark.parametrize("text", [True, False])

@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from ...events import (
     EventSink,
+    HeldOutput,
     JobFinished,
     MembershipChanged,
     RendezvousCompleted,
@@ -149,29 +150,28 @@ class Engine:
 
     def start_group(self, info: RoundInfo) -> None:
         """This machine's workers of round ``info``, running ``payload``."""
-        self.attempt += 1
-        self.world_size = info.world_size
+        self.attempt, self.world_size, self.failures = self.attempt + 1, info.world_size, []
         self.switchboard.new_group()
-        self.failures = []
         self.set_state(JobState.STARTING)
         nproc, slots = self.membership.nproc, self.membership.slots
         group = self.group = self.new_group(self.attempt, info.base_rank, nproc)
         run_folder = self.run_folder
         assert run_folder is not None  # open() came first
 
-        def env_for(worker: Worker) -> dict[str, str]:
-            error_file = run_folder.error_file(self.attempt, worker.global_rank)
-            return torchrun_env(worker, info, self.spec, nproc=nproc, run_id=self.run_id,
-                                restart_count=self.restarts, error_file=error_file,
-                                network=self.role.network, slots=slots)
+        def env_for(w: Worker) -> dict[str, str]:
+            return torchrun_env(w, info, self.spec, nproc=nproc, run_id=self.run_id,
+                                restart_count=self.restarts, network=self.role.network,
+                                error_file=run_folder.error_file(self.attempt, w.global_rank),
+                                slots=slots)
 
-        group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
-                    run_folder=run_folder, inbox=self.inbox,
-                    emit=self.hangs.noting_output(self.emit), pool=self.spec.pool,
-                    preload=self.spec.preload, slots=slots, survivors=self.survivors.kept,
-                    stay=self.survivors.offer(self.payload.session))
-        self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids,
-                                 self.survivors.started(group)))
+        with HeldOutput(self.emit) as output:
+            group.start(self.payload, env_for, cwd=self.payload.cwd, key=self.key,
+                        run_folder=run_folder, inbox=self.inbox,
+                        emit=self.hangs.noting_output(output), pool=self.spec.pool,
+                        preload=self.spec.preload, slots=slots, survivors=self.survivors.kept,
+                        stay=self.survivors.offer(self.payload.session))
+            self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids,
+                                     self.survivors.started(group)))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
                            restarts=self.restarts, pids=group.live_pids())
 
