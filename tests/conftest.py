@@ -16,18 +16,29 @@ TAG = f"em-test-{uuid.uuid4().hex[:10]}"
 os.environ["ELASTIC_MAGIC_TEST_TAG"] = TAG  # inherited by workers and by test kernels
 SHEPHERD = "em-shepherd"  # the process name of a rank's shepherd (worker/shepherd.py)
 ZYGOTE = "em-zygote"  # the warm pool's process (worker/zygote.py)
+SPARE = "em-spare"  # a spare rank's worker until it has a job (worker/spares.py)
 ZYGOTE_MODULE = "elastic_magic.worker.zygote"
 
 
 def is_job_process(proc: psutil.Process) -> bool:
     """Started by a job of this test run: it inherits the TORCHELASTIC_RUN_ID the agent
     gives a rank, or was forked by the warm pool's zygote (whose command line it keeps;
-    /proc shows the environment a process was exec'd with, the zygote's)."""
+    /proc shows the environment a process was exec'd with, the zygote's) and is not one
+    of the pool's own (the zygote and its spare ranks, waiting for a job)."""
     env = proc.environ()
     if env.get("ELASTIC_MAGIC_TEST_TAG") != TAG:
         return False
     return "TORCHELASTIC_RUN_ID" in env or (
-        ZYGOTE_MODULE in proc.cmdline() and proc.name() != ZYGOTE)
+        ZYGOTE_MODULE in proc.cmdline() and proc.name() != ZYGOTE and not is_spare(proc))
+
+
+def is_spare(proc: psutil.Process) -> bool:
+    """A spare rank of the pool (``worker/spares.py``): its worker, named so until it has
+    a job, or that worker's shepherd."""
+    if proc.name() == SPARE:
+        return True
+    children = proc.children() if proc.name() == SHEPHERD else []
+    return bool(children) and all(child.name() == SPARE for child in children)
 
 
 def job_processes() -> list[psutil.Process]:

@@ -3,6 +3,7 @@ worker has; rebuilt when what workers inherit changes; gone with its owner."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import threading
 import time
 
 import psutil
-from conftest import TAG, ZYGOTE, job_processes
+from conftest import TAG, ZYGOTE, is_spare, job_processes
 
 import elastic_magic as em
 from elastic_magic.agent.local.pool import shutdown_pool, warm_pool
@@ -25,10 +26,8 @@ PROBE = textwrap.dedent("""
     atexit.register(print, "the cell's atexit ran", flush=True)
     left_open = open(os.path.join(FILES, os.environ["RANK"]), "w")
     left_open.write("written, never closed")
-    import torch.distributed as dist
+    import json, torch.distributed as dist
     dist.barrier()
-    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
-        sys.exit(3)
     shepherd = os.getppid()
     with open(f"/proc/{shepherd}/stat") as stat:
         spawner = int(stat.read().rpartition(")")[2].split()[1])
@@ -36,12 +35,19 @@ PROBE = textwrap.dedent("""
         spawner_name = comm.read().strip()
     with open("/proc/self/comm") as comm:
         name = comm.read().strip()
-    dict(env=dict(os.environ), cwd=os.getcwd(), path=sys.path, argv=sys.argv,
-         main=__name__, name=name, spawner=spawner_name, sid=os.getsid(0) == os.getpid(),
-         fds=len(os.listdir("/proc/self/fd")),
-         random=random.random(), numpy=float(numpy.random.random()),
-         torch_seed=torch.initial_seed(), cuda=torch.cuda.is_initialized(),
-         blocked=sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    seen = dict(env=dict(os.environ), cwd=os.getcwd(), path=sys.path, argv=sys.argv,
+                main=__name__, name=name, spawner=spawner_name,
+                sid=os.getsid(0) == os.getpid(), fds=len(os.listdir("/proc/self/fd")),
+                random=random.random(), numpy=float(numpy.random.random()),
+                torch_seed=torch.initial_seed(), cuda=torch.cuda.is_initialized(),
+                blocked=sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+                shepherd=shepherd)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    with open(os.path.join(FILES, f"seen_{attempt}_{dist.get_rank()}.json"), "w") as f:
+        json.dump(seen, f)
+    if attempt == "0" and dist.get_rank() == 1:
+        sys.exit(3)
+    seen
 """)
 PER_JOB = {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT"}
 
@@ -70,30 +76,63 @@ def _zygotes() -> list[psutil.Process]:
     return found
 
 
+def _spares() -> list[psutil.Process]:
+    """The spare ranks' shepherds of this test run's zygotes (``worker/spares.py``)."""
+    return [proc for zygote in _zygotes() for proc in zygote.children() if is_spare(proc)]
+
+
+def _wait_for_spares(count: int) -> set[int]:
+    deadline = time.monotonic() + 30
+    while len(spares := _spares()) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(spares) == count
+    return {proc.pid for proc in spares}
+
+
 def test_a_pooled_worker_is_a_fresh_worker_but_forked(log_dir, tmp_path):
-    """Restarted workers come from the pool too, and see what fresh interpreters see:
-    environment, cwd, sys.path, argv, __main__, their own session, no stray descriptors,
-    their own random state (Python's, numpy's, torch's), no CUDA; at the end, atexit runs
-    and files left open are flushed."""
+    """Workers from the pool, spares forked ahead and restarted ones, see what fresh
+    interpreters see: environment, cwd, sys.path, argv, __main__, their own session, no
+    stray descriptors, their own random state (Python's, numpy's, torch's), no CUDA; at
+    the end, atexit runs and files left open are flushed. The zygote keeps a spare for
+    each rank of the last job; one that died idle is passed over; none outlives the pool."""
+    em.launch("1", nproc=2, log_dir=log_dir, render=lambda e: None)
+    spares = _wait_for_spares(2)
+    gone = spares.pop()
+    dead = psutil.Process(gone).children()[0]
+    dead.kill()  # its shepherd then ends: the zygote finds it gone and reaps it
+    dead.wait(10)
     pooled = _probe(log_dir, tmp_path)
+    first = {rank: json.loads((tmp_path / f"seen_0_{rank}.json").read_text())
+             for rank in (0, 1)}
+    assert spares < {seen["shepherd"] for seen in first.values()}  # the live one took a job
+    assert not psutil.pid_exists(gone)  # reaped, not left a zombie
     fresh = _probe(log_dir, tmp_path, pool=False)
-    assert {v["spawner"] for v in pooled.values()} == {ZYGOTE}
     assert ZYGOTE not in {v["spawner"] for v in fresh.values()}
-    for rank in (0, 1):
-        ours, theirs = pooled[rank], fresh[rank]
-        for env in (ours["env"], theirs["env"]):
-            for name in PER_JOB:
-                env.pop(name)
-        assert ours["env"] == theirs["env"]
-        assert ours["env"]["RANK"] == str(rank)
-        assert ours["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
-        for key in ("cwd", "path", "argv", "main", "name", "sid", "fds", "cuda", "blocked"):
-            assert ours[key] == theirs[key], key
-        assert ours["argv"][1:] == ["--lr", "0.1"] and ours["main"] == "__main__"
-    # Forked from one process, each rank still draws its own random numbers.
-    assert pooled[0]["random"] != pooled[1]["random"]
-    assert pooled[0]["numpy"] != pooled[1]["numpy"]
-    assert pooled[0]["torch_seed"] != pooled[1]["torch_seed"]
+    for attempt, seen in ((0, first), (1, pooled)):
+        assert {v["spawner"] for v in seen.values()} == {ZYGOTE}
+        for rank in (0, 1):
+            ours, theirs = seen[rank], fresh[rank]
+            for env in (ours["env"], theirs["env"]):
+                for name in PER_JOB:
+                    env.pop(name, None)
+            theirs["env"]["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+            assert ours["env"] == theirs["env"]
+            assert ours["env"]["RANK"] == str(rank)
+            for key in ("cwd", "path", "argv", "main", "name", "sid", "fds", "cuda",
+                        "blocked"):
+                assert ours[key] == theirs[key], key
+            assert ours["argv"][1:] == ["--lr", "0.1"] and ours["main"] == "__main__"
+        # Forked from one process, each rank still draws its own random numbers.
+        assert seen[0]["random"] != seen[1]["random"]
+        assert seen[0]["numpy"] != seen[1]["numpy"]
+        assert seen[0]["torch_seed"] != seen[1]["torch_seed"]
+    refilled = _wait_for_spares(2)
+    assert not refilled & {seen["shepherd"] for seen in [*first.values(), *pooled.values()]}
+    shutdown_pool()
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(pid) for pid in refilled) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(psutil.pid_exists(pid) for pid in refilled)
 
 
 def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_otherwise(

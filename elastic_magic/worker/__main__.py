@@ -86,6 +86,11 @@ def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
     """Be a rank: fork the shepherd, then run payloads until Exit. Also the entry of a
     worker forked by the zygote (``zygote.py``), whose parent is the zygote."""
     shepherd_pid = shepherd.start(parent_pid, close_in_shepherd=(control_fd, report_fd))
+    serve_rank(control_fd, report_fd, shepherd_pid)
+
+
+def serve_rank(control_fd: int, report_fd: int, shepherd_pid: int) -> None:
+    """Run payloads until Exit, below a shepherd already there (a spare's: ``spares.py``)."""
     accept_signals(shepherd_pid)
     die_with_parent(shepherd_pid)
     key = read_secret(control_fd, KEY_BYTES)

@@ -16,8 +16,11 @@ each (the pool leaves out one the zygote dies or hangs on); then ``{"implied": [
 ...]}``, in parts, for those an earlier module imported, and ``{"ready": pid}``. Then
 requests:
 
-- ``{"op": "fork", "env": {...}, "cwd": "..."}`` with the worker's descriptors attached
-  (control pipe, report pipe, stdout, stderr): answered ``{"pid": shepherd}``;
+- ``{"op": "fork", "env": {...}, "cwd": "...", "spares": n}`` with the worker's
+  descriptors attached (control pipe, report pipe, stdout, stderr): answered
+  ``{"pid": shepherd}``; a spare forked ahead takes the job if there is one
+  (``spares.py``), and ``n`` spares are kept from then on (the preload list's last part
+  says how many at first);
 - ``{"op": "reap", "pid": P}``: answered ``{"status": wait status}``. A shepherd that has
   exited stays a zombie until then, so its PID stays the agent's to signal.
 
@@ -30,14 +33,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import io
 import json
 import os
+import select
 import signal
 import socket
 import sys
 import weakref
 from typing import Any, NoReturn
+
+from elastic_magic.worker import forked
+from elastic_magic.worker.spares import Spares
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -69,10 +75,11 @@ def warm_up() -> None:
     assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
 
 
-def preload(sock: socket.socket) -> None:
+def preload(sock: socket.socket) -> int:
     """Import the preload list the pool sends, checking after each package and module
     that the zygote is still safe to fork (``import_checks``). A module that broke that
-    is reported and the zygote exits (an import cannot be undone)."""
+    is reported and the zygote exits (an import cannot be undone). The spares to keep,
+    as the list's last part says."""
     import torch
 
     from elastic_magic.worker import import_checks, imports
@@ -116,6 +123,7 @@ def preload(sock: socket.socket) -> None:
     # walks (and so never copies) the pages it shares with us.
     gc.collect()
     gc.freeze()
+    return int(request.get("spares", 0))
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -146,16 +154,23 @@ def main() -> None:
     _prctl(PR_SET_NAME, NAME.encode())
     sock = socket.socket(fileno=sock_fd)
     warm_up()
-    preload(sock)
+    wanted = preload(sock)
     _send(sock, {"ready": os.getpid()})
+    spares = Spares(sock)
+    spares.want(wanted)
     while True:
+        if spares.short() and not select.select([sock], [], [], spares.REFILL_AFTER)[0]:
+            spares.add()  # quiet for a while: not while the group it served starts
+            continue
         data, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, WORKER_FDS)
         if not data:  # the kernel closed its end (or is gone)
             os._exit(0)
         request = json.loads(data)
         reply: dict[str, Any]
         if request["op"] == "fork":
-            reply = {"pid": _fork_worker(sock, fds, request)}
+            spares.want(request.get("spares", 0))
+            pid = spares.hand_out(fds, request) or _fork_worker(spares, fds, request)
+            reply = {"pid": pid}
         elif request["op"] == "reap":
             reply = {"status": os.waitpid(int(request["pid"]), 0)[1]}
         else:
@@ -165,88 +180,24 @@ def main() -> None:
         sock.sendall(json.dumps(reply).encode())
 
 
-def _fork_worker(sock: socket.socket, fds: list[int], request: dict[str, Any]) -> int:
+def _fork_worker(spares: Spares, fds: list[int], request: dict[str, Any]) -> int:
     pid = os.fork()
     if pid:
         return pid
-    try:
-        sock.close()
-        _become_worker(fds, request)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)  # not reached: _become_worker exits
+    spares.close_in_child()
+    forked.crash_on_error(lambda: _become_worker(fds, request))
 
 
 def _become_worker(fds: list[int], request: dict[str, Any]) -> NoReturn:
-    """In the forked child: what ``subprocess.Popen`` would have given a fresh worker (its
-    own session, stdio, no other descriptors, the job's environment and cwd), then the
-    worker's own entry point."""
+    """In the forked child: a fresh worker's set-up (``forked.py``), then the worker's own
+    entry point."""
     control, report, out, err = fds
-    os.setsid()  # the kernel's Ctrl-C reaches workers only through the agent
-    _prctl(PR_SET_NAME, os.path.basename(sys.executable)[:15].encode())
-    null = os.open(os.devnull, os.O_RDONLY)
-    for source, target in ((null, 0), (out, 1), (err, 2)):
-        os.dup2(source, target)
-    keep = {0, 1, 2, control, report}
-    for name in os.listdir("/proc/self/fd"):
-        if int(name) not in keep:
-            with contextlib.suppress(OSError):  # the listing's own, already closed
-                os.close(int(name))
-    os.environ.clear()  # wholly the job's environment, as exec would give it
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
-    _reseed()
+    forked.detach({control, report}, out, err, forked.WORKER_NAME)
+    forked.take_job(request["env"], request["cwd"])
+    forked.reseed()
     from elastic_magic.worker.__main__ import serve
 
-    code = 0
-    try:
-        serve(control, report, os.getppid())
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    _exit_interpreter(code)
-
-
-def _reseed() -> None:
-    """What a fresh interpreter seeds from the OS and a fork would share: torch's default
-    generator and numpy's global one (``random`` re-seeds itself after fork)."""
-    import torch
-
-    torch.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-
-
-def _exit_interpreter(code: int) -> NoReturn:
-    """End as an interpreter ends (non-daemon threads joined, atexit run, files the cell
-    left open flushed), without returning into the zygote's loop and without tearing
-    down every module (what makes a fresh worker's exit slow)."""
-    import atexit
-    import threading
-
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-    finally:
-        _flush_open_files()
-        os._exit(code)
-
-
-def _flush_open_files() -> None:
-    """Flush every file object the worker made (``open(...)`` never closed), as an
-    interpreter's teardown would. The zygote's own objects are frozen (gc.freeze), so this
-    looks only at what the worker created."""
-    for generation in range(3):
-        for obj in gc.get_objects(generation):
-            if isinstance(obj, io.IOBase):
-                with contextlib.suppress(Exception):  # closed, a broken pipe, not writable
-                    obj.flush()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+    forked.run_rank(lambda: serve(control, report, os.getppid()))
 
 
 if __name__ == "__main__":

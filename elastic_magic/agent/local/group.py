@@ -114,7 +114,7 @@ class WorkerGroup:
         for worker, env in fresh:
             try:
                 spawn(worker, env=env, cwd=cwd, key=key, run_folder=run_folder, inbox=inbox,
-                      emit=emit, zygote=zygote)
+                      emit=emit, zygote=zygote, spares=len(self.workers))
             except PoolError:
                 zygote = None  # it stopped answering: the rest start fresh
                 spawn(worker, env=env, cwd=cwd, key=key, run_folder=run_folder, inbox=inbox,

@@ -145,7 +145,7 @@ class WarmPool:
         env, cwd, sys_path = current.inputs
         successor: Zygote | None = None
         try:
-            successor = Zygote(env, cwd, current.key, sys_path, modules)
+            successor = Zygote(env, cwd, current.key, sys_path, modules, current.spares)
             with self._lock:
                 self._building = successor
                 if self._stopping:

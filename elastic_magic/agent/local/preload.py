@@ -89,12 +89,14 @@ class PreloadList:
         return lines
 
 
-def send_list(sock: socket.socket, modules: tuple[Entry, ...], sys_path: Iterable[str]) -> None:
+def send_list(sock: socket.socket, modules: tuple[Entry, ...], sys_path: Iterable[str],
+              spares: int = 0) -> None:
     """Send a new zygote its preload list, in parts, with the site-packages folders of the
-    kernel's path (where a learned module may live; the zygote trusts nothing else)."""
+    kernel's path (where a learned module may live; the zygote trusts nothing else), and
+    the spare ranks to keep (``worker/spares.py``)."""
     path = [p for p in sys_path if Path(p).name in ("site-packages", "dist-packages")]
     parts = [modules[i:i + _PART] for i in range(0, len(modules), _PART)] or [()]
     for i, part in enumerate(parts):
         message = {"op": "preload", "modules": [list(e) for e in part], "path": path,
-                   "more": i < len(parts) - 1}
+                   "more": i < len(parts) - 1, "spares": spares}
         sock.sendall(json.dumps(message).encode())

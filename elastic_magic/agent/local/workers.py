@@ -231,11 +231,12 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
 
 def spawn(
     worker: Worker, *, env: dict[str, str], cwd: str, key: bytes, run_folder: RunFolder,
-    inbox: Inbox, emit: EventSink, zygote: Zygote | None = None,
+    inbox: Inbox, emit: EventSink, zygote: Zygote | None = None, spares: int = 0,
 ) -> None:
     """Start the worker (``python -m elastic_magic.worker``, without the current directory on
     its path: see ``interpreter``) in its own session, or fork it from the
-    ``zygote`` of the warm pool; then its pumps and reader."""
+    ``zygote`` of the warm pool (which keeps ``spares`` ready from then on); then its
+    pumps and reader."""
     control_r, control_w = os.pipe()
     report_r, report_w = os.pipe()
     out_r, out_w = os.pipe()
@@ -252,7 +253,7 @@ def spawn(
     try:
         if zygote is not None:
             worker.proc = PooledProcess(
-                zygote, zygote.fork(env, cwd, (control_r, report_w, out_w, err_w)))
+                zygote, zygote.fork(env, cwd, (control_r, report_w, out_w, err_w), spares))
         else:
             worker.proc = subprocess.Popen(
                 interpreter.command("elastic_magic.worker.__main__", str(control_r),

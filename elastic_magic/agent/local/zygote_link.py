@@ -51,8 +51,9 @@ class Zygote:
     constructor (which sends the preload list ``modules``); usable after ``wait_ready``."""
 
     def __init__(self, env: dict[str, str], cwd: str, key: str, sys_path: Iterable[str] = (),
-                 modules: tuple[Entry, ...] = ()) -> None:
+                 modules: tuple[Entry, ...] = (), spares: int = 0) -> None:
         self.key = key
+        self.spares = spares  # ranks it forks ahead (``worker/spares.py``): as last asked
         self.inputs = (env, cwd, list(sys_path))  # what it was made from: for a successor
         self.modules = modules
         self.left_out: dict[str, str] = {}  # module -> why, as the zygote reported
@@ -78,7 +79,7 @@ class Zygote:
             self._sock.close()
             raise PoolError(f"the worker pool did not start: {self._error}")
         try:
-            preload.send_list(self._sock, modules, self.inputs[2])
+            preload.send_list(self._sock, modules, self.inputs[2], spares)
         except OSError as exc:
             self.close()
             raise PoolError(f"the worker pool did not start: {exc}") from exc
@@ -139,11 +140,16 @@ class Zygote:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and not self._closed.is_set()
 
-    def fork(self, env: dict[str, str], cwd: str, fds: tuple[int, int, int, int]) -> int:
+    def fork(self, env: dict[str, str], cwd: str, fds: tuple[int, int, int, int],
+             spares: int = 0) -> int:
         """Fork a rank's shepherd with these descriptors (control, report, stdout,
-        stderr); its PID. Our copies of ``fds`` stay ours to close."""
+        stderr), or give a spare the job; its PID. ``spares``: how many to keep ready
+        from now on (the job's ranks on this machine). Our copies of ``fds`` stay ours
+        to close."""
         with self._lock:
-            request = json.dumps({"op": "fork", "env": env, "cwd": cwd}).encode()
+            self.spares = spares
+            request = json.dumps({"op": "fork", "env": env, "cwd": cwd,
+                                  "spares": spares}).encode()
             try:
                 socket.send_fds(self._sock, [request], list(fds))
                 pid = int(self._receive(_START_TIMEOUT)["pid"])

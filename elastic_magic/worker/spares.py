@@ -1,0 +1,108 @@
+"""Spare ranks: processes the zygote forks ahead, each as far as a rank gets before it has
+a job (its own session, its seeds, its shepherd forked), waiting for one. Handing a spare
+its job (the descriptors and environment of a fork request) is one message; forking a rank
+on request is the zygote's fork, the child's set-up and the shepherd's fork, about 40 ms
+on two busy cores: most of what a replaced rank waits for before its cell runs.
+
+The zygote keeps as many as it was last asked for (the ranks a job runs on this machine),
+and forks them between requests (``REFILL_AFTER``). A spare's worker
+is named ``em-spare`` until it has a job; its shepherd is an ``em-shepherd``, as every
+rank's. A spare ends with its zygote (its shepherd's PR_SET_PDEATHSIG); one that died idle
+is reaped and passed over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from typing import Any, NoReturn
+
+from . import forked, shepherd
+
+NAME = b"em-spare"
+WORKER_FDS = 4  # control, report, stdout, stderr
+MAX_JOB = 1 << 20
+MAX_SPARES = 8  # a machine's GPUs: beyond, idle processes cost more than they save
+
+
+class Spares:
+    """The zygote's spares, oldest first, and how many it keeps."""
+
+    # The zygote refills after this long without a request: a burst of them (a group
+    # starting) is served first, and the next failure finds its spare.
+    REFILL_AFTER = 0.02
+
+    def __init__(self, agent: socket.socket) -> None:
+        self.agent = agent  # the zygote's socket: no spare may hold it
+        self.wanted = 0
+        self._idle: list[tuple[int, socket.socket]] = []  # (shepherd PID, our end)
+
+    def want(self, count: int) -> None:
+        self.wanted = max(0, min(int(count), MAX_SPARES))
+
+    def short(self) -> bool:
+        return len(self._idle) < self.wanted
+
+    def add(self) -> None:
+        """Fork one more; the child becomes the spare and never returns."""
+        zygote = os.getpid()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid:
+            theirs.close()
+            self._idle.append((pid, ours))
+            return
+        ours.close()
+        self.close_in_child()
+        forked.crash_on_error(lambda: _become_spare(theirs, zygote))
+
+    def hand_out(self, fds: list[int], request: dict[str, Any]) -> int | None:
+        """Give the oldest live spare this job (what a fork request carries); its
+        shepherd's PID, or None when there is none to give."""
+        env = request["env"]
+        if env.get(shepherd.TERM_FROM_VARIABLE) != os.environ.get(shepherd.TERM_FROM_VARIABLE):
+            return None  # its shepherd, forked already, reads this from the zygote's
+        job = json.dumps({"env": env, "cwd": request["cwd"]}).encode()
+        while self._idle:
+            pid, sock = self._idle.pop(0)
+            try:
+                socket.send_fds(sock, [job], fds)
+            except OSError:  # it died idle: end what is left of it (ours: not reaped)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, shepherd.END_ALL)
+                os.waitpid(pid, 0)
+                continue
+            finally:
+                sock.close()
+            return pid
+        return None
+
+    def close_in_child(self) -> None:
+        """In any child the zygote forks: the agent's socket and the spares' are not its."""
+        self.agent.close()
+        for _pid, sock in self._idle:
+            sock.close()
+
+
+def _become_spare(own: socket.socket, zygote: int) -> NoReturn:
+    forked.detach({own.fileno()}, None, None, NAME)
+    forked.reseed()
+    from .__main__ import die_with_parent, serve_rank
+
+    shepherd_pid = shepherd.start(zygote, close_in_shepherd=(own.fileno(),))
+    die_with_parent(shepherd_pid)
+    data, fds, _flags, _addr = socket.recv_fds(own, MAX_JOB, WORKER_FDS)
+    if not data or len(fds) != WORKER_FDS:  # the zygote is gone
+        os._exit(0)
+    own.close()
+    control, report, out, err = fds
+    for source, target in ((out, 1), (err, 2)):
+        os.dup2(source, target)
+        os.close(source)
+    forked.set_name(forked.WORKER_NAME)
+    job = json.loads(data)
+    forked.take_job(job["env"], job["cwd"])
+    forked.run_rank(lambda: serve_rank(control, report, shepherd_pid))
+
