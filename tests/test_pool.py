@@ -3,6 +3,7 @@ worker has; rebuilt when what workers inherit changes; gone with its owner."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import threading
 import time
 
 import psutil
-from conftest import TAG, ZYGOTE, is_spare, job_processes
+from conftest import SHEPHERD, TAG, ZYGOTE, is_spare, job_processes
 
 import elastic_magic as em
 from elastic_magic.agent.local.pool import shutdown_pool, warm_pool
@@ -81,6 +82,17 @@ def _spares() -> list[psutil.Process]:
     return [proc for zygote in _zygotes() for proc in zygote.children() if is_spare(proc)]
 
 
+def _tagged_spares() -> list[psutil.Process]:
+    """Every spare's shepherd of this test run, whoever its parent is now."""
+    found = []
+    for proc in psutil.process_iter(["name"]):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if proc.info["name"] == SHEPHERD and is_spare(proc) and proc.environ().get(
+                    "ELASTIC_MAGIC_TEST_TAG") == TAG:
+                found.append(proc)
+    return found
+
+
 def _wait_for_spares(count: int) -> set[int]:
     deadline = time.monotonic() + 30
     while len(spares := _spares()) < count and time.monotonic() < deadline:
@@ -94,18 +106,23 @@ def test_a_pooled_worker_is_a_fresh_worker_but_forked(log_dir, tmp_path):
     interpreters see: environment, cwd, sys.path, argv, __main__, their own session, no
     stray descriptors, their own random state (Python's, numpy's, torch's), no CUDA; at
     the end, atexit runs and files left open are flushed. The zygote keeps a spare for
-    each rank of the last job; one that died idle is passed over; none outlives the pool."""
+    each rank of the last job; one that dies idle is reaped and replaced; none outlives the
+    pool."""
     em.launch("1", nproc=2, log_dir=log_dir, render=lambda e: None)
     spares = _wait_for_spares(2)
     gone = spares.pop()
-    dead = psutil.Process(gone).children()[0]
-    dead.kill()  # its shepherd then ends: the zygote finds it gone and reaps it
-    dead.wait(10)
+    psutil.Process(gone).children()[0].kill()  # its shepherd then ends
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(gone) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(gone)  # the zygote saw it die and reaped it
+    (kept,) = spares
+    # Relayed to the idle worker, which has it blocked: it must not end the job it takes.
+    os.kill(kept, signal.SIGTERM)
     pooled = _probe(log_dir, tmp_path)
     first = {rank: json.loads((tmp_path / f"seen_0_{rank}.json").read_text())
              for rank in (0, 1)}
-    assert spares < {seen["shepherd"] for seen in first.values()}  # the live one took a job
-    assert not psutil.pid_exists(gone)  # reaped, not left a zombie
+    assert kept in {seen["shepherd"] for seen in first.values()}  # it took a job
     fresh = _probe(log_dir, tmp_path, pool=False)
     assert ZYGOTE not in {v["spawner"] for v in fresh.values()}
     for attempt, seen in ((0, first), (1, pooled)):
@@ -129,10 +146,7 @@ def test_a_pooled_worker_is_a_fresh_worker_but_forked(log_dir, tmp_path):
     refilled = _wait_for_spares(2)
     assert not refilled & {seen["shepherd"] for seen in [*first.values(), *pooled.values()]}
     shutdown_pool()
-    deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(pid) for pid in refilled) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(psutil.pid_exists(pid) for pid in refilled)
+    assert not any(psutil.pid_exists(pid) for pid in refilled)  # ended and reaped at once
 
 
 def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_otherwise(
@@ -165,8 +179,9 @@ def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_other
     assert last != (last := zygote_after(env=["POOL_TEST=1"])), pool_state()
     (packages / "new_package").mkdir()  # a package was installed
     assert last != zygote_after(env=["POOL_TEST=1"])
+    assert {spare.ppid() for spare in _tagged_spares()} <= set(warm_pool().pids)
     shutdown_pool()
-    assert not _zygotes()
+    assert not _zygotes() and not _tagged_spares()  # retired ones' spares ended too
 
 
 def test_every_worker_of_a_job_shares_one_zygote(tmp_path):

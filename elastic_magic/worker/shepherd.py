@@ -74,6 +74,12 @@ def _discard_pending(signals: tuple[signal.Signals, ...]) -> None:
         signal.signal(sig, signal.SIG_DFL if previous is None else previous)
 
 
+def discard_interrupts() -> None:
+    """Drop a SIGINT or SIGTERM pending while they were blocked (a spare rank, waiting for
+    its job, may have been sent one meant for no job of its own)."""
+    _discard_pending(_TO_GROUP)
+
+
 def start(parent_pid: int, close_in_shepherd: tuple[int, ...]) -> int:
     """Fork the worker. Returns in the worker only (the shepherd's PID); the shepherd
     watches until the rank has ended and exits. ``close_in_shepherd``: the worker's pipes

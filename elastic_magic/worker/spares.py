@@ -40,16 +40,37 @@ class Spares:
         self._idle: list[tuple[int, socket.socket]] = []  # (shepherd PID, our end)
 
     def want(self, count: int) -> None:
+        """Keep ``count`` from now on (the idle ones beyond it end now)."""
         self.wanted = max(0, min(int(count), MAX_SPARES))
+        while len(self._idle) > self.wanted:
+            self._end(*self._idle.pop())
 
     def short(self) -> bool:
         return len(self._idle) < self.wanted
 
+    @property
+    def sockets(self) -> list[socket.socket]:
+        """Our ends of the idle spares': one readable is a spare that died (they never
+        write), to be reaped (``drop_dead``)."""
+        return [sock for _pid, sock in self._idle]
+
     def add(self) -> None:
-        """Fork one more; the child becomes the spare and never returns."""
+        """Fork one more; the child becomes the spare and never returns. Should that fail
+        (descriptors or processes at their limit), no more are forked until a request
+        asks again: a spare is never worth the zygote, and the ranks it serves."""
         zygote = os.getpid()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError:
+            self.wanted = len(self._idle)
+            return
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            self.wanted = len(self._idle)
+            return
         if pid:
             theirs.close()
             self._idle.append((pid, ours))
@@ -57,6 +78,23 @@ class Spares:
         ours.close()
         self.close_in_child()
         forked.crash_on_error(lambda: _become_spare(theirs, zygote))
+
+    def drop_dead(self, readable: list[socket.socket]) -> None:
+        """Reap the spares whose end is ``readable``: they died idle."""
+        for pid, sock in [spare for spare in self._idle if spare[1] in readable]:
+            self._idle.remove((pid, sock))
+            self._end(pid, sock)
+
+    def end_all(self) -> None:
+        """End and reap every idle spare (the zygote is going)."""
+        self.want(0)
+
+    @staticmethod
+    def _end(pid: int, sock: socket.socket) -> None:
+        sock.close()  # EOF: it ends if it still waits
+        with contextlib.suppress(ProcessLookupError):  # ours, not reaped: its PID
+            os.kill(pid, shepherd.END_ALL)
+        os.waitpid(pid, 0)
 
     def hand_out(self, fds: list[int], request: dict[str, Any]) -> int | None:
         """Give the oldest live spare this job (what a fork request carries); its
@@ -69,13 +107,10 @@ class Spares:
             pid, sock = self._idle.pop(0)
             try:
                 socket.send_fds(sock, [job], fds)
-            except OSError:  # it died idle: end what is left of it (ours: not reaped)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, shepherd.END_ALL)
-                os.waitpid(pid, 0)
+            except OSError:  # it died idle
+                self._end(pid, sock)
                 continue
-            finally:
-                sock.close()
+            sock.close()
             return pid
         return None
 
@@ -97,6 +132,7 @@ def _become_spare(own: socket.socket, zygote: int) -> NoReturn:
     if not data or len(fds) != WORKER_FDS:  # the zygote is gone
         os._exit(0)
     own.close()
+    shepherd.discard_interrupts()  # any sent while it waited: a forked rank has none
     control, report, out, err = fds
     for source, target in ((out, 1), (err, 2)):
         os.dup2(source, target)

@@ -18,14 +18,17 @@ requests:
 
 - ``{"op": "fork", "env": {...}, "cwd": "...", "spares": n}`` with the worker's
   descriptors attached (control pipe, report pipe, stdout, stderr): answered
-  ``{"pid": shepherd}``; a spare forked ahead takes the job if there is one
-  (``spares.py``), and ``n`` spares are kept from then on (the preload list's last part
-  says how many at first);
+  ``{"pid": shepherd}`` (``{"error": why}`` when it cannot fork); a spare forked ahead
+  takes the job if there is one (``spares.py``), and ``n`` spares are kept from then on
+  (the preload list's last part says how many at first);
+- ``{"op": "spares", "spares": n}``: keep ``n`` (the idle ones beyond end now; the pool
+  sends 0 to a zygote it retires): answered ``{"spares": n}``;
 - ``{"op": "reap", "pid": P}``: answered ``{"status": wait status}``. A shepherd that has
   exited stays a zombie until then, so its PID stays the agent's to signal.
 
-EOF on the socket, or the kernel's death (PR_SET_PDEATHSIG), ends the zygote; its
-shepherds then end their ranks (their own PR_SET_PDEATHSIG). Idle, it blocks in recvmsg.
+EOF on the socket, or the kernel's death (PR_SET_PDEATHSIG), ends the zygote (its idle
+spares ended and reaped first, on EOF); its shepherds then end their ranks (their own
+PR_SET_PDEATHSIG). Idle, it blocks in recvmsg.
 """
 
 from __future__ import annotations
@@ -159,18 +162,29 @@ def main() -> None:
     spares = Spares(sock)
     spares.want(wanted)
     while True:
-        if spares.short() and not select.select([sock], [], [], spares.REFILL_AFTER)[0]:
-            spares.add()  # quiet for a while: not while the group it served starts
+        readable = select.select([sock, *spares.sockets], [], [],
+                                 spares.REFILL_AFTER if spares.short() else None)[0]
+        spares.drop_dead([s for s in readable if s is not sock])
+        if sock not in readable:
+            if spares.short():
+                spares.add()  # quiet for a while: not while the group it served starts
             continue
         data, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, WORKER_FDS)
         if not data:  # the kernel closed its end (or is gone)
+            spares.end_all()
             os._exit(0)
         request = json.loads(data)
         reply: dict[str, Any]
         if request["op"] == "fork":
             spares.want(request.get("spares", 0))
-            pid = spares.hand_out(fds, request) or _fork_worker(spares, fds, request)
-            reply = {"pid": pid}
+            try:
+                reply = {"pid": spares.hand_out(fds, request)
+                         or _fork_worker(spares, fds, request)}
+            except OSError as exc:  # processes at their limit: the pool says why
+                reply = {"error": f"the zygote could not fork: {exc}"}
+        elif request["op"] == "spares":  # a retired zygote keeps none
+            spares.want(request["spares"])
+            reply = {"spares": spares.wanted}
         elif request["op"] == "reap":
             reply = {"status": os.waitpid(int(request["pid"]), 0)[1]}
         else:

@@ -220,6 +220,7 @@ class WarmPool:
 
     def _retire(self, zygote: Zygote) -> None:
         zygote.retired = True
+        zygote.keep_spares(0)  # it forks no rank again: its live ranks keep it
         self._retired = [z for z in [*self._retired, zygote] if z.alive()]
         for old in [z for z in self._retired if not z.live]:
             old.close()

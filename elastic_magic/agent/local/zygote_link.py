@@ -152,11 +152,23 @@ class Zygote:
                                   "spares": spares}).encode()
             try:
                 socket.send_fds(self._sock, [request], list(fds))
-                pid = int(self._receive(_START_TIMEOUT)["pid"])
-            except (OSError, KeyError, ValueError) as exc:
+                reply = self._receive(_START_TIMEOUT)
+            except (OSError, ValueError) as exc:
                 raise PoolError(f"the worker pool stopped answering: {exc}") from exc
+            if "pid" not in reply:  # it could not fork (processes at their limit, say)
+                raise PoolError(str(reply.get("error", reply)))
+            pid = int(reply["pid"])
             self.live.add(pid)
             return pid
+
+    def keep_spares(self, count: int) -> None:
+        """Keep ``count`` spare ranks from now on (``worker/spares.py``): the idle ones
+        beyond end now."""
+        with self._lock:
+            with contextlib.suppress(OSError, PoolError):  # gone: so are its spares
+                self._sock.sendall(json.dumps({"op": "spares", "spares": count}).encode())
+                self._receive(10.0)
+            self.spares = count
 
     def reap(self, pid: int) -> int | None:
         """Reap an exited shepherd; its wait status, or None when the zygote is gone
