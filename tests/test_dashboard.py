@@ -135,18 +135,22 @@ def test_stop_message_from_the_frontend_stops_the_job(log_dir):
     assert view.widget.header["state"] == "stopped"
 
 
-def test_a_ranks_first_lines_come_after_its_group_started_and_are_shown(log_dir):
-    """A rank handed its cell first (from the pool) prints before the others have started:
-    its first lines must not come before the group's WorkersStarted, where a view begins
-    the attempt's panes (they were dropped there)."""
+@pytest.mark.parametrize("survivors", [False, True], ids=["restart", "survivors-stay"])
+def test_a_ranks_first_lines_come_after_its_group_started_and_are_shown(log_dir, survivors):
+    """A rank handed its cell first (from the pool, or a survivor, sent it before the new
+    ranks start) prints before the others have started: its first lines must not come
+    before the group's WorkersStarted, where a view begins the attempt's panes (they were
+    dropped there)."""
     cell = textwrap.dedent("""
-        import os, torch.distributed as dist
+        import os, torch.distributed as dist, elastic_magic
         print("top", flush=True)
         dist.init_process_group("gloo")  # every rank has printed before rank 0 fails
+        state = elastic_magic.State(step=0)  # survivors stay where the cell has one
         if dist.get_rank() == 0 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < 2:
             raise ValueError("again")
+        dist.barrier()  # the others lose rank 0 here: they stay, if survivors do
     """)
-    spec = JobSpec.create(4, max_restarts=2, log_dir=log_dir)
+    spec = JobSpec.create(4, max_restarts=2, log_dir=log_dir, survivors=survivors)
     job = Job(spec, build_payload(cell, spec)).start()
     view = LiveView(job)
     seen = []
@@ -166,6 +170,8 @@ def test_a_ranks_first_lines_come_after_its_group_started_and_are_shown(log_dir)
         elif isinstance(event, Output):
             assert event.attempt in started, f"{event} came before its group started"
     assert started == {0, 1, 2}
+    stayed = [e.stayed for e in seen if isinstance(e, WorkersStarted)]
+    assert stayed == ([(), (1, 2, 3), (1, 2, 3)] if survivors else [()] * 3)
     groups = [*view.state.earlier, {"lines": view.widget.lines}]
     assert [sorted(int(r) for r, lines in group["lines"].items()
                    if ["stdout", "top"] in [list(line) for line in lines])

@@ -100,7 +100,7 @@ class WorkerGroup:
             if old is not None and (old.global_rank == worker.global_rank
                                     or not payload.session):
                 del kept[old.slot]  # type: ignore[arg-type]
-                old.renew(self.attempt, worker.global_rank)
+                old.renew(self.attempt, worker.global_rank, emit)
                 old.local_rank, self.workers[i] = worker.local_rank, old
         envs = [env_for(worker) for worker in self.workers]
         for worker, env in zip(self.workers, envs, strict=True):

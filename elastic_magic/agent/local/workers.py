@@ -98,16 +98,17 @@ class Worker:
     parked: bool = False  # survivors stay: left its payload, waits for the next Run
     slot: int | None = None  # see policy.Membership
 
-    def renew(self, attempt: int, rank: int) -> None:
+    def renew(self, attempt: int, rank: int, emit: EventSink) -> None:
         """A survivor joins the group of ``attempt`` as ``rank`` (same process): what it
-        reported in the group before is forgotten; its output is of the new attempt."""
+        reported in the group before is forgotten; its output is of the new attempt, and
+        goes to ``emit`` (the new group's sink)."""
         self.attempt, self.global_rank = attempt, rank
         self.state = WorkerState.HEALTHY
         self.result = self.error = None
         self.running = self.resized = self.parked = False
         for thread in self.threads:
             if isinstance(thread, RankPump):
-                thread.attempt, thread.rank = attempt, rank
+                thread.emit, thread.attempt, thread.rank = emit, attempt, rank
 
     @property
     def pid(self) -> int:
