@@ -133,10 +133,13 @@ class Imported:
 
 @dataclass(frozen=True)
 class StateGet:
-    """Ask for the latest snapshot; ``inline`` asks for bytes rather than a memory file."""
+    """Ask for the latest snapshot; ``inline`` asks for bytes rather than a memory file.
+    ``held``: the token of the commit the rank holds in its own memory (a survivor going
+    on in place): if it is the latest, the answer carries no snapshot."""
 
     request_id: int
     inline: bool = False
+    held: int = 0
 
 
 @dataclass(frozen=True)

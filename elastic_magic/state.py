@@ -221,9 +221,14 @@ class State:
         if client is None:
             return False
         client.drain()  # a commit still being sent is the latest
-        reply: StateReply = client.request(StateGet)
-        kept = self._kept if self._kept and self._kept.holds(reply.token, self._objects) \
-            else None  # a survivor going on in place (elastic_magic.run), from its memory
+        # A survivor going on in place (elastic_magic.run) rolls back from its memory when
+        # what it holds is the agent's latest commit: the agent then sends no snapshot.
+        kept = self._kept if self._kept and self._kept.holds(self._kept.token, self._objects) \
+            else None
+        reply: StateReply = client.request(
+            lambda request_id: StateGet(request_id, held=kept.token if kept else 0))
+        if kept and reply.token != kept.token:
+            kept = None  # a later commit than ours (its copy came with the reply)
         memory_file = None if kept else _open_handoff(reply.handoff)
         if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
             reply = client.request(lambda request_id: StateGet(request_id, inline=True))

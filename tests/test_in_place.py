@@ -177,3 +177,31 @@ def test_a_commit_is_kept_by_versions_and_dropped_where_copies_would_cost():
     assert not kept.holds(7, objects)
     big = torch.zeros(COPY_LIMIT // 4 + 1)
     assert Kept.of(7, {}, {"buffer": big}, 3, [{"seed": 0}], 0) is None
+
+
+def test_a_commit_the_rank_holds_is_not_sent_to_it():
+    """A survivor going on in place names the commit it holds (``StateGet.held``): when it
+    is the latest, the agent answers without the snapshot, to its own ranks and to a joined
+    machine's (which would otherwise have it streamed first); an older one gets it all."""
+    from elastic_magic.agent.local.snapshots import SnapshotStore, StateServer
+    from elastic_magic.agent.machines.remote_state import answer_node
+    from elastic_magic.messages import NodeReply, NodeRequest, Reply, StateGet, StateReply
+
+    store = SnapshotStore()
+    server = StateServer(store, emit=lambda event: None, leave_at_commit=lambda: False)
+    store.commit({"step": 3}, data=b"x" * 1000, token=77)
+    held = StateReply(store.commit_id, token=77)
+    assert server.get(inline=False, held=77) == held
+    assert server.get(inline=True, held=76).snapshot == b"x" * 1000  # an older commit
+    assert server.get(inline=True).snapshot == b"x" * 1000
+
+    class Link:  # the joined machine's end: what the head sends it
+        def __init__(self) -> None:
+            self.sent: list[object] = []
+
+        def send(self, message: object) -> None:
+            self.sent.append(message)
+
+    link = Link()
+    answer_node(None, link, 1, NodeRequest(0, 0, StateGet(5, held=77)), server, 2)
+    assert link.sent == [NodeReply(0, 0, Reply(5, held))]  # at once, nothing streamed

@@ -337,13 +337,18 @@ class StateServer:
             self.emit(Committed(meta.get("step"), meta.get("world_size", 0), store.size,
                                 origin="checkpoint"))
 
-    def get(self, inline: bool) -> StateReply:
+    def get(self, inline: bool, held: int = 0) -> StateReply:
         store = self.store
-        if store.memory_file is not None and not inline:
-            # The worker reads our memory file through /proc (or asks again, inline).
+        if self.held_by_rank(held):  # it rolls back from its memory: nothing to send
+            return StateReply(store.commit_id, token=store.token)
+        if store.memory_file is not None and not inline:  # read through /proc (or inline)
             return StateReply(store.commit_id, handoff=Handoff.of(store.memory_file),
                               token=store.token)
         return StateReply(store.commit_id, snapshot=store.blob, token=store.token)
+
+    def held_by_rank(self, held: int) -> bool:
+        """The latest commit is the one a rank holds in memory (``StateGet.held``)."""
+        return held != 0 and held == self.store.token
 
     def target(self, request: CommitTarget, inline: bool) -> CommitReply:
         """Where a rank writes its part of a commit: our memory file for it (a rank of
@@ -384,7 +389,7 @@ class StateServer:
         """A request whose snapshot, if any, came as bytes (another machine's rank)."""
         match request:
             case StateGet():
-                return Reply(request.request_id, self.get(inline or request.inline))
+                return Reply(request.request_id, self.get(inline or request.inline, request.held))
             case Commit():
                 return Reply(request.request_id, self.commit(request, world_size))
             case CommitTarget():

@@ -97,8 +97,10 @@ class JoinedMachine(SingleMachine):
                     and attempt == group.attempt and local_rank < len(group.workers) else None
                 if streamed is not None:  # a restore, in pieces
                     self.chunks.answer(item.message, worker)
-                elif worker is not None:
-                    worker.send(reply)
+                else:  # whole: a restore among them (one the rank holds in its memory)
+                    self.chunks.asked.pop((attempt, local_rank, reply.request_id), None)
+                    if worker is not None:
+                        worker.send(reply)
             case ChunkKept() as kept:
                 self.chunks.kept(kept)
             case Regroup():

@@ -38,7 +38,8 @@ from .chunks import (
 def answer_node(chunks: ChunkSink, link: LinkLike, node: int, message: NodeRequest,
                 server: StateServer, world_size: int) -> None:
     """The head answers a joined machine's worker: a commit whose chunk came in pieces, a
-    restore sent in pieces but for the chunks that machine holds, anything else inline."""
+    restore sent in pieces but for the chunks that machine holds (none when the rank
+    holds the commit in its memory), anything else inline."""
     attempt, local_rank, request = message.attempt, message.local_rank, message.request
     if isinstance(request, Commit) and message.streamed is not None:
         key = ("commit", attempt, local_rank, request.request_id)
@@ -48,7 +49,8 @@ def answer_node(chunks: ChunkSink, link: LinkLike, node: int, message: NodeReque
         link.send(NodeReply(attempt, local_rank, Reply(request.request_id, reply)))
         return
     store = server.store
-    if isinstance(request, StateGet) and store.source is not None:
+    if isinstance(request, StateGet) and store.source is not None \
+            and not server.held_by_rank(request.held):
         # Sent on a thread, from our own descriptor of the memory file (a commit may
         # replace the store's meanwhile): the loop goes on serving.
         source = os.dup(store.source) if isinstance(store.source, int) else store.source
