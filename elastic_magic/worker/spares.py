@@ -22,8 +22,6 @@ from typing import Any, NoReturn
 from . import forked, shepherd
 
 NAME = b"em-spare"
-WORKER_FDS = 4  # control, report, stdout, stderr
-MAX_JOB = 1 << 20
 MAX_SPARES = 8  # a machine's GPUs: beyond, idle processes cost more than they save
 
 
@@ -59,16 +57,13 @@ class Spares:
         (descriptors or processes at their limit), no more are forked until a request
         asks again: a spare is never worth the zygote, and the ranks it serves."""
         zygote = os.getpid()
+        pair: tuple[socket.socket, ...] = ()
         try:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        except OSError:
-            self.wanted = len(self._idle)
-            return
-        try:
+            pair = ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             pid = os.fork()
         except OSError:
-            ours.close()
-            theirs.close()
+            for sock in pair:
+                sock.close()
             self.wanted = len(self._idle)
             return
         if pid:
@@ -128,8 +123,8 @@ def _become_spare(own: socket.socket, zygote: int) -> NoReturn:
 
     shepherd_pid = shepherd.start(zygote, close_in_shepherd=(own.fileno(),))
     die_with_parent(shepherd_pid)
-    data, fds, _flags, _addr = socket.recv_fds(own, MAX_JOB, WORKER_FDS)
-    if not data or len(fds) != WORKER_FDS:  # the zygote is gone
+    data, fds, _flags, _addr = socket.recv_fds(own, forked.MAX_MESSAGE, forked.WORKER_FDS)
+    if not data or len(fds) != forked.WORKER_FDS:  # the zygote is gone
         os._exit(0)
     own.close()
     shepherd.discard_interrupts()  # any sent while it waited: a forked rank has none

@@ -49,10 +49,7 @@ from elastic_magic.worker import forked
 from elastic_magic.worker.spares import Spares
 
 PR_SET_PDEATHSIG = 1
-PR_SET_NAME = 15
 NAME = "em-zygote"  # its name in ps and top
-MAX_REQUEST = 1 << 20
-WORKER_FDS = 4  # control, report, stdout, stderr
 
 
 def _prctl(option: int, value: int | bytes) -> None:
@@ -89,7 +86,7 @@ def preload(sock: socket.socket) -> int:
 
     entries: list[list[Any]] = []
     while True:
-        request = json.loads(sock.recv(MAX_REQUEST) or b"{}")
+        request = json.loads(sock.recv(forked.MAX_MESSAGE) or b"{}")
         if request.get("op") != "preload":
             os._exit(1)  # the pool speaks first, or it is gone
         entries += request["modules"]
@@ -154,7 +151,7 @@ def main() -> None:
     # Spawned with SIGINT and SIGTERM blocked (as workers are): kept so, it ends only by
     # EOF or SIGKILL, and the shepherds it forks start as spawned ones do.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    _prctl(PR_SET_NAME, NAME.encode())
+    forked.set_name(NAME.encode())
     sock = socket.socket(fileno=sock_fd)
     warm_up()
     wanted = preload(sock)
@@ -169,7 +166,7 @@ def main() -> None:
             if spares.short():
                 spares.add()  # quiet for a while: not while the group it served starts
             continue
-        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, WORKER_FDS)
+        data, fds, _flags, _addr = socket.recv_fds(sock, forked.MAX_MESSAGE, forked.WORKER_FDS)
         if not data:  # the kernel closed its end (or is gone)
             spares.end_all()
             os._exit(0)
