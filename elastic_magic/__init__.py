@@ -79,8 +79,8 @@ def load_ipython_extension(ipython: Any) -> None:
     import os
     import sys
 
+    from .agent.local.environment import inherited_env
     from .agent.local.pool import prewarm
-    from .agent.local.workers import inherited_env
 
     # The warm pool's zygote imports torch while the kernel imports the magics: the first
     # cell finds it ready. Made for several workers per machine (OMP_NUM_THREADS=1), the

@@ -146,8 +146,8 @@ def _token_from_file(path: Path) -> str:
 
 def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .agent.handles.job import AgentError, Job
+    from .agent.local.environment import inherited_env
     from .agent.local.pool import prewarm
-    from .agent.local.workers import inherited_env
     from .agent.machines.hub import HubError, connect
     from .agent.machines.joined import JoinedJob
     from .agent.machines.rendezvous import rendezvous_key

@@ -128,7 +128,8 @@ print("children up", flush=True)
 """
 
 
-# Rank 1 SIGKILLs its shepherd (its parent, checked by name) and returns; rank 0 sleeps. Rank
+# Rank 1 SIGKILLs its shepherd (its parent, checked by name: the shepherd names itself once
+# its bare interpreter has started, see shepherd._shed_image) and returns; rank 0 sleeps. Rank
 # 1 first stops dying with its shepherd (PR_SET_PDEATHSIG 0): its report pipe then closes
 # only when the agent tears the group down and the lifeline closes, so the shepherd's exit is
 # the first sign of the rank's end, as when a shepherd is killed from outside just as a cell
@@ -137,8 +138,10 @@ KILL_OWN_SHEPHERD = """
 import ctypes, os, signal, time, torch.distributed as dist
 if dist.get_rank() == 1:
     shepherd = os.getppid()
-    with open(f"/proc/{shepherd}/comm") as comm:
-        assert comm.read().strip() == "em-shepherd"
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{shepherd}/comm").read().strip() != "em-shepherd":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)
     os.kill(shepherd, signal.SIGKILL)
 else:

@@ -13,10 +13,16 @@ import threading
 import time
 
 import pytest
-from conftest import FORK_STUBBORN_CHILDREN, forked_children, survivors, tagged_workers
+from conftest import (
+    FORK_STUBBORN_CHILDREN,
+    assert_stayed,
+    forked_children,
+    survivors,
+    tagged_workers,
+)
 
 import elastic_magic as em
-from elastic_magic.events import JobState, Output
+from elastic_magic.events import JobState, Output, WorkerFailed
 from elastic_magic.payload import build_payload
 from elastic_magic.worker.shepherd import TERM_FROM_VARIABLE
 
@@ -83,6 +89,51 @@ def test_a_restart_ends_what_the_failed_attempt_forked(tmp_path, log_dir):
     assert result.restarts == 1
     assert result.values == {0: [], 1: []}, "children of the failed attempt still ran"
     assert len(forked_children(first)) == 4 and not survivors(first)
+
+
+KILLED_WITH_CHILDREN = textwrap.dedent("""
+    import os, psutil, signal, time, elastic_magic, torch.distributed as dist
+    state = elastic_magic.State(step=0)
+    if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == 0:
+        PID_DIR = os.path.join(FIRST, os.environ["RANK"])
+        os.mkdir(PID_DIR)
+        {children}
+        state.commit()
+        dist.barrier()
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)
+
+    def running(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    # The killed rank's children, as the next group runs: none (its survivor's run on).
+    dead = os.path.join(FIRST, "1")
+    [name for name in os.listdir(dead) if running(int(name.removesuffix(".pid")))]
+""")
+
+
+def test_a_rank_killed_with_children_is_judged_at_once_and_they_end_before_the_next_group(
+        tmp_path, log_dir, recorder):
+    """Survivors stay: the agent learns how the rank ended from its shepherd as soon as it
+    has (before the shepherd has ended what it left, ``worker/shepherd.py``), so its peer
+    parks and the next round forms meanwhile; the next group starts only once nothing of
+    the killed rank is left (``Survivors.bury``)."""
+    first = tmp_path / "first_attempt"
+    first.mkdir()
+    children = textwrap.indent(FORK_STUBBORN_CHILDREN, " " * 4).strip()
+    result = em.launch(KILLED_WITH_CHILDREN.replace("{children}", children), nproc=2,
+                       max_restarts=1, survivors=True, namespace={"FIRST": str(first)},
+                       log_dir=log_dir, render=recorder)
+    assert result.values == {0: [], 1: []}, "children of the killed rank still ran"
+    (failed,) = recorder.of(WorkerFailed)
+    assert (failed.failure.rank, failed.failure.signal) == (1, "SIGKILL")
+    assert_stayed(recorder, [(0,)])
+    for rank in ("0", "1"):  # the survivor's ended with the job
+        assert len(forked_children(first / rank)) == 2 and not survivors(first / rank)
 
 
 def test_the_workers_exit_passes_through_its_shepherd(log_dir):

@@ -202,19 +202,10 @@ KILLED = textwrap.dedent("""
     dist.barrier()
     if dist.get_rank() == 1:
         time.sleep(1)  # rank 0 waits in the barrier by now
-        if os.fork() == 0:
-            # A child keeps rank 1's report pipe open a moment (and nothing else), so the
-            # agent learns of the death a second late and rank 0 surely reports its lost peer.
-            try:
-                for fd in os.listdir("/proc/self/fd"):
-                    try:
-                        if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                            os.close(int(fd))
-                    except OSError:  # the listing's own descriptor, already closed
-                        pass
-                time.sleep(1.5)
-            finally:
-                os._exit(0)
+        # Its shepherd stopped, the agent sees rank 1's report pipe close but not how it
+        # ended until the teardown's SIGKILL ends the shepherd: rank 0 surely reports its
+        # lost peer first (a shepherd tells the agent within milliseconds).
+        os.kill(os.getppid(), signal.SIGSTOP)
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
 """)

@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from elastic_magic.agent.local.workers import Worker, torchrun_env
+from elastic_magic.agent.local.environment import torchrun_env
+from elastic_magic.agent.local.workers import Worker
 from elastic_magic.agent.policy import (
     CellStatus,
     CellStep,

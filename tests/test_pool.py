@@ -187,8 +187,9 @@ def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_other
 def test_every_worker_of_a_job_shares_one_zygote(tmp_path):
     """What differs between one job's workers (rank, slot, GPUs, the machine's interface)
     is set after the fork: it must not make each worker a zygote of its own."""
+    from elastic_magic.agent.local.environment import torchrun_env
     from elastic_magic.agent.local.pool import fingerprint
-    from elastic_magic.agent.local.workers import Worker, torchrun_env
+    from elastic_magic.agent.local.workers import Worker
     from elastic_magic.agent.rounds import RoundInfo
     from elastic_magic.events import NetworkChosen
 
@@ -263,6 +264,7 @@ def test_many_cells_from_the_pool_leak_nothing(log_dir):
     after = (me.num_fds(), threading.active_count(), len(me.children()))
     assert after == before
     (zygote,) = [child for child in me.children() if child.name() == ZYGOTE]
+    _wait_for_spares(2)  # refilled: the last of them half a second after the first
     idle = zygote.cpu_times()
     time.sleep(1.0)
     assert zygote.cpu_times() == idle  # an idle pool blocks: no CPU at all

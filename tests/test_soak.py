@@ -11,9 +11,9 @@ from conftest import tagged_workers
 from jupyter_client.manager import start_new_kernel
 from test_kernel import execute
 
-# CI runs 120 cells (about 3 minutes on 2 cores); ELASTIC_MAGIC_SOAK_CELLS=500 is the
+# CI runs 90 cells (about 2 minutes on 2 cores); ELASTIC_MAGIC_SOAK_CELLS=500 is the
 # notebook day the closing notes report. A leak of one descriptor a cell shows either way.
-CELLS = int(os.environ.get("ELASTIC_MAGIC_SOAK_CELLS", "120"))
+CELLS = int(os.environ.get("ELASTIC_MAGIC_SOAK_CELLS", "90"))
 WARM_UP = 30  # lazy imports, the widget machinery, thread pools: counted from here
 FD_LIMIT = 256  # the old registry leaked 18 descriptors a cell: dead by cell 12
 

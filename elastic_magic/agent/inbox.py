@@ -24,12 +24,14 @@ from ..result import JobResult
 
 @dataclass(frozen=True)
 class WorkerReport:
-    """A message from a worker of ``attempt``, or None when its report pipe closed."""
+    """A message from a worker of ``attempt``, or None when its report pipe closed (told
+    again with ``ended``, its wait status, once its shepherd has told how it ended)."""
 
     attempt: int
     local_rank: int
     message: WorkerMessage | None
     time: float
+    ended: int | None = None
 
 
 class LinkEnd(Protocol):

@@ -1,8 +1,9 @@
 """Worker entrypoint: a fresh interpreter that runs payloads until told to exit.
 
-argv: CONTROL_FD REPORT_FD PARENT_PID. The process the agent spawns forks at once and
-stays behind as the rank's shepherd (``shepherd.py``): it ends everything the worker
-starts. The agent first writes the job's secret on the control pipe, then signed messages
+argv: CONTROL_FD REPORT_FD NOTICE_FD PARENT_PID. The process the agent spawns forks at
+once and stays behind as the rank's shepherd (``shepherd.py``): it ends everything the
+worker starts, and tells the agent how the worker ended on the notice pipe. The agent
+first writes the job's secret on the control pipe, then signed messages
 (``messages.py``): Run, Reply or Exit. The control pipe is also a lifeline: EOF without an
 Exit means the kernel is gone, and the worker ends its whole process group at once.
 """
@@ -78,14 +79,16 @@ def _to_null(*fds: int) -> None:
 
 
 def main() -> None:
-    control_fd, report_fd, parent_pid = (int(a) for a in sys.argv[1:4])
-    serve(control_fd, report_fd, parent_pid)
+    control_fd, report_fd, notice_fd, parent_pid = (int(a) for a in sys.argv[1:5])
+    serve(control_fd, report_fd, notice_fd, parent_pid)
 
 
-def serve(control_fd: int, report_fd: int, parent_pid: int) -> None:
-    """Be a rank: fork the shepherd, then run payloads until Exit. Also the entry of a
-    worker forked by the zygote (``zygote.py``), whose parent is the zygote."""
-    shepherd_pid = shepherd.start(parent_pid, close_in_shepherd=(control_fd, report_fd))
+def serve(control_fd: int, report_fd: int, notice_fd: int, parent_pid: int) -> None:
+    """Be a rank: fork the shepherd (it keeps the notice pipe), then run payloads until
+    Exit. Also the entry of a worker forked by the zygote (``zygote.py``), whose parent is
+    the zygote."""
+    shepherd_pid = shepherd.start(parent_pid, close_in_shepherd=(control_fd, report_fd),
+                                  notice=notice_fd)
     serve_rank(control_fd, report_fd, shepherd_pid)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 PR_SET_NAME = 15
-WORKER_FDS = 4  # what a rank is handed: control pipe, report pipe, stdout, stderr
+WORKER_FDS = 5  # what a rank is handed: control, report, stdout, stderr, notice pipes
 MAX_MESSAGE = 1 << 20  # a request, or a spare's job: the environment is the bulk
 WORKER_NAME = os.path.basename(sys.executable)[:15].encode()  # as a spawned worker's
 

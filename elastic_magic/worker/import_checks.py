@@ -11,7 +11,7 @@ import contextlib
 import os
 from collections.abc import Iterator, MutableMapping
 
-# Variables a round gives each rank (workers/torchrun_env): they differ between workers
+# Variables a round gives each rank (environment/torchrun_env): they differ between workers
 # of one zygote, so the zygote is started without them and no module it imports may
 # read them.
 PER_ROUND = frozenset({

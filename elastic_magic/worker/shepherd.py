@@ -16,12 +16,22 @@ that runs no user code:
   machine, a SIGTERM only from its agent: see ``TERM_FROM_VARIABLE``). On ``END_ALL``
   (the agent's last escalation step, and its own PR_SET_PDEATHSIG: the kernel died) it
   SIGKILLs the worker and every process below it.
-- When the worker exits, however it exits, the shepherd SIGKILLs whatever the worker left
+- When the worker exits, however it exits, the shepherd tells the agent how at once (its
+  wait status, on the rank's notice pipe), then SIGKILLs whatever the worker left
   running, reaps it all, and exits as the worker did (same code or signal). To the agent,
-  the shepherd is the rank: its exit means nothing of the rank is left.
+  the shepherd is the rank: its exit means nothing of the rank is left. The notice comes
+  before that: a rank's DataLoader workers and the shepherd itself, forks of a process
+  with torch loaded, take 10-15 ms each to end, and the agent need not wait for that to
+  decide what the rank's end means.
 
 Signals are taken synchronously (blocked, then ``sigtimedwait``), so the loop never runs
 at an arbitrary point and never waits on a lock another thread holds.
+
+Having forked the worker, the shepherd execs a bare interpreter on this file (stdlib
+only): forked from a process with torch loaded, it would hold that image, and ending it
+would take 10-15 ms just when the agent waits for the rank to be gone. Its blocked
+signals, its parent, children, PR_SET_CHILD_SUBREAPER and PR_SET_PDEATHSIG carry over
+exec.
 """
 
 from __future__ import annotations
@@ -31,7 +41,10 @@ import ctypes
 import os
 import resource
 import signal
+import socket
+import struct
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 # The agent's request "SIGKILL the rank and everything below it now"; also what Linux
@@ -80,10 +93,16 @@ def discard_interrupts() -> None:
     _discard_pending(_TO_GROUP)
 
 
-def start(parent_pid: int, close_in_shepherd: tuple[int, ...]) -> int:
+NOTICE = struct.Struct("!i")  # the worker's wait status, on the rank's notice pipe
+
+
+def start(parent_pid: int, close_in_shepherd: tuple[int, ...], *, notice: int | None = None,
+          notice_from: int | None = None) -> int:
     """Fork the worker. Returns in the worker only (the shepherd's PID); the shepherd
     watches until the rank has ended and exits. ``close_in_shepherd``: the worker's pipes
-    to the agent, which must see EOF when the worker is gone."""
+    to the agent, which must see EOF when the worker is gone. ``notice``: the rank's notice
+    pipe (its write end); or ``notice_from``: a socket on which the worker hands it over
+    once it has one (a spare's). Both are the shepherd's alone."""
     _discard_pending(_TO_GROUP)
     inherited = signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -95,16 +114,60 @@ def start(parent_pid: int, close_in_shepherd: tuple[int, ...]) -> int:
     if worker == 0:
         os.setpgid(0, 0)  # the worker's group: what SIGINT and SIGTERM are relayed to
         signal.pthread_sigmask(signal.SIG_SETMASK, inherited)
+        for fd in (notice, notice_from):
+            if fd is not None:
+                os.close(fd)
         return shepherd
     with contextlib.suppress(OSError):  # set here too, so no relay finds it missing
         os.setpgid(worker, worker)
     for fd in close_in_shepherd:
         os.close(fd)
-    _prctl(PR_SET_NAME, NAME.encode())
-    _watch(worker, parent_pid)
+    _shed_image(worker, parent_pid, notice, notice_from)
+    _prctl(PR_SET_NAME, NAME.encode())  # exec failed: watch from this image
+    _watch(worker, parent_pid, _notice_of(notice, notice_from))
 
 
-def _watch(worker: int, parent_pid: int) -> NoReturn:
+def _shed_image(worker: int, parent_pid: int, notice: int | None,
+                notice_from: int | None) -> None:
+    """Exec a bare interpreter on this file, which goes on watching (``_main``); returns
+    only if it cannot. Only stdio and the notice descriptors carry over."""
+    kept = [fd for fd in (notice, notice_from) if fd is not None]
+    if not (sys.executable and os.path.isfile(__file__)):
+        return
+    with contextlib.suppress(OSError):
+        for fd in kept:
+            os.set_inheritable(fd, True)
+        os.execv(sys.executable, [sys.executable, "-I", "-S", __file__, str(worker),
+                                  str(parent_pid), *(str(-1 if fd is None else fd)
+                                                     for fd in (notice, notice_from))])
+    for fd in kept:  # exec failed: they stay ours alone
+        with contextlib.suppress(OSError):
+            os.set_inheritable(fd, False)
+
+
+def _notice_of(notice: int | None, notice_from: int | None) -> Callable[[], int | None]:
+    """Where the notice goes, asked for once the worker has ended: the pipe given, or
+    the one the worker handed over since."""
+    return (lambda: notice) if notice_from is None else (lambda: _handed(notice_from))
+
+
+def _handed(sock_fd: int) -> int | None:
+    """The notice pipe the worker handed over on ``sock_fd``, if it did."""
+    with contextlib.suppress(OSError), socket.socket(fileno=sock_fd) as sock:
+        sock.setblocking(False)  # recv_fds drops its flags argument (Python 3.11)
+        _data, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+        return fds[0] if fds else None
+    return None
+
+
+def _notify(fd: int | None, status: int) -> None:
+    """Tell the agent how the worker ended (one write: a pipe keeps it whole)."""
+    if fd is not None:
+        with contextlib.suppress(OSError):  # the agent is gone: nothing to tell
+            os.write(fd, NOTICE.pack(status))
+
+
+def _watch(worker: int, parent_pid: int, notice: Callable[[], int | None]) -> NoReturn:
     status: int | None = None  # the worker's wait status, once reaped
     agent = term_sender()
     while status is None:
@@ -120,7 +183,9 @@ def _watch(worker: int, parent_pid: int) -> NoReturn:
             elif sig in _TO_WORKER:
                 os.kill(worker, sig)
         status = _reap(worker)
-        if status is None and (sig == END_ALL or os.getppid() != parent_pid):
+        if status is not None:
+            _notify(notice(), status)
+        elif sig == END_ALL or os.getppid() != parent_pid:
             break  # asked to, or the kernel is gone
     _exit_as(_end_all(worker, status))
 
@@ -192,6 +257,16 @@ def _children() -> list[int]:
     return found
 
 
+def _main() -> NoReturn:
+    """The shepherd after ``_shed_image``: argv WORKER PARENT_PID NOTICE NOTICE_FROM (-1:
+    none)."""
+    worker, parent_pid, notice, notice_from = (int(arg) for arg in sys.argv[1:5])
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write(NAME)
+    _watch(worker, parent_pid, _notice_of(None if notice < 0 else notice,
+                                          None if notice_from < 0 else notice_from))
+
+
 def _exit_as(status: int) -> NoReturn:
     """Exit with the worker's code, or die by the signal that killed it."""
     if os.WIFSIGNALED(status):
@@ -204,3 +279,7 @@ def _exit_as(status: int) -> NoReturn:
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    _main()

@@ -5,10 +5,12 @@ on request is the zygote's fork, the child's set-up and the shepherd's fork, abo
 on two busy cores: most of what a replaced rank waits for before its cell runs.
 
 The zygote keeps as many as it was last asked for (the ranks a job runs on this machine),
-and forks them between requests (``REFILL_AFTER``). A spare's worker
-is named ``em-spare`` until it has a job; its shepherd is an ``em-shepherd``, as every
-rank's. A spare ends with its zygote (its shepherd's PR_SET_PDEATHSIG); one that died idle
-is reaped and passed over.
+and forks them between requests (``Spares.refill_after``): a refill is two forks of a
+process with torch loaded and the shepherd's interpreter starting, 30-40 ms of CPU, which
+would slow the group a spare has just joined on a machine whose cores its ranks keep busy.
+A spare's worker is named ``em-spare`` until it has a job; its shepherd is an
+``em-shepherd``, as every rank's. A spare ends with its zygote (its shepherd's
+PR_SET_PDEATHSIG); one that died idle is reaped and passed over.
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ MAX_SPARES = 8  # a machine's GPUs: beyond, idle processes cost more than they s
 class Spares:
     """The zygote's spares, oldest first, and how many it keeps."""
 
-    # The zygote refills after this long without a request: a burst of them (a group
-    # starting) is served first, and the next failure finds its spare.
-    REFILL_AFTER = 0.02
+    # Once the spares ran out (a group started), the zygote refills them all after
+    # REFILL_SOON without a request: the burst is served first, and the next cell or
+    # failure finds its spares. With some left (a rank replaced, a rank added), after
+    # REFILL_QUIET: the group a spare has just joined is not slowed by the forks.
+    REFILL_SOON = 0.02
+    REFILL_QUIET = 0.5
 
     def __init__(self, agent: socket.socket) -> None:
         self.agent = agent  # the zygote's socket: no spare may hold it
         self.wanted = 0
         self._idle: list[tuple[int, socket.socket]] = []  # (shepherd PID, our end)
+        self._ran_out = False  # refilling after the spares ran out: soon, until full
 
     def want(self, count: int) -> None:
         """Keep ``count`` from now on (the idle ones beyond it end now)."""
@@ -45,6 +51,14 @@ class Spares:
 
     def short(self) -> bool:
         return len(self._idle) < self.wanted
+
+    def refill_after(self) -> float | None:
+        """How long to wait for a request before forking one more (None: enough)."""
+        if not self.short():
+            self._ran_out = False
+            return None
+        self._ran_out |= not self._idle
+        return self.REFILL_SOON if self._ran_out else self.REFILL_QUIET
 
     @property
     def sockets(self) -> list[socket.socket]:
@@ -121,14 +135,20 @@ def _become_spare(own: socket.socket, zygote: int) -> NoReturn:
     forked.reseed()
     from .__main__ import die_with_parent, serve_rank
 
-    shepherd_pid = shepherd.start(zygote, close_in_shepherd=(own.fileno(),))
+    # The rank's notice pipe comes with its job: handed on to the shepherd through this.
+    handover, shepherds = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    shepherd_pid = shepherd.start(zygote, close_in_shepherd=(own.fileno(), handover.fileno()),
+                                  notice_from=shepherds.detach())
     die_with_parent(shepherd_pid)
     data, fds, _flags, _addr = socket.recv_fds(own, forked.MAX_MESSAGE, forked.WORKER_FDS)
     if not data or len(fds) != forked.WORKER_FDS:  # the zygote is gone
         os._exit(0)
     own.close()
     shepherd.discard_interrupts()  # any sent while it waited: a forked rank has none
-    control, report, out, err = fds
+    control, report, out, err, notice = fds
+    socket.send_fds(handover, [b"n"], [notice])
+    handover.close()
+    os.close(notice)
     for source, target in ((out, 1), (err, 2)):
         os.dup2(source, target)
         os.close(source)

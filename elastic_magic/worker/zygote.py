@@ -159,8 +159,7 @@ def main() -> None:
     spares = Spares(sock)
     spares.want(wanted)
     while True:
-        readable = select.select([sock, *spares.sockets], [], [],
-                                 spares.REFILL_AFTER if spares.short() else None)[0]
+        readable = select.select([sock, *spares.sockets], [], [], spares.refill_after())[0]
         spares.drop_dead([s for s in readable if s is not sock])
         if sock not in readable:
             if spares.short():
@@ -202,13 +201,13 @@ def _fork_worker(spares: Spares, fds: list[int], request: dict[str, Any]) -> int
 def _become_worker(fds: list[int], request: dict[str, Any]) -> NoReturn:
     """In the forked child: a fresh worker's set-up (``forked.py``), then the worker's own
     entry point."""
-    control, report, out, err = fds
-    forked.detach({control, report}, out, err, forked.WORKER_NAME)
+    control, report, out, err, notice = fds
+    forked.detach({control, report, notice}, out, err, forked.WORKER_NAME)
     forked.take_job(request["env"], request["cwd"])
     forked.reseed()
     from elastic_magic.worker.__main__ import serve
 
-    forked.run_rank(lambda: serve(control, report, os.getppid()))
+    forked.run_rank(lambda: serve(control, report, notice, os.getppid()))
 
 
 if __name__ == "__main__":

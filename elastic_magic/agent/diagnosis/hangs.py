@@ -246,12 +246,12 @@ class HangWatch:
 def _hang_failure(group: WorkerGroup) -> bool:
     """Every rank that failed so far reported a timeout or a lost peer: the cause is a rank
     still alive (stuck, or returned early), whose stacks tell. Not while a rank's report
-    pipe has closed without a word: it died, and its exit (seen moments later, once its
-    shepherd has ended what it left) names it; a peer that lost it may report first."""
+    pipe has closed without a word: it died, and its exit (seen moments later, from its
+    shepherd) names it; a peer that lost it may report first."""
     if any(w.channel_closed_at is not None and w.result is None and w.error is None
            for w in group.workers):
         return False
     failed = [w for w in group.workers if w.error is not None or (
-        w.exited_at is not None and w.proc is not None and w.proc.returncode not in (0, None))]
+        w.exited_at is not None and w.exit_code() not in (0, None))]
     return bool(failed) and all(w.error is not None and is_consequence(w.failure())
                                 for w in failed)

@@ -129,6 +129,8 @@ class WorkerGroup:
         match report.message:
             case None:
                 worker.channel_closed_at = report.time
+                worker.ended_status = report.ended if report.ended is not None \
+                    else worker.ended_status
             case Running():
                 worker.running = True
             case Result() as result:
@@ -171,7 +173,7 @@ class WorkerGroup:
     def _note_exits(self) -> None:
         now = time.time()
         for worker in self.workers:
-            code = worker.proc.poll() if worker.proc else None
+            code = worker.exit_code()
             if code is None or worker.exited_at is not None:
                 continue
             worker.exited_at = now
@@ -184,7 +186,7 @@ class WorkerGroup:
     def _exit_failed(self, worker: Worker) -> bool:
         """The rank's process has exited, and that is a failure: a non-zero code, or any
         exit of a session's worker but one that left at a resize."""
-        code = worker.proc.poll() if worker.proc else None
+        code = worker.exit_code()
         return code is not None and (code != 0 or (self.persistent and not worker.resized))
 
     def _has_failed(self, worker: Worker) -> bool:

@@ -2,18 +2,19 @@
 
 The process spawned for a rank is its shepherd (``worker/shepherd.py``), which forks the
 worker and outlives everything below it: ``Worker.proc`` is the shepherd, and its exit
-means the rank and all it started have ended. Every function here runs on the agent
-thread, the only thread that polls or signals these processes, so a PID is never
-signalled after it was reaped.
+means the rank and all it started have ended. How the worker itself ended comes sooner,
+on the rank's notice pipe, read with its report pipe's end (``Worker.ended_status``).
+Every function here runs on the agent thread, the only thread that polls or signals
+these processes, so a PID is never signalled after it was reaped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
 import os
 import secrets
+import select
 import signal
 import subprocess
 import threading
@@ -24,7 +25,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from ...events import EventSink, NetworkChosen
+from ...events import EventSink
 from ...messages import (
     Commit,
     CommitReply,
@@ -39,31 +40,20 @@ from ...messages import (
 )
 from ...protocol import Channel, ProtocolError, widen_pipe
 from ...result import RankFailure
-from ...worker.shepherd import END_ALL
+from ...worker.shepherd import END_ALL, NOTICE
 from ...worker.stdout import NONCE_BYTES
 
 if TYPE_CHECKING:
     from ...logs import RunFolder
-    from ...spec import JobSpec
-    from ..rounds import RoundInfo
 
 from ..inbox import Inbox, WorkerReport
 from . import interpreter
-from .network import on_loopback
 from .output import RankPump, new_tail
 from .zygote_link import PooledProcess, Zygote
 
-
-def _is_installed() -> bool:
-    try:
-        importlib.metadata.distribution("elastic-magic")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-_INSTALLED = _is_installed()
-_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+# A report pipe that closed waits this long for its shepherd's word on how the worker
+# ended, which comes at once when the worker has (then the rank's end is judged on it).
+NOTICE_GRACE = 1.0
 
 
 class WorkerState(str, Enum):
@@ -92,6 +82,7 @@ class Worker:
     result: Result | None = None
     error: ErrorInfo | None = None
     channel_closed_at: float | None = None
+    ended_status: int | None = None  # the worker's wait status, from its shepherd
     exited_at: float | None = None
     running: bool = False
     resized: bool = False  # left at a commit that applied a resize
@@ -129,8 +120,21 @@ class Worker:
         """Known to have exited; no system call, so safe from any thread."""
         return self.proc is None or self.proc.returncode is not None
 
+    def exit_code(self) -> int | None:
+        """The rank's exit code (minus a signal's number), once it has ended: its
+        shepherd's, or told by it before it has ended what the worker left."""
+        code = self.proc.poll() if self.proc else None
+        if code is None and self.ended_status is not None:
+            return os.waitstatus_to_exitcode(self.ended_status)
+        return code
+
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """The rank runs."""
+        return self.proc is not None and self.exit_code() is None
+
+    def exited(self) -> bool:
+        """Its shepherd has exited: nothing of the rank is left."""
+        return self.proc is None or self.proc.poll() is not None
 
     def send(self, message: Run | Reply | Exit | Interrupt) -> bool:
         """Send on the control pipe; False when the worker has already gone."""
@@ -159,7 +163,7 @@ class Worker:
                 failure, time=e.time, exc_type=e.exc_type, message=e.message,
                 traceback=e.traceback, exit_code=e.exit_code, cell_line=e.cell_line,
                 source_line=e.source_line)
-        code = self.proc.returncode if self.proc else None
+        code = self.exit_code()
         signal_name = _signal_name(-code) if code is not None and code < 0 else None
         failure = dataclasses.replace(failure, exit_code=code, signal=signal_name)
         if code == 0:  # only a session's worker fails so: it should wait for the next cell
@@ -167,67 +171,6 @@ class Worker:
                 else "between cells"
             failure = dataclasses.replace(failure, reason=f"exited with code 0 {when}")
         return failure
-
-
-def inherited_env(nproc: int) -> dict[str, str]:
-    """The kernel's environment as every worker of a machine running ``nproc`` inherits
-    it, before its round's variables and the job's ``--env``."""
-    env = dict(os.environ)
-    if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
-        del env["MPLBACKEND"]  # the inline backend needs a kernel; workers have none
-    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
-        env["OMP_NUM_THREADS"] = "1"  # as torchrun: workers sharing a machine
-    if not _INSTALLED:  # running from a source checkout: workers must find the package
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT,
-                                                          env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"  # lines reach the notebook as they are printed
-    return env
-
-
-def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,
-                 restart_count: int, error_file: Path,
-                 network: NetworkChosen | None = None,
-                 slots: list[int] | None = None) -> dict[str, str]:
-    """The kernel's environment plus every variable torchrun sets, with its meaning, for
-    ``worker`` of this machine's ``nproc`` in round ``info``; the interface chosen for this
-    machine (``network``, a multi-node job; loopback for a standalone one); its worker
-    slots (``slots``, see ``policy.Membership``); then the job's ``--env``."""
-    world_size = info.world_size
-    env = inherited_env(nproc)
-    env.update({
-        "RANK": str(worker.global_rank),
-        "LOCAL_RANK": str(worker.local_rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "GROUP_RANK": str(info.node_rank),
-        "GROUP_WORLD_SIZE": str(info.nnodes),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(worker.global_rank),
-        "ROLE_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": info.master_addr,
-        "MASTER_PORT": str(info.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_ERROR_FILE": str(error_file),
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                                          "1"),
-    })
-    if network is not None:
-        env.update(network.variables)
-    elif not spec.multi_node:  # one machine: its process groups on loopback, never the network
-        env.update(on_loopback(spec.env))
-    slots = slots or list(range(nproc))
-    env["ELASTIC_MAGIC_SLOT"] = str(slots[worker.local_rank])
-    visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",") \
-        if os.environ.get("CUDA_VISIBLE_DEVICES") else [str(i) for i in range(spec.gpus)]
-    if spec.gpus and slots != list(range(nproc)) and max(slots) < len(visible):
-        # A GPU left out: LOCAL_RANK i must still be the i-th visible GPU (the cell, as
-        # torchrun's scripts do, calls set_device(LOCAL_RANK)).
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[s] for s in slots)
-    env.update(spec.env)
-    return env
 
 
 def spawn(
@@ -242,6 +185,7 @@ def spawn(
     report_r, report_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    notice_r, notice_w = os.pipe()
     for fd in (control_w, report_w):  # snapshots travel on these
         widen_pipe(fd)
     # The key goes into the pipe before the child exists: a child that dies at once (a
@@ -253,23 +197,23 @@ def spawn(
     os.write(control_w, key + nonce)
     try:
         if zygote is not None:
-            worker.proc = PooledProcess(
-                zygote, zygote.fork(env, cwd, (control_r, report_w, out_w, err_w), spares))
+            worker.proc = PooledProcess(zygote, zygote.fork(
+                env, cwd, (control_r, report_w, out_w, err_w, notice_w), spares))
         else:
             worker.proc = subprocess.Popen(
                 interpreter.command("elastic_magic.worker.__main__", str(control_r),
-                                    str(report_w), str(os.getpid())),
-                pass_fds=(control_r, report_w),
+                                    str(report_w), str(notice_w), str(os.getpid())),
+                pass_fds=(control_r, report_w, notice_w),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
                 env=env, cwd=cwd,
                 start_new_session=True,  # the kernel's Ctrl-C reaches workers only through us
             )
     except BaseException:
-        for fd in (control_w, report_r, out_r, err_r):
+        for fd in (control_w, report_r, out_r, err_r, notice_r):
             os.close(fd)
         raise
     finally:
-        for fd in (control_r, report_w, out_w, err_w):
+        for fd in (control_r, report_w, out_w, err_w, notice_w):
             os.close(fd)
     worker.state = WorkerState.HEALTHY
     worker.control = Channel(control_w, key)
@@ -277,7 +221,7 @@ def spawn(
     try:
         logs = run_folder.create_logs(worker.attempt, worker.global_rank)
     except BaseException:  # the worker is the group's to stop; these are ours to close
-        for fd in (report_r, out_r, err_r):
+        for fd in (report_r, out_r, err_r, notice_r):
             os.close(fd)
         raise
     worker.threads.append(RankPump(
@@ -285,23 +229,40 @@ def spawn(
         attempt=worker.attempt, emit=emit, tail=worker.tail, nonce=nonce.hex(),
     ))
     worker.threads.append(threading.Thread(
-        target=_read_reports, args=(worker, Channel(report_r, key), inbox),
+        target=_read_reports, args=(worker, Channel(report_r, key), notice_r, inbox),
         name=f"elastic-reports-rank{worker.global_rank}", daemon=True,
     ))
     for thread in worker.threads:
         thread.start()
 
 
-def _read_reports(worker: Worker, channel: Channel, inbox: Inbox) -> None:
-    while True:
-        try:
-            message = channel.recv()
-        except (EOFError, ProtocolError, OSError):
-            # EOF marks the moment the worker died (or exited): the failure's time.
-            inbox.put(WorkerReport(worker.attempt, worker.local_rank, None, time.time()))
-            channel.close()
-            return
-        inbox.put(WorkerReport(worker.attempt, worker.local_rank, message, time.time()))
+def _read_reports(worker: Worker, channel: Channel, notice: int, inbox: Inbox) -> None:
+    try:
+        while True:
+            try:
+                message = channel.recv()
+            except (EOFError, ProtocolError, OSError) as exc:
+                # EOF marks the moment the worker died (or exited): the failure's time. How
+                # it ended follows from its shepherd, told again with it.
+                closed = WorkerReport(worker.attempt, worker.local_rank, None, time.time())
+                inbox.put(closed)
+                if isinstance(exc, EOFError) and (ended := _ended_status(notice)) is not None:
+                    inbox.put(dataclasses.replace(closed, ended=ended))
+                return
+            inbox.put(WorkerReport(worker.attempt, worker.local_rank, message, time.time()))
+    finally:
+        channel.close()
+        os.close(notice)
+
+
+def _ended_status(notice: int) -> int | None:
+    """The worker's wait status, as its shepherd tells it once the worker has ended (it
+    then ends what the worker left); None if it does not within the grace the agent gives
+    a report pipe (a worker that closed it and runs on; a shepherd killed)."""
+    if not select.select([notice], [], [], NOTICE_GRACE)[0]:
+        return None
+    data = os.read(notice, NOTICE.size)
+    return NOTICE.unpack(data)[0] if len(data) == NOTICE.size else None
 
 
 def take_memory_file(worker: Worker, request: StateRequest) -> int | Literal[False] | None:
@@ -354,7 +315,7 @@ def stop(workers: list[Worker], escalation: Escalation) -> None:
     """Signal each live rank's shepherd, escalating until all have exited: then nothing
     the workers started is left."""
     for sig, grace in escalation:
-        live = [w for w in workers if w.alive()]
+        live = [w for w in workers if not w.exited()]
         if not live:
             break
         for worker in live:
@@ -367,10 +328,10 @@ def stop(workers: list[Worker], escalation: Escalation) -> None:
 
 def wait_for_exit(workers: list[Worker], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while any(w.alive() for w in workers):
+    while not all(w.exited() for w in workers):
         if time.monotonic() >= deadline:
             return False
-        time.sleep(0.01)
+        time.sleep(0.002)  # a rank that ended: the next group waits for its shepherd here
     return True
 
 

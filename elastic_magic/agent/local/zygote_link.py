@@ -140,10 +140,10 @@ class Zygote:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and not self._closed.is_set()
 
-    def fork(self, env: dict[str, str], cwd: str, fds: tuple[int, int, int, int],
+    def fork(self, env: dict[str, str], cwd: str, fds: tuple[int, int, int, int, int],
              spares: int = 0) -> int:
         """Fork a rank's shepherd with these descriptors (control, report, stdout,
-        stderr), or give a spare the job; its PID. ``spares``: how many to keep ready
+        stderr, notice), or give a spare the job; its PID. ``spares``: how many to keep ready
         from now on (the job's ranks on this machine). Our copies of ``fds`` stay ours
         to close."""
         with self._lock:

@@ -47,10 +47,11 @@ from ...spec import JobSpec
 from ..diagnosis.hangs import HangWatch
 from ..diagnosis.stack_requests import StackRequests
 from ..inbox import FromLink, Inbox, InboxItem, WorkerReport
+from ..local.environment import torchrun_env
 from ..local.group import WorkerGroup
 from ..local.pool import warm_pool
 from ..local.survivors import Survivors
-from ..local.workers import Worker, torchrun_env
+from ..local.workers import Worker
 from ..local.zygote_link import PoolError
 from ..machines.rendezvous import Rendezvous
 from ..machines.roles import SingleMachine
@@ -150,6 +151,7 @@ class Engine:
 
     def start_group(self, info: RoundInfo) -> None:
         """This machine's workers of round ``info``, running ``payload``."""
+        self.survivors.bury()  # nothing left of the ranks that ended, their output in
         self.attempt, self.world_size, self.failures = self.attempt + 1, info.world_size, []
         self.switchboard.new_group()
         self.set_state(JobState.STARTING)
