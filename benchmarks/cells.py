@@ -125,8 +125,10 @@ MLP_KILLED_STATE = MLP_SETUP + textwrap.dedent("""
 """)
 
 # (a) going on in place (``@elastic_magic.run``): the model, optimizer and loader are made
-# once per process, DDP (tied to the group) in the function. KILL: as MLP_KILLED_STATE.
-# RESIZE: as MLP_ELASTIC (~20 ms of work a step, first steps stamped ``w<world size>``).
+# once per process, DDP (tied to the group) in the function. KILL: as MLP_KILLED_STATE, at
+# the commit of step KILL_AT (1: the first; later, a failure in a training that has run a
+# while: the pool's spares refilled, the loaders' workers running). RESIZE: as MLP_ELASTIC
+# (~20 ms of work a step, first steps stamped ``w<world size>``).
 MLP_IN_PLACE = MLP_OBJECTS + textwrap.dedent("""
     import os, signal, time
     state = elastic_magic.State(model=net, optimizer=optimizer, loader=loader, step=0)
@@ -147,7 +149,7 @@ MLP_IN_PLACE = MLP_OBJECTS + textwrap.dedent("""
                     time.sleep(0.02)
                 state.step += 1
                 state.commit()
-                if KILL and attempt == "0":
+                if KILL and attempt == "0" and state.step >= KILL_AT:
                     dist.barrier()
                     if dist.get_rank() == 1:
                         stamp("kill")

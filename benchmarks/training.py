@@ -18,6 +18,8 @@ done on every rank (the latest rank's ``time.time()`` written right after it; ce
 - train_recovery_survivors, train_resize_survivors (issue 21): the same with a State
   committing every step, the survivors staying in their processes (``--survivors``) beside
   every rank starting again (``restart``), and torchrun's recovery as in train_recovery;
+  ``in_place_steady``: killed at step STEADY instead of the first, as a failure comes in a
+  training that has run a while (the pool's spares refilled, the loaders' workers up);
 - session_train: (a) in a ``Session``: the setup (model, optimizer, loader) once, then
   training cells; per cell to the first step on every rank, and the whole cell; beside
   ipyparallel's ``%px`` (``view.execute``) running the same cells on as many engines;
@@ -97,18 +99,24 @@ def train_recovery(nproc: int, quick: bool) -> dict[str, float]:
     return {"elastic_magic": _recovered(ours, nproc), "torchrun": _recovered(theirs, nproc)}
 
 
+STEADY = 40  # steps before the kill: about half a second of training here
+
+
 def train_recovery_survivors(nproc: int, quick: bool) -> dict[str, float]:
     cells.set_env()
     values = cells.params(quick)
     _ours(cells.MLP, nproc, values)  # the pool has seen the cell
     sides = {}
-    for side, survivors, cell in (
-            ("elastic_magic_in_place", True, cells.MLP_IN_PLACE),
-            ("elastic_magic_survivors", True, cells.MLP_KILLED_STATE),
-            ("elastic_magic_restart", False, cells.MLP_KILLED_STATE)):
+    for side, survivors, cell, kill_at in (
+            ("elastic_magic_in_place", True, cells.MLP_IN_PLACE, 1),
+            ("elastic_magic_in_place_steady", True, cells.MLP_IN_PLACE, STEADY),
+            ("elastic_magic_survivors", True, cells.MLP_KILLED_STATE, 1),
+            ("elastic_magic_restart", False, cells.MLP_KILLED_STATE, 1)):
         out = scratch()
+        steps = {"STEPS": max(values["STEPS"], kill_at + 2)}
         launch(cells.STAMP + cell, nproc, max_restarts=1, survivors=survivors,
-               namespace=cells.namespace(out, {**values, "KILL": 1, "RESIZE": 0}))
+               namespace=cells.namespace(out, {**values, **steps, "KILL": 1, "KILL_AT": kill_at,
+                                               "RESIZE": 0}))
         sides[side] = _recovered(out, nproc)
     theirs, _ = cells.run_torchrun(cells.MLP_KILLED, nproc, values, "--max-restarts=1",
                                    "--monitor-interval=0.1",
