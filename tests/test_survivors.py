@@ -124,7 +124,15 @@ def die_unseen():
 
     report_fd = client.current()._report.fd
     subprocess.Popen(["sleep", "60"], pass_fds=(report_fd,))  # no at-fork handler runs
-    os.kill(os.getppid(), signal.SIGSTOP)
+    shepherd = os.getppid()
+
+    def shepherd_state() -> str:
+        with open(f"/proc/{shepherd}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+
+    os.kill(shepherd, signal.SIGSTOP)
+    while shepherd_state() != "T":
+        pass  # stopped before it can see the death
     os.kill(os.getpid(), signal.SIGKILL)
 
 
