@@ -58,6 +58,15 @@ def test_children_left_running_by_a_successful_job_end_with_it(tmp_path, log_dir
     assert not survivors(tmp_path), "forked children outlived a job that succeeded"
 
 
+# In a cell: whether a child marked by FORK_STUBBORN_CHILDREN still runs.
+RUNNING = textwrap.dedent("""
+    def running(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+""")
+
 RESTART = textwrap.dedent("""
     import os, psutil, time, torch.distributed as dist
     if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == 0:
@@ -68,15 +77,11 @@ RESTART = textwrap.dedent("""
             raise RuntimeError("crash with children running")
         time.sleep(600)
 
-    def running(pid):
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+    {running}
 
     # The new group starts once the failed one has ended, all it started included.
     [name for name in os.listdir(FIRST) if running(int(name.removesuffix(".pid")))]
-""")
+""").replace("{running}", RUNNING)
 
 
 def test_a_restart_ends_what_the_failed_attempt_forked(tmp_path, log_dir):
@@ -104,16 +109,12 @@ KILLED_WITH_CHILDREN = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(600)
 
-    def running(pid):
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+    {running}
 
     # The killed rank's children, as the next group runs: none (its survivor's run on).
     dead = os.path.join(FIRST, "1")
     [name for name in os.listdir(dead) if running(int(name.removesuffix(".pid")))]
-""")
+""").replace("{running}", RUNNING)
 
 
 def test_a_rank_killed_with_children_is_judged_at_once_and_they_end_before_the_next_group(
