@@ -111,6 +111,44 @@ def test_a_rank_that_dies_mid_commit_leaves_the_previous_commit_whole(tmp_path, 
     assert not list(ckpt.glob(".*"))  # no half-written temporary left
 
 
+AFTER_COMMIT = textwrap.dedent("""
+    import os, signal, time, torch.distributed as dist
+    import elastic_magic
+    from elastic_magic import state as state_module
+
+    send = state_module._send
+
+    def slow_send(client, prepared, commit):  # a large snapshot: it takes a while to send
+        if commit.keywords["step"] == 2:
+            time.sleep(0.5)
+        send(client, prepared, commit)
+
+    state_module._send = slow_send
+    state = elastic_magic.State(step=0)
+    print("start", state.step)
+    while state.step < 3:
+        state.step += 1
+        state.commit()
+        if state.step == 2 and dist.get_rank() == 1 \\
+                and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)  # every rank has made the commit of step 2
+        dist.barrier()  # rank 0 learns of the death here, while its commit is on its way
+    state.step
+""")
+
+
+def test_a_rank_that_dies_right_after_a_commit_resumes_from_that_commit(log_dir, recorder):
+    """Rank 1 dies as soon as a commit returns; rank 0 is still sending it (behind its
+    training), and fails in the next collective. The agent knows of the death at once, and
+    rank 0 of its failure, but the commit lands before rank 0 ends and before the teardown:
+    the restart resumes from it, not from the one before."""
+    result = em.launch(AFTER_COMMIT, nproc=2, max_restarts=1, log_dir=log_dir,
+                       render=recorder)
+    assert result.restarts == 1 and result.failures == []
+    assert recorder.lines(0) == ["start 0", "start 2"]
+    assert result.values == {0: 3, 1: 3} and result.commit["step"] == 3
+
+
 def test_a_results_snapshot_stays_in_the_memory_file_until_it_is_read(log_dir):
     """The kernel keeps every finished job's result: its snapshot (the whole state) stays in
     the agent's memory file, out of the heap, and reads the same each time it is asked for;

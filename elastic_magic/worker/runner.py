@@ -277,6 +277,9 @@ def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool =
     sys.stdout.flush()
     sys.stderr.flush()
     try:
+        if not stopped:  # the commit every rank agreed on lands (the agent waits for it)
+            with contextlib.suppress(BaseException):
+                report.drain()
         report.send(Failed(info))
     finally:
         # Skip interpreter teardown: it can hang in collectives with peers already gone.

@@ -178,10 +178,11 @@ class Engine:
                            restarts=self.restarts, pids=group.live_pids())
 
     def tear_down(self) -> tuple[float, list[RankFailure]]:
-        """Stop the group at once (no waiting for collective timeouts): when, and the ranks
-        that failed on their own before that, root cause first (reports in flight too)."""
+        """Stop the group at once (no waiting for collective timeouts; a commit in flight lands
+        first): when, and the ranks that failed of themselves before, root cause first."""
         group = self.group
         assert group is not None
+        self.elastic_state.let_commit_land(self.switchboard.next_action)
         teardown_at = group.tear_down()
         self.switchboard.drain()
         return teardown_at, group.failures_before(teardown_at)
@@ -269,9 +270,8 @@ class Engine:
     def result(self, state: JobState, failures: list[RankFailure], *, started: float,
                stop_reason: str | None, others: Results | None = None,
                snapshot: bytes | MemorySnapshot | None = None) -> JobResult:
-        """The JobResult of the job, or of a session's cell: this machine's ranks, and the
-        other machines' (``others``: their results and output tails). Plain data:
-        assembling it cannot fail on a released resource."""
+        """The JobResult of the job, or of a session's cell: this machine's ranks and the
+        others' (their results and output tails). Plain data: it cannot fail on a release."""
         group = self.group
         ranks, tails = (group.results(), group.tails()) if group is not None else ({}, {})
         other_ranks, other_tails = others or ({}, {})
