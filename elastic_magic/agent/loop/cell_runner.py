@@ -86,6 +86,7 @@ class CellRunner:
         self.interrupt = False
         self.stuck = ()
         engine.hangs.reset(group.attempt)  # the stall watchdog watches this cell alone
+        engine.elastic_state.landing = None  # a cell ends with its commits in (or dropped)
         for worker in targets:
             worker.result = worker.error = None
             worker.state = WorkerState.HEALTHY
