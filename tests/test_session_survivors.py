@@ -90,12 +90,12 @@ def test_a_death_in_a_cell_fails_that_cell_and_the_next_runs_on_the_survivors(ip
                                  f"--log-dir {log_dir}")
     ip.run_cell_magic("elastic", "--setup", "import os, time\nbase = 7\n")
     pids = ip.run_cell_magic("elastic", "", "os.getpid()").values
-    # Rank 0 waits in a collective for rank 1, which dies: the agent's word (or gloo's
-    # error) brings rank 0 back, and it stays.
+    # Rank 0 waits for rank 1, which dies: the agent's word brings rank 0 back, and it
+    # stays. The barrier: rank 1 dies once both ranks have set ``only_here``.
     with pytest.raises(em.JobFailedError) as err:
         ip.run_cell_magic("elastic", "", "import torch, torch.distributed as dist\n"
-                                         "dist.barrier()\n"
                                          "only_here = 'before the death'\n"
+                                         "dist.barrier()\n"
                                          "if int(os.environ['RANK']) == 1:\n"
                                          "    os._exit(3)\n"
                                          "time.sleep(60)\n")
