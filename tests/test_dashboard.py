@@ -281,19 +281,31 @@ def test_quiet_result_repr_and_interrupt_without_library_frames(ip, log_dir, tmp
     assert text.startswith("JobResult(succeeded, world size 2, restarts 0/0, ")
     assert "value=tensor([ 0, 1, 2," in text and len(text) < 160
 
+    returned = threading.Event()
+    lost: list[str] = []
+
     def interrupt_when_running():
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("in-cell-*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGINT)  # what a kernel interrupt is
+        if not returned.wait(60):  # lost: say how the process held it, then end the cell
+            with open("/proc/self/status") as status:
+                lost.append(f"{signal.getsignal(signal.SIGINT)} " + " ".join(
+                    line.strip() for line in status if line.startswith(("Sig", "ShdPnd"))))
+            os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=interrupt_when_running, daemon=True).start()
     ip.user_ns["FLAGS"] = str(tmp_path)
     with pytest.raises(KeyboardInterrupt) as caught:
-        ip.run_cell_magic("elastic", f"--nproc 2 --text --log-dir {log_dir} -o stopped",
-                          "import os, time\nrank = os.environ['RANK']\n"
-                          "open(os.path.join(FLAGS, f'in-cell-{rank}'), 'w').close()\n"
-                          "time.sleep(600)")
+        try:
+            ip.run_cell_magic("elastic", f"--nproc 2 --text --log-dir {log_dir} -o stopped",
+                              "import os, time\nrank = os.environ['RANK']\n"
+                              "open(os.path.join(FLAGS, f'in-cell-{rank}'), 'w').close()\n"
+                              "time.sleep(600)")
+        finally:
+            returned.set()
+    assert not lost, f"the interrupt did not stop the cell within 60 s: {lost}"
     assert caught.value._render_traceback_() == [
         f"KeyboardInterrupt: job {ip.user_ns['stopped'].run_id} was stopped; its workers "
         "have exited"]
