@@ -434,6 +434,52 @@ def test_ctrl_c_meant_for_the_kernel_cannot_kill_workers_being_spawned(log_dir):
     assert done.stdout.strip() == "['succeeded', 'succeeded', 'succeeded']", done.stdout
 
 
+IGNORING = textwrap.dedent("""
+    import json, signal, sys
+    # A kernel started in the background (``jupyter lab &``) ignores SIGINT; a joined
+    # machine's agent leaving at a commit ignores SIGTERM. What a process ignores, the
+    # processes it execs ignore too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import elastic_magic as em
+    from elastic_magic.payload import build_payload
+    from elastic_magic.result import JobState
+
+    HANDLERS = (
+        "import signal\\n"
+        "ignored = int([line.split()[1] for line in open('/proc/self/status')\\n"
+        "               if line.startswith('SigIgn')][0], 16)\\n"
+        "(signal.getsignal(signal.SIGINT) is signal.default_int_handler,\\n"
+        " bool(ignored & (1 << signal.SIGINT - 1 | 1 << signal.SIGTERM - 1)))")
+    handlers = [em.launch(HANDLERS, nproc=1, pool=pool, log_dir=sys.argv[1],
+                          render=lambda e: None).values[0] for pool in (True, False)]
+    spec = em.JobSpec.create(2, log_dir=sys.argv[1])
+    job = em.Job(spec, build_payload("import time\\nprint('up', flush=True)\\n"
+                                     "time.sleep(600)", spec)).start()
+
+    def stop_once_running(events):
+        if any(getattr(e, "state", None) is JobState.RUNNING for e in events):
+            job.stop("test")
+
+    result = job.wait(stop_once_running)
+    print(json.dumps({"handlers": handlers, "state": result.state.value,
+                      "stderr": [result.log_path(r, "stderr").read_text() for r in (0, 1)]}))
+""")
+
+
+def test_ranks_take_interrupts_even_where_the_kernel_ignores_them(log_dir):
+    """The ranks' SIGINT and SIGTERM actions are their own: a stop interrupts the cell
+    (KeyboardInterrupt, not the SIGTERM that follows when it does not come back), also
+    when the kernel was started ignoring both."""
+    done = subprocess.run([sys.executable, "-c", IGNORING, str(log_dir)], capture_output=True,
+                          text=True, timeout=240, start_new_session=True)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["handlers"] == [[True, False], [True, False]]  # from the pool; fresh
+    assert report["state"] == "stopped"
+    assert report["stderr"] == ["KeyboardInterrupt: stopped\n"] * 2
+
+
 def test_a_finished_job_or_session_leaves_nothing_for_the_garbage_collector(log_dir):
     """The kernel keeps finished jobs' handles (`%elastic jobs`); what the agent held (its
     engine, loop, payload: a cell's globals) must go when it ends, not when the collector

@@ -45,6 +45,11 @@ def accept_signals(shepherd_pid: int) -> None:
     only on one from the agent, the shepherd or the rank itself
     (``shepherd.TERM_FROM_VARIABLE``)."""
     agent = shepherd.term_sender()
+    # Their actions are ours, not those inherited through exec: a kernel or joining agent
+    # started in the background (``cmd &``) ignores SIGINT, one leaving at a commit ignores
+    # SIGTERM; its ranks could then be neither interrupted nor asked to leave.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK,
                            {signal.SIGINT} if agent else {signal.SIGINT, signal.SIGTERM})
     if agent:
