@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -18,6 +19,10 @@ SHEPHERD = "em-shepherd"  # the process name of a rank's shepherd (worker/shephe
 ZYGOTE = "em-zygote"  # the warm pool's process (worker/zygote.py)
 SPARE = "em-spare"  # a spare rank's worker until it has a job (worker/spares.py)
 ZYGOTE_MODULE = "elastic_magic.worker.zygote"
+# The tests' process takes Ctrl-C as a kernel does, also when the suite was started in the
+# background (``cmd &`` ignores SIGINT): tests interrupt it. Ranks that inherit an ignored
+# SIGINT have a test of their own (test_jobs::test_ranks_take_interrupts_even_where_...).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def is_job_process(proc: psutil.Process) -> bool:
