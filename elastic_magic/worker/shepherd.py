@@ -261,8 +261,7 @@ def _main() -> NoReturn:
     """The shepherd after ``_shed_image``: argv WORKER PARENT_PID NOTICE NOTICE_FROM (-1:
     none)."""
     worker, parent_pid, notice, notice_from = (int(arg) for arg in sys.argv[1:5])
-    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
-        comm.write(NAME)
+    _prctl(PR_SET_NAME, NAME.encode())
     _watch(worker, parent_pid, _notice_of(None if notice < 0 else notice,
                                           None if notice_from < 0 else notice_from))
 

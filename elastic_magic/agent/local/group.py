@@ -129,8 +129,8 @@ class WorkerGroup:
         match report.message:
             case None:
                 worker.channel_closed_at = report.time
-                worker.ended_status = report.ended if report.ended is not None \
-                    else worker.ended_status
+                if report.ended is not None:
+                    worker.ended_status = report.ended
             case Running():
                 worker.running = True
             case Result() as result:

@@ -89,12 +89,14 @@ def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout:
     survivors = {w.slot: w for w in group.workers
                  if stays(w, session) and w.slot is not None}
     gone = [w for w in group.workers if w.slot not in survivors]
-    running = [w for w in gone if w.alive()]
+    running: list[Worker] = []
+    ended: list[Worker] = []
+    for worker in gone:
+        (running if worker.alive() else ended).append(worker)
     stop(running, TEARDOWN_ESCALATION)
     join_threads(running, timeout=2.0)
-    return Kept(survivors, [w for w in gone if not any(w is r for r in running)],
-                [dataclasses.replace(w.failure(), reason=STUCK, consequence=True)
-                 for w in stuck])
+    return Kept(survivors, ended, [dataclasses.replace(w.failure(), reason=STUCK,
+                                                       consequence=True) for w in stuck])
 
 
 def bury(workers: list[Worker]) -> None:
