@@ -181,8 +181,13 @@ def test_the_shepherd_ends_everything_when(tmp_path, log_dir, how):
         while len(forked_children(pid_dir)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(forked_children(pid_dir)) == 2
-        # The forked children share the worker's command line.
-        (worker,) = [p for p in tagged_workers() if p.pid not in forked_children(pid_dir)]
+        # The forked children share the worker's command line. The worker is known by its
+        # shepherd's name, which the shepherd's bare interpreter sets once it has started.
+        workers: list = []
+        while len(workers) != 1 and time.monotonic() < deadline:
+            workers = [p for p in tagged_workers() if p.pid not in forked_children(pid_dir)]
+            time.sleep(0.01)
+        (worker,) = workers
         if how == "the kernel is SIGKILLed":
             os.kill(kernel.pid, signal.SIGKILL)
         else:
