@@ -130,7 +130,7 @@ def first_cell(nproc: int, quick: bool) -> dict[str, float]:
 def recovery(nproc: int, quick: bool) -> dict[str, float]:
     """torchrun as the issue has it (``--max-restarts 1 --monitor-interval 0.1``), with
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: as shipped, about half its restarts hang
-    (DESIGN, pitfalls)."""
+    (restarted ranks meet the dead attempt's keys in torch's shared store)."""
     ours = scratch()
     launch(RECOVERY, nproc, namespace={"OUT": str(ours)}, max_restarts=1,
            init_process_group=False)

@@ -151,7 +151,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .agent.machines.hub import HubError, connect
     from .agent.machines.joined import JoinedJob
     from .agent.machines.rendezvous import rendezvous_key
-    from .messages import Forward, Hello
+    from .messages import Hello, RankEvents
     from .ui.text import TextRenderer
     from .worker.shepherd import TERM_FROM_VARIABLE
 
@@ -182,7 +182,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
 
     def forward(event: Event) -> None:
         if isinstance(event, _FORWARDED):
-            link.send(Forward(event))
+            link.send(RankEvents(event))
 
     joined = JoinedJob(link, args.endpoint, host, rendezvous_key(token))
     if payload.session:  # the head runs a session: cells come one by one, until it ends

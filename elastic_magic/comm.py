@@ -25,7 +25,7 @@ TICK = 1.0  # seconds between updates while a job runs (elapsed time moves)
 
 
 @dataclass
-class Tracked:
+class ListedJob:
     """A job or session the panel lists, and what only the kernel knew when it started."""
 
     number: int
@@ -50,7 +50,7 @@ def current_cell_id(shell: Any) -> str | None:
     return cell_id if isinstance(cell_id, str) else None
 
 
-def describe(item: Tracked) -> dict[str, Any]:
+def describe(item: ListedJob) -> dict[str, Any]:
     """One row of the panel, JSON-friendly: a job's, or a session's (its cells too)."""
     row = describe_job(item)
     if item.kind == "session":
@@ -58,7 +58,7 @@ def describe(item: Tracked) -> dict[str, Any]:
     return row
 
 
-def describe_job(item: Tracked) -> dict[str, Any]:
+def describe_job(item: ListedJob) -> dict[str, Any]:
     job = item.job
     status = job.status_snapshot
     spec = job.spec
@@ -95,7 +95,7 @@ def describe_job(item: Tracked) -> dict[str, Any]:
     }
 
 
-def _busy(item: Tracked) -> bool:
+def _busy(item: ListedJob) -> bool:
     """A job that has not ended, or a session's cell that runs (its elapsed time moves)."""
     return not item.job.done and item.job.status_snapshot.state.value != "idle"
 
@@ -107,7 +107,7 @@ class JobsChannel:
     def __init__(self, make_comm: Callable[..., Any] | None = None) -> None:
         self._make_comm = make_comm
         self._comms: list[Any] = []
-        self._items: dict[str, Tracked] = {}
+        self._items: dict[str, ListedJob] = {}
         self._lock = threading.Lock()
         self._ticker: threading.Thread | None = None
         self._awake_until = 0.0
@@ -161,7 +161,7 @@ class JobsChannel:
     def track(self, number: int, job: Any, cell_id: str | None, background: bool,
               kind: str = "job") -> None:
         with self._lock:
-            self._items[job.run_id] = Tracked(number, job, cell_id, background, kind=kind)
+            self._items[job.run_id] = ListedJob(number, job, cell_id, background, kind=kind)
         self.wake()
 
     def wake(self) -> None:

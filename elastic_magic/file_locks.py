@@ -1,7 +1,7 @@
 """Open-file-description locks (``F_OFD_SETLK``): held by an open file description, so
 every duplicate of a descriptor keeps it until the last is closed, and two descriptors a
 process opened on its own (through /proc) do not share one. The agent's snapshot files
-are reused only once no one holds a lock on them (``agent/local/parts.py``)."""
+are reused only once no one holds a lock on them (``agent/local/commit_files.py``)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Three conversations share this vocabulary, each over signed frames (``protocol.p
   requests :class:`StateGet`, :class:`CommitIntent` and :class:`Commit`, and
   :class:`Progress` and :class:`Stacks` for hang diagnosis;
 - head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
-  :class:`Forward`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
+  :class:`RankEvents`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
   :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`,
   :class:`StacksRequest`, :class:`NodeStacks`, :class:`Heartbeat`, ``chunk_messages``; a
   session's :class:`SessionCell`, :class:`InterruptCell` and :class:`CellReport`.
@@ -258,7 +258,7 @@ class Hello:
 
 
 @dataclass(frozen=True)
-class Forward:
+class RankEvents:
     """An event of the machine's ranks (output, failures) for the notebook to show."""
 
     event: Any
@@ -386,7 +386,7 @@ class CellReport:
     broken: bool = False
 
 
-LinkMessage = (JobOffer | Hello | Forward | NodeRequest | NodeReply | GroupResult
+LinkMessage = (JobOffer | Hello | RankEvents | NodeRequest | NodeReply | GroupResult
                | NodeFinished | Leaving | LeaveAtCommit | ReleaseAtCommit | Regroup | EndJob
                | StacksRequest | NodeStacks | ChunkPiece | ChunkKept
                | Heartbeat | SessionCell | InterruptCell | CellReport)

@@ -170,11 +170,11 @@ def load(file: BinaryIO) -> Any:
 
 def load_parts(file: BinaryIO) -> list[Any]:
     """Every part of a snapshot (one, unless it was put together from several)."""
-    parts = Parts(file)
+    parts = SnapshotReader(file)
     return [parts.part(i) for i in range(parts.count)]
 
 
-class Parts:
+class SnapshotReader:
     """A snapshot's parts, each read when first asked for (a restoring rank reads only the
     parts holding its rows); ``file`` must be seekable when there are several."""
 

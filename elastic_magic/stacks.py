@@ -131,24 +131,24 @@ def position(frame: FrameType | None) -> tuple[tuple[int, int], ...]:
 # -- in the agent: where a rank is --------------------------------------------------------
 
 
-class Where(Enum):
+class RankActivity(Enum):
     COLLECTIVE = "collective"  # the main thread waits inside torch.distributed
     OUTSIDE = "outside"  # somewhere of its own (user code, a sleep, a data loader)
     SILENT = "silent"  # no answer: stuck in C code that holds the GIL, or gone
 
 
 @dataclass(frozen=True)
-class Place:
-    where: Where
+class RankPosition:
+    where: RankActivity
     operation: str = ""  # the collective, e.g. "all_reduce"
     cell_line: int | None = None  # the innermost cell line on the main thread
     source_line: str = ""
 
     def describe(self) -> str:
         at = f" at cell line {self.cell_line}" if self.cell_line else ""
-        if self.where is Where.COLLECTIVE:
+        if self.where is RankActivity.COLLECTIVE:
             return f"waiting in a collective ({self.operation}{at})"
-        if self.where is Where.SILENT:
+        if self.where is RankActivity.SILENT:
             return "not answering (stuck in C code holding the GIL?)"
         return f"outside any collective{at}"
 
@@ -157,12 +157,12 @@ def _collective(path: str) -> bool:
     return _TORCH_PATH in path and any(p in path for p in _COLLECTIVE_PATHS)
 
 
-def place_of(stacks: RankStacks) -> Place:
+def place_of(stacks: RankStacks) -> RankPosition:
     """Where the main thread is: inside a collective when its innermost frames (those in
     torch) reach into torch.distributed."""
     main = stacks.main
     if main is None:
-        return Place(Where.SILENT)
+        return RankPosition(RankActivity.SILENT)
     frames = main.frames
     cell = [f for f in frames if f.in_cell]
     line = cell[-1].line if cell else None
@@ -174,5 +174,5 @@ def place_of(stacks: RankStacks) -> Place:
         if _collective(frame.file) and frame.function != "wrapper":
             operation = frame.function  # the outermost one: the call the user made
     if operation:
-        return Place(Where.COLLECTIVE, operation, line, text)
-    return Place(Where.OUTSIDE, "", line, text)
+        return RankPosition(RankActivity.COLLECTIVE, operation, line, text)
+    return RankPosition(RankActivity.OUTSIDE, "", line, text)

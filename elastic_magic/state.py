@@ -197,7 +197,7 @@ class State:
     def load(self, blob: bytes | Any) -> None:
         """Restore from a snapshot: bytes, or a binary file positioned at its start."""
         source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
-        parts = snapshot_format.Parts(source)
+        parts = snapshot_format.SnapshotReader(source)
         data = parts.part(0)
         chunks = sharded.Chunks(parts.part, parts.count)
         self._values.update(sharded.resolve(data["values"], chunks, None, "values"))

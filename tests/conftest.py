@@ -93,11 +93,40 @@ def checkpoint_config(tmp_path_factory, monkeypatch) -> Path:
     return config
 
 
+# The tiers of pyproject.toml's markers; a test marked with none of them is a process test.
+TIERS = ("unit", "process", "kernel", "browser", "cluster", "gpu", "soak")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(pytest.mark.process)
+
+
+def _refuse_process(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a unit test started a process: mark it `process` (or a higher tier)")
+
+
 @pytest.fixture(autouse=True)
-def no_leftover_workers():
+def unit_tests_start_no_process(request, monkeypatch):
+    """A unit test that starts a process fails at once, so the fast lane stays fast and a
+    test that belongs to another tier cannot hide in it."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    import subprocess
+
+    for owner, name in ((os, "fork"), (os, "forkpty"), (os, "posix_spawn"),
+                        (os, "posix_spawnp"), (subprocess, "_fork_exec")):
+        monkeypatch.setattr(owner, name, _refuse_process)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_workers(request):
     """After every test the process table holds no worker of ours, nor anything a worker
-    started."""
+    started (a unit test starts none: its table is not read)."""
     yield
+    if request.node.get_closest_marker("unit") is not None:
+        return
     left = wait_until_no_workers(timeout=3.0)
     for proc in left:  # ours by tag; end them so one leak does not cascade
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -252,11 +281,20 @@ def recorder() -> Recorder:
 
 
 @pytest.fixture(scope="module")
-def ip():
-    """The real IPython shell (globalipapp) with the extension loaded."""
+def ip(request):
+    """The real IPython shell (globalipapp) with the extension loaded. Where only unit tests
+    of the module use it (``pytest -m unit``), the warm pool is not prewarmed: they start no
+    process."""
     from IPython.testing.globalipapp import get_ipython
 
+    import elastic_magic.agent.local.pool as pool
+
+    users = [item for item in request.session.items
+             if item.module is request.module and "ip" in item.fixturenames]
     shell = get_ipython()
-    shell.run_line_magic("load_ext", "elastic_magic")
+    with pytest.MonkeyPatch.context() as patch:
+        if all(item.get_closest_marker("unit") for item in users):
+            patch.setattr(pool, "prewarm", lambda *args, **kwargs: None)
+        shell.run_line_magic("load_ext", "elastic_magic")
     yield shell
     shell.run_line_magic("unload_ext", "elastic_magic")

@@ -7,6 +7,8 @@ import pytest
 from elastic_magic.ui import ansi
 from elastic_magic.ui.state import shown
 
+pytestmark = pytest.mark.unit
+
 RED, MAGENTA = "#e75c58", "#d160c4"
 
 

@@ -24,6 +24,8 @@ from conftest import tagged_workers, wait_until_no_workers
 from netns import network as network  # the fixture
 from playwright.sync_api import expect, sync_playwright
 
+pytestmark = pytest.mark.browser
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"

@@ -15,6 +15,8 @@ from elastic_magic.agent.machines.chunks import ChunkSink, HeldChunks, memory_fi
 from elastic_magic.chunk_messages import ChunkPiece
 from elastic_magic.snapshot_format import parts_header
 
+pytestmark = pytest.mark.unit
+
 
 class Wire:
     """A link that delivers every piece to a sink, as the reader thread does."""

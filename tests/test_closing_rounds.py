@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from test_elastic import STEPS, TRAIN, assert_same_parameters, committed_steps
 from test_elastic import baseline as baseline  # the module-scoped fixture
 from test_lost_machines import _training_shared
@@ -35,6 +36,8 @@ from elastic_magic.agent.machines.rendezvous import Rendezvous
 from elastic_magic.agent.rounds import RoundInfo
 from elastic_magic.events import RendezvousCompleted
 from elastic_magic.protocol import new_secret
+
+pytestmark = pytest.mark.cluster
 
 LAST_CALL = 30.0
 WITHIN = 20.0  # a round that closed on its own: well before its last call could end

@@ -15,6 +15,7 @@ from elastic_magic import snapshot_format
 from elastic_magic.agent.local.snapshots import split_checkpoint
 
 
+@pytest.mark.unit
 def test_the_format_round_trips_tensors_of_every_kind_and_reads_torch_save():
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.Adam(model.parameters())
@@ -44,6 +45,7 @@ def test_the_format_round_trips_tensors_of_every_kind_and_reads_torch_save():
         snapshot_format.load(io.BytesIO(whole.getvalue()[:-10]))
 
 
+@pytest.mark.unit
 def test_a_prepared_snapshot_is_a_copy_that_training_cannot_change():
     """What a commit blocks for: the tree pickled and the tensors copied; the write happens
     later, while training changes the tensors in place."""
@@ -180,6 +182,7 @@ def test_a_results_snapshot_stays_in_the_memory_file_until_it_is_read(log_dir):
     assert not closed.alive  # its memory file was closed with the last reference to it
 
 
+@pytest.mark.unit
 def test_random_states_cross_ranks_as_a_fixed_layout_never_a_pickle():
     """Each rank's RNG states reach rank 0 over gloo/NCCL, which nobody authenticates: they
     go as bytes of one layout, decoded field by field. A round trip restores every stream
@@ -218,6 +221,7 @@ def test_random_states_cross_ranks_as_a_fixed_layout_never_a_pickle():
         rng.decode(blob[:-1])
 
 
+@pytest.mark.unit
 def test_no_module_unpickles_what_a_collective_received():
     """torch's object collectives unpickle what any peer sends: the package calls none."""
     import ast

@@ -10,11 +10,12 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 import elastic_magic as em
 from elastic_magic import snapshot_format
-from elastic_magic.agent.local.parts import CommitParts
+from elastic_magic.agent.local.commit_files import CommitFiles
 from elastic_magic.file_locks import ofd_lock
 
 
@@ -22,7 +23,7 @@ def _inode(fd: int) -> int:
     return os.fstat(fd).st_ino
 
 
-def _write_part(parts: CommitParts, token: int, sizes: tuple[int, ...], part: int,
+def _write_part(parts: CommitFiles, token: int, sizes: tuple[int, ...], part: int,
                 data: bytes) -> None:
     """What a rank does: open the agent's file through /proc, lock it, write its part."""
     fd, offset = parts.locate(token, sizes, part)
@@ -34,8 +35,9 @@ def _write_part(parts: CommitParts, token: int, sizes: tuple[int, ...], part: in
         os.close(mine)
 
 
+@pytest.mark.unit
 def test_commit_files_are_reused_only_once_no_one_reads_them():
-    parts = CommitParts()
+    parts = CommitFiles()
     sizes = (3, 5)
     try:
         held = None  # the store's descriptor of the latest whole commit
@@ -71,8 +73,9 @@ def test_commit_files_are_reused_only_once_no_one_reads_them():
         parts.close()
 
 
+@pytest.mark.unit
 def test_a_commit_that_never_completed_is_dropped_not_joined_to_the_next():
-    parts = CommitParts()
+    parts = CommitFiles()
     try:
         parts.add(0, 1, (2, 2), b"aa")  # rank 1 died before its part of commit 1
         parts.add(1, 2, (2, 2), b"BB")

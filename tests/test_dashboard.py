@@ -376,6 +376,7 @@ def test_jobs_list_stops_the_clock_of_a_finished_job(ip, log_dir, capsys):
     assert re.search(r"restarts 0/0  \d+\.\ds\n", first)
 
 
+@pytest.mark.unit
 def test_join_command_is_in_the_header_and_the_record():
     """A multi-node job's join command: the header (the widget shows it at the top, with a
     Copy button) and the record; not only in the collapsed timeline."""
@@ -391,6 +392,7 @@ def test_join_command_is_in_the_header_and_the_record():
     assert record["text/plain"].splitlines()[1] == f"other machines joined with: {command}"
 
 
+@pytest.mark.unit
 def test_log_tails_show_a_rewritten_line_as_it_finally_showed():
     from elastic_magic.job_commands import visible as _visible
 
@@ -588,6 +590,7 @@ def test_a_ranks_lines_keep_their_order_across_stdout_and_stderr(log_dir):
     assert "\x00" not in stderr
 
 
+@pytest.mark.unit
 def test_order_marks_are_found_wherever_reads_cut_them():
     from elastic_magic.agent.local.output import _Marks
     from elastic_magic.worker.stdout import ORDER_END, order_mark

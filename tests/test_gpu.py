@@ -1,6 +1,7 @@
 """The GPU path: one worker per GPU, nccl, torch.cuda.set_device(LOCAL_RANK), elastic state
 on CUDA, and GPU memory released when a job is stopped. CI has no GPU, so these run on a
-GPU machine (see README, "GPU checks"); without CUDA they are reported as skipped."""
+GPU machine (README, "GPUs": `python -m pytest -m gpu`); without CUDA they are reported as
+skipped."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from elastic_magic.agent.handles.job import Job
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec, SpecError
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_one_nccl_worker_per_gpu_after_the_kernel_touched_cuda(ip, log_dir):

@@ -21,7 +21,8 @@ from elastic_magic.events import Committed, MembershipChanged
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # Dropout masks are drawn for the whole global batch from the CUDA generator (the same
 # stream on every rank) and each rank keeps its rows: the masks do not depend on the world

@@ -14,7 +14,8 @@ from elastic_magic.agent.handles.job import Job
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 TRAIN = textwrap.dedent("""
     import os, signal, torch, torch.distributed as dist

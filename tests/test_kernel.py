@@ -17,6 +17,8 @@ from conftest import (
 )
 from jupyter_client.manager import start_new_kernel
 
+pytestmark = pytest.mark.kernel
+
 LONG_CELL = """%%elastic --nproc 2 --max-restarts 1 --text
 import os, time, torch.distributed as dist
 if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == 0 and dist.get_rank() == CRASH_RANK:

@@ -40,6 +40,7 @@ def mode(path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
+@pytest.mark.unit
 def test_default_folder_is_private_in_the_users_cache(home):
     spec = em.JobSpec.create(1)
     assert spec.log_dir == home / "cache" / "elastic_magic" / "logs"
@@ -47,6 +48,7 @@ def test_default_folder_is_private_in_the_users_cache(home):
     assert em.JobSpec.create(1).log_dir == spec.log_dir  # found again, as it was left
 
 
+@pytest.mark.unit
 def test_temp_dir_when_the_cache_cannot_be_created(home, monkeypatch):
     (home / "not-a-folder").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(home / "not-a-folder" / "cache"))
@@ -55,6 +57,7 @@ def test_temp_dir_when_the_cache_cannot_be_created(home, monkeypatch):
     assert mode(log_dir.parent) == 0o700 and mode(log_dir) == 0o700
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
 @pytest.mark.parametrize("where", ["cache", "temp dir"])
 def test_a_default_folder_another_user_owns_is_refused(home, monkeypatch, where):
@@ -76,6 +79,7 @@ def test_a_default_folder_another_user_owns_is_refused(home, monkeypatch, where)
     assert not any(planted.iterdir())
 
 
+@pytest.mark.unit
 def test_a_default_folder_open_to_others_is_refused(home):
     folder = home / "cache" / "elastic_magic"
     folder.mkdir(parents=True)
@@ -85,6 +89,7 @@ def test_a_default_folder_open_to_others_is_refused(home):
         em.JobSpec.create(1)
 
 
+@pytest.mark.unit
 def test_a_link_planted_as_the_default_folder_is_refused(home):
     target = home / "elsewhere"
     target.mkdir(mode=0o700)
@@ -129,6 +134,7 @@ def make_runs(folder, count: int, newest: float) -> list:
     return runs
 
 
+@pytest.mark.unit
 def test_pruning_keeps_the_newest_recent_runs_and_runs_still_written(tmp_path):
     now = time.time()
     runs = make_runs(tmp_path, 8, newest=now)
@@ -334,6 +340,7 @@ class _Pwn:
         return exec, (f"open({self.canary!r}, 'w').write('pwned')",)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("where", ["a folder others can write", "another user's folder",
                                    "another user's file", "a link"])
 def test_a_planted_checkpoint_is_never_loaded(tmp_path, log_dir, where):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import cloudpickle
+import pytest
 
 from elastic_magic.agent.inbox import CellRequest, Inbox, WorkerReport
 from elastic_magic.agent.local.group import WorkerGroup
@@ -47,6 +48,8 @@ from elastic_magic.payload import Payload
 from elastic_magic.result import JobState
 from elastic_magic.spec import JobSpec
 from elastic_magic.worker.session import CELL_END_MARK
+
+pytestmark = pytest.mark.unit
 
 # -- the scripted world ----------------------------------------------------------------
 

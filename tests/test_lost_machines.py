@@ -29,6 +29,8 @@ from elastic_magic.events import Excluded, RendezvousCompleted, WorkerFailed, Wo
 from elastic_magic.protocol import new_secret
 from elastic_magic.ui.describe import describe
 
+pytestmark = pytest.mark.cluster
+
 
 def _training_shared(job, recorder) -> bool:
     """Wait until both machines train together and 3 steps were committed since (False

@@ -42,6 +42,7 @@ def test_failure_raises_with_root_cause_and_keeps_result(ip, log_dir):
     assert err.value._render_traceback_()[0].startswith("JobFailedError: Rank 1 failed first")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("line", "cell", "fragment"),
     [
@@ -81,6 +82,7 @@ def test_missing_pull_is_reported(ip, log_dir):
         ip.run_cell_magic("elastic", f"--nproc 1 --pull ghost --log-dir {log_dir}", "y = 2\n")
 
 
+@pytest.mark.unit
 def test_help_lists_every_flag(ip):
     doc = ip.find_cell_magic("elastic").__doc__
     python_only = {"gpus"}  # detected on each machine; only Python callers may state it
@@ -117,6 +119,7 @@ def _line_events(package: str, stop_at: int | None):
     return tracer, seen
 
 
+@pytest.mark.unit
 def test_an_interrupt_anywhere_in_a_cells_start_leaves_no_job_running(ip, log_dir):
     """Ctrl-C can land on any line between the magic's start and its wait for the job (a
     dashboard being built, the job being registered): the job is stopped either way."""
@@ -169,6 +172,7 @@ def test_unload_stops_background_jobs_and_removes_both_magics(log_dir):
     assert "elastic" in shell.magics_manager.magics["line"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("words", "parsed"), [
     (["4"], (4, [], False, ())),
     (["4", "2", "--now"], (4, ["2"], True, ())),

@@ -27,6 +27,8 @@ from elastic_magic.events import AcceptingNodes, NodeConnected, RendezvousComple
 from elastic_magic.payload import build_payload
 from elastic_magic.ui.state import DashboardState
 
+pytestmark = pytest.mark.cluster
+
 
 class Machines:
     """`elastic-magic join` processes started for one test; every one is reaped."""

@@ -31,6 +31,8 @@ from elastic_magic.payload import build_payload
 from elastic_magic.ui.describe import network_text
 from elastic_magic.ui.state import DashboardState
 
+pytestmark = pytest.mark.cluster
+
 PARAMETERS = "[p.detach().clone() for p in model.module.parameters()]"
 assert TRAIN.rstrip().endswith(PARAMETERS)
 # The same training; each rank also tells where its process group met and how it talks.

@@ -14,6 +14,8 @@ import slurm
 import torch
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.kernel
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 GPU_TAG = "gpu"  # a cell that needs a CUDA GPU: run only where one exists
 

@@ -13,6 +13,8 @@ from elastic_magic.payload import (
 )
 from elastic_magic.protocol import Channel, ProtocolError, new_secret
 
+pytestmark = pytest.mark.unit
+
 
 def test_referenced_names_cover_functions_and_skip_stores():
     names = referenced_names("x = a + 1\ndef f():\n    return b\nclass C:\n    y = c\n")

@@ -14,12 +14,12 @@ from elastic_magic.agent.local.workers import Worker
 from elastic_magic.agent.policy import (
     CellStatus,
     CellStep,
+    FollowUp,
+    GroupOutcome,
     GroupStatus,
     Membership,
-    Next,
     RegroupClock,
     Resize,
-    Step,
     after_group,
     cell_state,
     during_cell,
@@ -34,6 +34,8 @@ from elastic_magic.messages import Action
 from elastic_magic.result import JobState, RankFailure
 from elastic_magic.spec import JobSpec
 
+pytestmark = pytest.mark.unit
+
 FAILED = GroupStatus(failed=True)
 SUCCEEDED = GroupStatus(succeeded=True, running=True)
 RESIZED = GroupStatus(resized=True)
@@ -41,78 +43,78 @@ BUSY = GroupStatus(running=True)
 
 
 @pytest.mark.parametrize(("action", "regroup_due", "status", "step"), [
-    (None, False, BUSY, Step.WAIT),
-    (None, False, GroupStatus(), Step.WAIT),
+    (None, False, BUSY, GroupOutcome.WAIT),
+    (None, False, GroupStatus(), GroupOutcome.WAIT),
     # a stop beats everything, a failure included: the user asked for it
-    (Action.STOP, True, FAILED, Step.STOP),
-    (Action.STOP, False, SUCCEEDED, Step.STOP),
+    (Action.STOP, True, FAILED, GroupOutcome.STOP),
+    (Action.STOP, False, SUCCEEDED, GroupOutcome.STOP),
     # membership changes come before the group's own state: a rank that fails because a
     # machine left is part of the regroup, not a failure
-    (Action.REGROUP, False, FAILED, Step.REGROUP),
-    (None, True, FAILED, Step.REGROUP),
-    (Action.NODE_FAILED, False, BUSY, Step.NODE_FAILED),
+    (Action.REGROUP, False, FAILED, GroupOutcome.REGROUP),
+    (None, True, FAILED, GroupOutcome.REGROUP),
+    (Action.NODE_FAILED, False, BUSY, GroupOutcome.NODE_FAILED),
     # a machine that failed for good ends the job even while others wait to join
-    (Action.NODE_FAILED, True, BUSY, Step.NODE_FAILED),
-    (None, False, FAILED, Step.FAILED),
+    (Action.NODE_FAILED, True, BUSY, GroupOutcome.NODE_FAILED),
+    (None, False, FAILED, GroupOutcome.FAILED),
     # a failure and a success in the same poll: the failure decides
-    (None, False, GroupStatus(failed=True, succeeded=True), Step.FAILED),
-    (None, False, SUCCEEDED, Step.SUCCEEDED),
-    (None, False, RESIZED, Step.RESIZED),
+    (None, False, GroupStatus(failed=True, succeeded=True), GroupOutcome.FAILED),
+    (None, False, SUCCEEDED, GroupOutcome.SUCCEEDED),
+    (None, False, RESIZED, GroupOutcome.RESIZED),
 ])
 def test_during_group(action, regroup_due, status, step):
     assert during_group(action, regroup_due, status) is step
 
 
 @pytest.mark.parametrize(("step", "used", "allowed", "next_", "final"), [
-    (Step.FAILED, 0, 1, Next.RESTART, JobState.FAILED),
-    (Step.FAILED, 1, 1, Next.END, JobState.FAILED),
-    (Step.FAILED, 0, 0, Next.END, JobState.FAILED),
+    (GroupOutcome.FAILED, 0, 1, FollowUp.RESTART, JobState.FAILED),
+    (GroupOutcome.FAILED, 1, 1, FollowUp.END, JobState.FAILED),
+    (GroupOutcome.FAILED, 0, 0, FollowUp.END, JobState.FAILED),
     # membership changes never spend a restart, even with none left
-    (Step.REGROUP, 3, 3, Next.NEW_ROUND, JobState.FAILED),
-    (Step.RESIZED, 0, 0, Next.NEW_ROUND, JobState.FAILED),
+    (GroupOutcome.REGROUP, 3, 3, FollowUp.NEW_ROUND, JobState.FAILED),
+    (GroupOutcome.RESIZED, 0, 0, FollowUp.NEW_ROUND, JobState.FAILED),
     # another machine failed for good: the job ends whatever restarts are left here
-    (Step.NODE_FAILED, 0, 5, Next.END, JobState.FAILED),
-    (Step.STOP, 0, 5, Next.END, JobState.STOPPED),
-    (Step.SUCCEEDED, 0, 5, Next.END, JobState.SUCCEEDED),
+    (GroupOutcome.NODE_FAILED, 0, 5, FollowUp.END, JobState.FAILED),
+    (GroupOutcome.STOP, 0, 5, FollowUp.END, JobState.STOPPED),
+    (GroupOutcome.SUCCEEDED, 0, 5, FollowUp.END, JobState.SUCCEEDED),
 ])
 def test_after_group(step, used, allowed, next_, final):
     assert after_group(step, used, allowed) is next_
-    if next_ is Next.END:
+    if next_ is FollowUp.END:
         assert final_state(step) is final
 
 
 @pytest.mark.parametrize(("step", "heard", "ended"), [
-    (Step.FAILED, None, Step.FAILED),
+    (GroupOutcome.FAILED, None, GroupOutcome.FAILED),
     # a stop that arrived while the failed group was torn down: no restart, stopped
-    (Step.FAILED, Action.STOP, Step.STOP),
+    (GroupOutcome.FAILED, Action.STOP, GroupOutcome.STOP),
     # another machine failed for good meanwhile: no restart here either
-    (Step.FAILED, Action.NODE_FAILED, Step.NODE_FAILED),
-    (Step.REGROUP, Action.NODE_FAILED, Step.NODE_FAILED),
-    (Step.RESIZED, Action.STOP, Step.STOP),
-    (Step.SUCCEEDED, Action.STOP, Step.SUCCEEDED),  # the work is done: a success stays one
+    (GroupOutcome.FAILED, Action.NODE_FAILED, GroupOutcome.NODE_FAILED),
+    (GroupOutcome.REGROUP, Action.NODE_FAILED, GroupOutcome.NODE_FAILED),
+    (GroupOutcome.RESIZED, Action.STOP, GroupOutcome.STOP),
+    (GroupOutcome.SUCCEEDED, Action.STOP, GroupOutcome.SUCCEEDED),  # work done: a success stays one
     # a machine left or was lost while the group failed: its ranks lost peers, not a failure
-    (Step.FAILED, Action.REGROUP, Step.REGROUP),
-    (Step.SUCCEEDED, Action.REGROUP, Step.SUCCEEDED),
+    (GroupOutcome.FAILED, Action.REGROUP, GroupOutcome.REGROUP),
+    (GroupOutcome.SUCCEEDED, Action.REGROUP, GroupOutcome.SUCCEEDED),
 ])
 def test_what_arrives_during_a_teardown_outranks_a_restart(step, heard, ended):
     assert what_ended(step, heard) is ended
 
 
 @pytest.mark.parametrize(("used", "allowed", "failed_before", "can_shrink", "next_"), [
-    (0, 1, False, True, Next.RESTART),  # a first failure with a restart left: restart
-    (1, 2, True, True, Next.EXCLUDE),  # the same slot failed again after a restart
-    (1, 1, False, True, Next.EXCLUDE),  # no restart left: go on smaller rather than fail
-    (0, 0, False, True, Next.EXCLUDE),
-    (1, 2, True, False, Next.RESTART),  # at --min-nproc already: restarts as before
-    (1, 1, True, False, Next.END),
+    (0, 1, False, True, FollowUp.RESTART),  # a first failure with a restart left: restart
+    (1, 2, True, True, FollowUp.EXCLUDE),  # the same slot failed again after a restart
+    (1, 1, False, True, FollowUp.EXCLUDE),  # no restart left: go on smaller rather than fail
+    (0, 0, False, True, FollowUp.EXCLUDE),
+    (1, 2, True, False, FollowUp.RESTART),  # at --min-nproc already: restarts as before
+    (1, 1, True, False, FollowUp.END),
 ])
 def test_a_slot_that_fails_again_is_excluded_while_the_bounds_allow(
         used, allowed, failed_before, can_shrink, next_):
-    assert after_group(Step.FAILED, used, allowed, failed_before=failed_before,
+    assert after_group(GroupOutcome.FAILED, used, allowed, failed_before=failed_before,
                        can_shrink=can_shrink) is next_
     # only a failure of this machine's own group excludes one of its slots
-    assert after_group(Step.NODE_FAILED, used, allowed, failed_before=failed_before,
-                       can_shrink=can_shrink) is Next.END
+    assert after_group(GroupOutcome.NODE_FAILED, used, allowed, failed_before=failed_before,
+                       can_shrink=can_shrink) is FollowUp.END
 
 
 def test_slots_keep_their_identity_when_ranks_are_renumbered():

@@ -192,6 +192,7 @@ def test_a_rebuild_never_holds_up_a_cell(pool, log_dir, tmp_path, monkeypatch):
     assert pool.pids == [after["zygote"]]
 
 
+@pytest.mark.unit
 def test_only_the_interpreters_own_files_are_trusted(tmp_path):
     """The rule the worker reports by and the zygote imports by."""
     site = tmp_path / "venv" / "lib" / "site-packages"
@@ -262,6 +263,7 @@ def test_lightning_keeps_each_ranks_own_rank_after_the_pool_learned_it(pool, log
     assert "reads " in pool.preload.left_out["lightning_fabric"]
 
 
+@pytest.mark.unit
 def test_the_checks_see_files_left_open_and_per_round_reads(tmp_path):
     """The zygote's checks themselves, in this process: a file left open and a rank read
     (through os.environ, os.getenv, or a kept reference) are seen; a file closed again, or

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from elastic_magic.agent.machines import quick_rounds
+
+pytestmark = pytest.mark.unit
 
 
 def _state(participants=("a",), round_=1):

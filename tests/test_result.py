@@ -2,7 +2,11 @@
 its death (a signal, seen as a closed pipe) after a surviving peer has already raised
 "connection closed by peer"."""
 
+import pytest
+
 from elastic_magic.result import RankFailure, root_cause_order
+
+pytestmark = pytest.mark.unit
 
 PEER_LOSS = ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:27307. "
              "This is typically caused by a remote worker crashing.")

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 from test_networks import run_head
 
@@ -92,6 +93,7 @@ def expand(words: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], word) for word in words]
 
 
+@pytest.mark.unit
 def test_the_kubernetes_job_takes_the_token_from_its_secret_never_a_command_line():
     secret, job = manifest()
     spec = job["spec"]

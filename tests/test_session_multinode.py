@@ -13,6 +13,8 @@ from test_session import Watcher, run_in_thread
 import elastic_magic as em
 from elastic_magic.events import Output, SessionReformed
 
+pytestmark = pytest.mark.cluster
+
 
 def test_a_session_with_a_joined_machine_runs_cells_there_and_re_forms_when_one_joins(
         tmp_path, log_dir):

@@ -1,4 +1,4 @@
-"""Survivors stay in sessions (issue 21, DESIGN decision 23): a rank that dies, between
+"""Survivors stay in sessions (``--survivors``): a rank that dies, between
 cells or in one, and a resize between cells re-form the group without restarting the
 healthy ranks; they keep their processes and namespaces, and only the new ranks replay the
 setup cells (pushed values and State included)."""

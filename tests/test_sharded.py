@@ -98,6 +98,7 @@ def uninterrupted(tmp_path_factory):
     return result
 
 
+@pytest.mark.unit
 def test_fsdp2_commits_each_ranks_chunks(uninterrupted):
     """The last commit holds one part per rank, each with its own rows of every tensor."""
     parts = snapshot_format.load_parts(__import__("io").BytesIO(uninterrupted.snapshot))
@@ -188,6 +189,7 @@ def test_layouts_state_cannot_restore_are_refused_at_state(log_dir, layout, why)
     assert "1-D device mesh" in error.message and "torch.distributed.checkpoint" in error.message
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 64])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_rows_are_dealt_as_torch_chunk_deals_them(rows, ranks):
@@ -289,6 +291,7 @@ def test_a_commit_of_a_whole_model_restores_into_fsdp2(log_dir):
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_a_restoring_rank_reads_only_the_parts_holding_its_rows():
     """Committed by 3 ranks (rows 0-2, 3-5, 6-8 of a 9-row tensor), restored by rank 0 of
     2 (rows 0-4): parts 0 and 1 are read, not part 2; restored whole: all three."""

@@ -11,6 +11,8 @@ from conftest import tagged_workers
 from jupyter_client.manager import start_new_kernel
 from test_kernel import execute
 
+pytestmark = pytest.mark.soak
+
 # CI runs 90 cells (about 2 minutes on 2 cores); ELASTIC_MAGIC_SOAK_CELLS=500 is the
 # notebook day the closing notes report. A leak of one descriptor a cell shows either way.
 CELLS = int(os.environ.get("ELASTIC_MAGIC_SOAK_CELLS", "90"))

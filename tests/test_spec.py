@@ -4,6 +4,8 @@ import pytest
 
 from elastic_magic.spec import JobSpec, SpecError, parse_env, resolve_nproc
 
+pytestmark = pytest.mark.unit
+
 
 def test_nproc_numbers_and_words():
     assert resolve_nproc(3, gpus=0) == 3

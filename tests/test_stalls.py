@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from elastic_magic.agent.diagnosis.stalls import (
-    Kind,
+    HangDiagnosis,
+    HangKind,
     RankView,
-    Verdict,
     cause_reason,
     judge_failure,
     judge_stall,
@@ -25,7 +25,16 @@ from elastic_magic.result import (
     is_consequence,
     root_cause_order,
 )
-from elastic_magic.stacks import Frame, Place, RankStacks, ThreadStack, Where, place_of
+from elastic_magic.stacks import (
+    Frame,
+    RankActivity,
+    RankPosition,
+    RankStacks,
+    ThreadStack,
+    place_of,
+)
+
+pytestmark = pytest.mark.unit
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 ALL_REDUCE = (
@@ -49,24 +58,25 @@ def stacks(rank: int, frames: tuple[Frame, ...], *others: ThreadStack) -> RankSt
 
 def test_a_main_thread_inside_torch_distributed_waits_in_a_collective():
     place = place_of(stacks(0, ALL_REDUCE))
-    assert place == Place(Where.COLLECTIVE, "all_reduce", 7, "dist.all_reduce(t)")
+    assert place == RankPosition(RankActivity.COLLECTIVE, "all_reduce", 7, "dist.all_reduce(t)")
     assert place.describe() == "waiting in a collective (all_reduce at cell line 7)"
 
 
 def test_sleeping_computing_or_silent_ranks_are_outside_a_collective():
-    assert place_of(stacks(1, SLEEPING)) == Place(Where.OUTSIDE, "", 6, "time.sleep(60)")
-    assert place_of(stacks(1, COMPUTING)).where is Where.OUTSIDE  # in torch, not distributed
-    assert place_of(RankStacks(1, note="did not answer")).where is Where.SILENT
+    assert place_of(stacks(1, SLEEPING)) == RankPosition(RankActivity.OUTSIDE, "", 6,
+                                                         "time.sleep(60)")
+    assert place_of(stacks(1, COMPUTING)).where is RankActivity.OUTSIDE  # in torch, not distributed
+    assert place_of(RankStacks(1, note="did not answer")).where is RankActivity.SILENT
 
 
 def test_only_the_main_thread_decides_and_user_code_between_ends_the_search():
     # another thread in a collective does not make the rank wait in one
     helper = ThreadStack("loader", False, ALL_REDUCE)
-    assert place_of(stacks(0, SLEEPING, helper)).where is Where.OUTSIDE
+    assert place_of(stacks(0, SLEEPING, helper)).where is RankActivity.OUTSIDE
     # torch.distributed called from user code that then calls torch compute: not waiting
     frames = (*ALL_REDUCE[:1], Frame(f"{TORCH}/distributed/utils.py", 1, "helper", ""),
               Frame("/home/me/mine.py", 3, "hook", ""), *COMPUTING[1:])
-    assert place_of(stacks(0, frames)).where is Where.OUTSIDE
+    assert place_of(stacks(0, frames)).where is RankActivity.OUTSIDE
 
 
 def test_stack_text_shows_cell_lines_and_threads():
@@ -80,16 +90,16 @@ def test_stack_text_shows_cell_lines_and_threads():
 
 # -- the watchdog -------------------------------------------------------------------------
 
-WAITING = Place(Where.COLLECTIVE, "all_reduce", 7)
-BARRIER = Place(Where.COLLECTIVE, "barrier", 4)
-ASLEEP = Place(Where.OUTSIDE, "", 6)
-SILENT = Place(Where.SILENT)
+WAITING = RankPosition(RankActivity.COLLECTIVE, "all_reduce", 7)
+BARRIER = RankPosition(RankActivity.COLLECTIVE, "barrier", 4)
+ASLEEP = RankPosition(RankActivity.OUTSIDE, "", 6)
+SILENT = RankPosition(RankActivity.SILENT)
 
 
 def test_nothing_to_judge_while_every_rank_makes_progress():
     views = [RankView(0, 0.4), RankView(1, 1.2)]
     assert quiet_ranks(views, 3) == ()
-    assert judge_stall(views, 3, 3).kind is Kind.NONE
+    assert judge_stall(views, 3, 3).kind is HangKind.NONE
 
 
 def test_a_quiet_rank_outside_a_collective_stalled_and_the_waiting_ones_are_consequences():
@@ -97,7 +107,7 @@ def test_a_quiet_rank_outside_a_collective_stalled_and_the_waiting_ones_are_cons
              RankView(2, 0.2, place=WAITING)]
     assert quiet_ranks(views, 3) == (0, 1)
     verdict = judge_stall(views, 3, 3)
-    assert verdict == Verdict(Kind.STALLED, (1,), (0, 2))
+    assert verdict == HangDiagnosis(HangKind.STALLED, (1,), (0, 2))
     assert cause_reason(verdict, views[1]) == ("stalled: no progress for 4s, outside any "
                                                "collective, while ranks 0, 2 waited in one")
 
@@ -112,13 +122,13 @@ def test_of_several_stalled_ranks_the_one_quiet_longest_comes_first():
 
 def test_a_rank_waiting_for_a_busy_peer_is_left_alone():
     views = [RankView(0, 8, place=WAITING), RankView(1, 0.5, place=ASLEEP)]
-    assert judge_stall(views, 3, 3).kind is Kind.NONE
+    assert judge_stall(views, 3, 3).kind is HangKind.NONE
 
 
 def test_a_rank_that_returned_while_others_wait_left_early():
     views = [RankView(0, 4, place=WAITING), RankView(1, 4, finished=True)]
     verdict = judge_stall(views, 3, 3)
-    assert verdict == Verdict(Kind.LEFT_EARLY, (1,), (0,))
+    assert verdict == HangDiagnosis(HangKind.LEFT_EARLY, (1,), (0,))
     assert cause_reason(verdict, views[1]) == ("returned early: its cell finished while "
                                                "rank 0 waited in a collective")
 
@@ -127,7 +137,7 @@ def test_every_rank_in_a_collective_names_the_odd_one_out():
     views = [RankView(0, 4, place=WAITING), RankView(1, 4, place=BARRIER),
              RankView(2, 4, place=WAITING)]
     verdict = judge_stall(views, 3, 3)
-    assert verdict == Verdict(Kind.ALL_WAITING, (1,), (0, 2))
+    assert verdict == HangDiagnosis(HangKind.ALL_WAITING, (1,), (0, 2))
     places = {v.rank: v.place for v in views if v.place}
     assert cause_reason(verdict, views[1], places) == (
         "called a different collective: barrier, while ranks 0, 2 wait in all_reduce")
@@ -136,9 +146,9 @@ def test_every_rank_in_a_collective_names_the_odd_one_out():
 def test_every_rank_in_the_same_collective_is_a_lost_peer_or_a_mismatch():
     views = [RankView(0, 4, place=WAITING), RankView(1, 5, place=WAITING)]
     # on several machines the ranks waited for may be busy elsewhere: no verdict here
-    assert judge_stall(views, 3, all_waiting_after=float("inf")).kind is Kind.NONE
+    assert judge_stall(views, 3, all_waiting_after=float("inf")).kind is HangKind.NONE
     verdict = judge_stall(views, 3, all_waiting_after=3)
-    assert verdict == Verdict(Kind.ALL_WAITING, (1,), (0,))
+    assert verdict == HangDiagnosis(HangKind.ALL_WAITING, (1,), (0,))
     assert cause_reason(verdict, views[1], {0: WAITING, 1: WAITING}).startswith(
         "waited with every rank: all_reduce for 5s")
     assert odd_one_out(views) == (1,)
@@ -147,12 +157,12 @@ def test_every_rank_in_the_same_collective_is_a_lost_peer_or_a_mismatch():
 def test_after_a_timeout_the_rank_that_never_reached_the_collective_is_the_cause():
     # rank 0 reported the timeout and is gone; rank 1 was still busy (not even quiet)
     verdict = judge_failure([RankView(1, 0.3, place=ASLEEP)], timed_out=(0,))
-    assert verdict == Verdict(Kind.STALLED, (1,), (0,))
+    assert verdict == HangDiagnosis(HangKind.STALLED, (1,), (0,))
     assert cause_reason(verdict, RankView(1, 0.3, place=ASLEEP)).startswith("lagged behind")
     left = judge_failure([RankView(1, 9, finished=True)], timed_out=(0,))
-    assert left == Verdict(Kind.LEFT_EARLY, (1,), (0,))
+    assert left == HangDiagnosis(HangKind.LEFT_EARLY, (1,), (0,))
     # everyone alive waits in a collective: nothing more to say than the timeout itself
-    assert judge_failure([RankView(1, 9, place=WAITING)], timed_out=(0,)).kind is Kind.NONE
+    assert judge_failure([RankView(1, 9, place=WAITING)], timed_out=(0,)).kind is HangKind.NONE
 
 
 # -- consequences in the result -----------------------------------------------------------

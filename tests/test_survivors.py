@@ -1,4 +1,4 @@
-"""Survivors stay (issue 21, DESIGN decision 23), beyond the exactness tests that
+"""Survivors stay (``--survivors``), beyond the exactness tests that
 test_elastic and test_resume run in both modes: which ranks stay after a failure, that a
 rank which cannot leave its collective is stopped and started again saying why, and that a
 cell without State restarts as before."""
@@ -381,6 +381,7 @@ def timeline(recorder, last: int = 40) -> str:
     return "\n".join(notes[-last:])
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(900)
 def test_chaos_two_hundred_kills_and_resizes_every_step_once(log_dir, recorder):
     """One training with a State committing every step, survivors staying, through 200

@@ -20,6 +20,8 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from elastic_magic import torch_internals as ti
 
+pytestmark = pytest.mark.unit
+
 
 def test_every_private_name_elastic_magic_relies_on_is_there_in_the_installed_torch():
     ti.check_all()

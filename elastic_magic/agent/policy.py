@@ -23,7 +23,7 @@ class GroupStatus:
     running: bool = False  # every worker is in user code
 
 
-class Step(Enum):
+class GroupOutcome(Enum):
     """What the loop does next while a group runs."""
 
     WAIT = "wait"
@@ -35,21 +35,21 @@ class Step(Enum):
     RESIZED = "resized"  # every rank left at a commit: next round at the new size
 
 
-def during_group(action: Action | None, regroup_due: bool, status: GroupStatus) -> Step:
+def during_group(action: Action | None, regroup_due: bool, status: GroupStatus) -> GroupOutcome:
     """Commands first (a stop beats everything), then membership, then the group itself."""
     if action is Action.STOP:
-        return Step.STOP
+        return GroupOutcome.STOP
     if action is Action.NODE_FAILED:  # no regroup can save a job whose machine is done
-        return Step.NODE_FAILED
+        return GroupOutcome.NODE_FAILED
     if action is Action.REGROUP or regroup_due:
-        return Step.REGROUP
+        return GroupOutcome.REGROUP
     if status.failed:
-        return Step.FAILED
+        return GroupOutcome.FAILED
     if status.succeeded:
-        return Step.SUCCEEDED
+        return GroupOutcome.SUCCEEDED
     if status.resized:
-        return Step.RESIZED
-    return Step.WAIT
+        return GroupOutcome.RESIZED
+    return GroupOutcome.WAIT
 
 
 _URGENCY = {None: 0, Action.REGROUP: 1, Action.NODE_FAILED: 2, Action.STOP: 3}
@@ -67,7 +67,7 @@ def own_failure(failures: list[RankFailure]) -> RankFailure | None:
     return next(own, failures[0] if failures else None)
 
 
-class Next(Enum):
+class FollowUp(Enum):
     """What follows a group that has ended."""
 
     END = "end"
@@ -76,43 +76,43 @@ class Next(Enum):
     EXCLUDE = "exclude"  # go on without the failing slot, from the last commit: no restart
 
 
-def what_ended(step: Step, heard: Action | None) -> Step:
+def what_ended(step: GroupOutcome, heard: Action | None) -> GroupOutcome:
     """What ended the group, counting what was ``heard`` (the most urgent command) while it
     was torn down: a stop, or another machine's failure for good, outranks a restart or a
     new round; a membership change (a machine left or was lost) makes a failure a
     consequence of it: a regroup."""
-    if step is Step.SUCCEEDED:
+    if step is GroupOutcome.SUCCEEDED:
         return step
     if heard is Action.STOP:
-        return Step.STOP
+        return GroupOutcome.STOP
     if heard is Action.NODE_FAILED:
-        return Step.NODE_FAILED
-    if step is Step.FAILED and heard is Action.REGROUP:
-        return Step.REGROUP
+        return GroupOutcome.NODE_FAILED
+    if step is GroupOutcome.FAILED and heard is Action.REGROUP:
+        return GroupOutcome.REGROUP
     return step
 
 
-def after_group(step: Step, restarts_used: int, max_restarts: int, *,
-                failed_before: bool = False, can_shrink: bool = False) -> Next:
+def after_group(step: GroupOutcome, restarts_used: int, max_restarts: int, *,
+                failed_before: bool = False, can_shrink: bool = False) -> FollowUp:
     """``failed_before``: the failing slot (the root cause's) failed in an earlier attempt;
     ``can_shrink``: one worker fewer is within the job's bounds (--min-nproc). Such a slot
     is excluded when it fails again after a restart, or when no restart is left; a first
     failure with restarts left restarts the group (most failures are transient)."""
-    if step in (Step.REGROUP, Step.RESIZED):
-        return Next.NEW_ROUND
-    if step is Step.FAILED and can_shrink and (failed_before
+    if step in (GroupOutcome.REGROUP, GroupOutcome.RESIZED):
+        return FollowUp.NEW_ROUND
+    if step is GroupOutcome.FAILED and can_shrink and (failed_before
                                                or restarts_used >= max_restarts):
-        return Next.EXCLUDE
-    if step is Step.FAILED and restarts_used < max_restarts:
-        return Next.RESTART
-    return Next.END  # another machine's failure for good ends the job whatever is left
+        return FollowUp.EXCLUDE
+    if step is GroupOutcome.FAILED and restarts_used < max_restarts:
+        return FollowUp.RESTART
+    return FollowUp.END  # another machine's failure for good ends the job whatever is left
 
 
-def final_state(step: Step) -> JobState:
+def final_state(step: GroupOutcome) -> JobState:
     """How the job ends after a group that ended with ``step`` (and no new round)."""
-    if step is Step.SUCCEEDED:
+    if step is GroupOutcome.SUCCEEDED:
         return JobState.SUCCEEDED
-    if step is Step.STOP:
+    if step is GroupOutcome.STOP:
         return JobState.STOPPED
     return JobState.FAILED
 

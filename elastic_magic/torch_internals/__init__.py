@@ -1,15 +1,15 @@
 """Every place elastic_magic reaches past torch's public API, and the check that it still can.
 
-elastic_magic uses torch's own rendezvous, process groups and data loader (DESIGN.md,
-decisions 1 and 22), and in a few places it depends on names torch keeps private: to skip
-the sleeps of a rendezvous round and close it once every machine linked to the head has
-joined (``rounds.py`` in this package), to host each round's worker store itself, to read the
-number of the round a machine joined, to take a lost machine out of the rendezvous state at
-once, to make the default process group on first use, to spot torch's DataLoader driving an
-``ElasticSampler``, and to skip torch's operator clean-up when a forked worker exits. Each is
-a small function saying what torch does there and why we reach in; the rest of the package
-calls only these (``tests/test_torch_internals.py`` fails if another module names a private
-torch name).
+elastic_magic uses torch's own rendezvous, process groups and data loader (it uses torch's
+rendezvous rather than write one, and skips only its idle waits), and in a few places it
+depends on names torch keeps private: to skip the sleeps of a rendezvous round and close it
+once every machine linked to the head has joined (``rounds.py`` in this package), to host
+each round's worker store itself, to read the number of the round a machine joined, to take
+a lost machine out of the rendezvous state at once, to make the default process group on
+first use, to spot torch's DataLoader driving an ``ElasticSampler``, and to skip torch's
+operator clean-up when a forked worker exits. Each is a small function saying what torch
+does there and why we reach in; the rest of the package calls only these
+(``tests/test_torch_internals.py`` fails if another module names a private torch name).
 
 Private names move between torch releases without notice. So every one is described by a
 :class:`Need` (where it lives, the parameters a function takes, the attributes a method

@@ -28,17 +28,17 @@ from ..events import (
 
 
 @dataclass(frozen=True)
-class Note:
+class Headline:
     kind: str  # what happened, in a word: "rendezvous", "failure", "succeeded", ...
     text: str  # a sentence that reads on its own
 
 
-def describe(event: Event) -> Note | None:
+def describe(event: Event) -> Headline | None:
     """What to tell a person about ``event``; None for events that are not news (output,
     state changes, ordinary commits)."""
     match event:
         case RendezvousCompleted(round=round_, world_size=world_size, nnodes=nnodes):
-            return Note("rendezvous", f"rendezvous round {round_}: world size {world_size} "
+            return Headline("rendezvous", f"rendezvous round {round_}: world size {world_size} "
                                       f"on {count_of(nnodes, 'machine')}")
         case WorkersStarted(restart_count=restarts, ranks=ranks, pids=pids, stayed=stayed):
             after = f" after restart {restarts}" if restarts else ""
@@ -47,51 +47,51 @@ def describe(event: Event) -> Note | None:
                        f"(pids {', '.join(str(p) for _, p in new)})") if new \
                 else f"no rank started{after}"
             kept = f"; ranks {_ranks(stayed)} stayed in their processes" if stayed else ""
-            return Note("start", started + kept)
+            return Headline("start", started + kept)
         case WorkerFailed(failure=failure) if failure.consequence:
-            return Note("failure", f"rank {failure.rank} stopped: {failure.headline}")
+            return Headline("failure", f"rank {failure.rank} stopped: {failure.headline}")
         case WorkerFailed(failure=failure):
-            return Note("failure", f"rank {failure.rank} failed: {failure.headline}")
+            return Headline("failure", f"rank {failure.rank} failed: {failure.headline}")
         case RanksFinished(ranks=ranks, running=running):
-            return Note("finished", f"{_rank_list(ranks)} finished; {_rank_list(running)} "
+            return Headline("finished", f"{_rank_list(ranks)} finished; {_rank_list(running)} "
                                     "still running")
         case Restarting(restart_count=count, max_restarts=most, root_cause=cause):
-            return Note("restart", f"restarting the group ({count}/{most}) after rank "
+            return Headline("restart", f"restarting the group ({count}/{most}) after rank "
                                    f"{cause.rank}: {cause.headline}")
         case Committed(origin="checkpoint", step=step):
-            return Note("checkpoint", f"resuming from the checkpoint of step {step}")
+            return Headline("checkpoint", f"resuming from the checkpoint of step {step}")
         case ResizeRequested(target=target, graceful=graceful):
             when = "at the next commit" if graceful else "now"
-            return Note("resize", f"resize to {count_of(target, 'worker')} requested ({when})")
+            return Headline("resize", f"resize to {count_of(target, 'worker')} requested ({when})")
         case MembershipChanged(old_nproc=old, new_nproc=new):
-            return Note("membership", f"resizing: {old} -> {count_of(new, 'worker')} "
+            return Headline("membership", f"resizing: {old} -> {count_of(new, 'worker')} "
                                       "(not a restart)")
         case AcceptingNodes(command=command):
-            return Note("nodes", f"other machines join this job with: {command}")
+            return Headline("nodes", f"other machines join this job with: {command}")
         case NodeConnected(peer=peer, nproc=nproc, connected=connected, reason=reason):
             verb = f"joined with {count_of(nproc, 'worker')}" if connected else "left"
-            return Note("nodes", f"machine {peer} {verb}" + (f": {reason}" if reason else ""))
+            return Headline("nodes", f"machine {peer} {verb}" + (f": {reason}" if reason else ""))
         case MachinesChanged(allocations=lines):  # the launcher's status line
-            return Note("nodes", "launcher: " + ("; ".join(lines) or "no allocation left"))
+            return Headline("nodes", "launcher: " + ("; ".join(lines) or "no allocation left"))
         case Excluded(what=what, why=why, goes_on=goes_on):
             then = "the others go on from the last commit (not a restart)" if goes_on \
                 else "too few are left to go on"
-            return Note("excluded", f"{what} excluded: {why}; {then}")
+            return Headline("excluded", f"{what} excluded: {why}; {then}")
         case SessionBroken(reason=reason, reforms=True, restart_count=count, max_restarts=most):
-            return Note("restart", f"{reason}: the session re-forms before the next cell "
+            return Headline("restart", f"{reason}: the session re-forms before the next cell "
                                    f"(restart {count}/{most})")
         case SessionBroken(reason=reason, max_restarts=most):
-            return Note("failed", f"{reason}: the session has ended ({most} restarts spent; "
+            return Headline("failed", f"{reason}: the session has ended ({most} restarts spent; "
                                   "--max-restarts allows more)")
         case SessionReformed(setup_cells=cells, step=step, world_size=size):
             state = "" if step is None else f", State at step {step}"
-            return Note("reformed", f"session re-formed: {count_of(cells, 'setup cell')} "
+            return Headline("reformed", f"session re-formed: {count_of(cells, 'setup cell')} "
                                     f"replayed{state}; world size {size}")
         case NetworkChosen():
-            return Note("network", network_text(event))
+            return Headline("network", network_text(event))
         case JobFinished(result=result):
             reason = f" ({result.stop_reason})" if result.stop_reason else ""
-            return Note(result.state.value,
+            return Headline(result.state.value,
                         f"{result.summary()}{reason}; logs: {result.log_dir}")
         case _:
             return None

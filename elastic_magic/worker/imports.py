@@ -1,6 +1,6 @@
 """What a pooled worker imported beyond its zygote, and what the zygote may import.
 
-The warm pool learns which modules a kernel's cells import (design decision 20): a worker
+The warm pool learns which modules a kernel's cells import: a worker
 forked from a zygote reports, when its cell ends, the modules that are in ``sys.modules``
 now and were not in the zygote's (``new_modules``); the pool builds its next zygote with
 them (``zygote.preload``). Only modules of the interpreter's own installation are ever

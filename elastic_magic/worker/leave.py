@@ -1,4 +1,4 @@
-"""Survivors stay (DESIGN decision 23), the worker's side: leaving a payload on the agent's
+"""Survivors stay (``--survivors``), the worker's side: leaving a payload on the agent's
 word without leaving the process.
 
 A rank whose peer died usually learns it from its own collective (gloo errors once the

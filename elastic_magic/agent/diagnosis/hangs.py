@@ -33,9 +33,9 @@ from ..local.workers import WorkerState
 from ..policy import GroupStatus
 from .stack_requests import NOT_ANSWERING, Gathering, StackRequests
 from .stalls import (
-    Kind,
+    HangDiagnosis,
+    HangKind,
     RankView,
-    Verdict,
     cause_reason,
     judge_failure,
     judge_stall,
@@ -70,7 +70,7 @@ class HangWatch:
         self.noticed: set[int] = set()  # finished ranks already reported as news
         self.check: Gathering | None = None  # stacks asked for a decision
         self.next_check = 0.0
-        self.verdict: Verdict | None = None
+        self.verdict: HangDiagnosis | None = None
         self.tripped = False  # the watchdog failed the group
         self.failures: list[RankFailure] = []  # the verdict's, to put before the reports
         self.kept: dict[int, str] = {}  # stacks of a group that failed by a hang
@@ -172,7 +172,7 @@ class HangWatch:
             return False
         views = self._views(group, now, self.check)
         verdict = judge_stall(views, self.stall_timeout, self.all_waiting_after)
-        if verdict.kind is Kind.NONE:  # someone still works: look again a little later
+        if verdict.kind is HangKind.NONE:  # someone still works: look again a little later
             self.check = None
             self.next_check = now + max(1.0, self.stall_timeout / 2)
             return False
@@ -198,7 +198,7 @@ class HangWatch:
             views.append(RankView(rank, max(0.0, now - last), finished, place))
         return views
 
-    def _decide(self, verdict: Verdict, views: list[RankView], group: WorkerGroup,
+    def _decide(self, verdict: HangDiagnosis, views: list[RankView], group: WorkerGroup,
                 check: Gathering, now: float) -> None:
         """Keep the stacks, and the failures that name the verdict's ranks."""
         self.verdict = verdict
@@ -211,7 +211,7 @@ class HangWatch:
         for rank in verdict.causes:
             view, worker = by_rank[rank], workers[rank]
             main = check.stacks[rank].main if rank in check.stacks else None
-            left = verdict.kind is Kind.LEFT_EARLY
+            left = verdict.kind is HangKind.LEFT_EARLY
             when = self.finished_at.get(worker.local_rank, now) if left \
                 else now - view.quiet_for
             self.failures.append(dataclasses.replace(

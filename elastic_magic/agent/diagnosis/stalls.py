@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from ...stacks import Place, Where
+from ...stacks import RankActivity, RankPosition
 
 # Below this, a rank outside a collective was still busy (it lagged) rather than stalled.
 STILL_BUSY = 2.0
@@ -26,10 +26,10 @@ class RankView:
     rank: int
     quiet_for: float  # seconds since its last progress
     finished: bool = False  # it has reported its result (its cell returned)
-    place: Place | None = None  # where its stacks say it is; None: not asked
+    place: RankPosition | None = None  # where its stacks say it is; None: not asked
 
 
-class Kind(Enum):
+class HangKind(Enum):
     NONE = "none"  # nothing to name: keep waiting, or nothing explains the failure
     STALLED = "stalled"  # ranks stuck (or still busy) outside any collective
     LEFT_EARLY = "left_early"  # ranks returned while others waited in a collective
@@ -37,17 +37,17 @@ class Kind(Enum):
 
 
 @dataclass(frozen=True)
-class Verdict:
-    kind: Kind
+class HangDiagnosis:
+    kind: HangKind
     causes: tuple[int, ...] = ()  # the root cause first
     waiting: tuple[int, ...] = ()  # ranks waiting in a collective: consequences
 
 
-NOTHING = Verdict(Kind.NONE)
+NOTHING = HangDiagnosis(HangKind.NONE)
 
 
 def _in_collective(view: RankView) -> bool:
-    return view.place is not None and view.place.where is Where.COLLECTIVE
+    return view.place is not None and view.place.where is RankActivity.COLLECTIVE
 
 
 def _outside(view: RankView) -> bool:
@@ -66,7 +66,7 @@ def quiet_ranks(views: Sequence[RankView], stall_timeout: float) -> tuple[int, .
 
 
 def judge_stall(views: Sequence[RankView], stall_timeout: float,
-                all_waiting_after: float) -> Verdict:
+                all_waiting_after: float) -> HangDiagnosis:
     """The watchdog's decision, once the quiet ranks' stacks are in.
 
     A quiet rank outside any collective stalled (the one quiet longest first). Else, when
@@ -82,28 +82,28 @@ def judge_stall(views: Sequence[RankView], stall_timeout: float,
     waiting = tuple(v.rank for v in running if _in_collective(v))
     stuck = [v for v in quiet if _outside(v)]
     if stuck:
-        return Verdict(Kind.STALLED, _longest_quiet_first(stuck), waiting)
+        return HangDiagnosis(HangKind.STALLED, _longest_quiet_first(stuck), waiting)
     finished = tuple(v.rank for v in views if v.finished)
     if finished and waiting:
-        return Verdict(Kind.LEFT_EARLY, finished, waiting)
+        return HangDiagnosis(HangKind.LEFT_EARLY, finished, waiting)
     if len(waiting) == len(running) and all(v.quiet_for >= all_waiting_after
                                             for v in running):
         odd = odd_one_out(running)
-        return Verdict(Kind.ALL_WAITING, odd, tuple(r for r in waiting if r not in odd))
+        return HangDiagnosis(HangKind.ALL_WAITING, odd, tuple(r for r in waiting if r not in odd))
     return NOTHING
 
 
-def judge_failure(views: Sequence[RankView], timed_out: Sequence[int] = ()) -> Verdict:
+def judge_failure(views: Sequence[RankView], timed_out: Sequence[int] = ()) -> HangDiagnosis:
     """After ranks (``timed_out``) reported a timeout or a lost peer, with the stacks of the
     ranks still alive: a rank that never reached the collective (outside one, stuck or busy)
     is the cause; else a rank that had already returned; else nothing explains it further."""
     outside = [v for v in views if _outside(v)]
     waiting = tuple(sorted({*timed_out, *(v.rank for v in views if _in_collective(v))}))
     if outside:
-        return Verdict(Kind.STALLED, _longest_quiet_first(outside), waiting)
+        return HangDiagnosis(HangKind.STALLED, _longest_quiet_first(outside), waiting)
     finished = tuple(v.rank for v in views if v.finished)
     if finished:
-        return Verdict(Kind.LEFT_EARLY, finished, waiting)
+        return HangDiagnosis(HangKind.LEFT_EARLY, finished, waiting)
     return NOTHING
 
 
@@ -126,16 +126,16 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def cause_reason(verdict: Verdict, view: RankView,
-                 places: dict[int, Place] | None = None) -> str:
+def cause_reason(verdict: HangDiagnosis, view: RankView,
+                 places: dict[int, RankPosition] | None = None) -> str:
     """Why ``view``'s rank is a root cause of ``verdict``; the first clause (before ":") is
     what consequences refer to ("after rank 1 stalled")."""
     waiting = [r for r in verdict.waiting if r != view.rank]
     while_ = f", while {_ranks(waiting)} waited in one" if waiting else ""
     quiet = f"{view.quiet_for:.0f}s"
-    if verdict.kind is Kind.LEFT_EARLY:
+    if verdict.kind is HangKind.LEFT_EARLY:
         return f"returned early: its cell finished while {_ranks(waiting)} waited in a collective"
-    if verdict.kind is Kind.ALL_WAITING:
+    if verdict.kind is HangKind.ALL_WAITING:
         others = {p.operation for r, p in (places or {}).items()
                   if r not in verdict.causes and p.operation}
         operation = view.place.operation if view.place else "?"
@@ -144,7 +144,7 @@ def cause_reason(verdict: Verdict, view: RankView,
                     f"{_ranks(waiting)} wait in {', '.join(sorted(others))}")
         return (f"waited with every rank: {operation} for {quiet} with no rank moving (a "
                 "lost peer, or ranks calling collectives in a different order)")
-    if view.place is None or view.place.where is Where.SILENT:
+    if view.place is None or view.place.where is RankActivity.SILENT:
         return (f"stalled: no progress for {quiet} and no answer when asked for its stack "
                 "(stuck in C code that holds the GIL?)")
     if view.quiet_for < STILL_BUSY:
@@ -152,6 +152,6 @@ def cause_reason(verdict: Verdict, view: RankView,
     return f"stalled: no progress for {quiet}, outside any collective{while_}"
 
 
-def waiting_reason(place: Place | None) -> str:
+def waiting_reason(place: RankPosition | None) -> str:
     operation = place.operation if place and place.operation else "a collective"
     return f"waited in {operation}"

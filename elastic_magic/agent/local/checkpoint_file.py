@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ...folders import NotPrivate
-from .parts import append
+from .commit_files import append
 
 MAGIC = b"EMCKPT02"
 UNSIGNED = b"EMCKPT01"  # earlier versions' checkpoints: no signature

@@ -18,7 +18,6 @@ The user's own setting (``--env``, or the kernel's or agent's environment) wins.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import ipaddress
 import os
@@ -138,9 +137,10 @@ _IfAddrs._fields_ = [
 
 def interface_addresses() -> list[tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address]]:
     """(interface, address) for every IPv4 and IPv6 address of this machine."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:  # no C library to ask: no interface is named, the event says so
+    # The interpreter's own symbols hold the C library's: ctypes.util.find_library would run
+    # ldconfig (a process) at every job's start.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "getifaddrs"):  # no C library to ask: the event names no interface
         return []
     head = ctypes.POINTER(_IfAddrs)()
     if libc.getifaddrs(ctypes.byref(head)) != 0:

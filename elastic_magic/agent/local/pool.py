@@ -1,4 +1,4 @@
-"""The warm pool (DESIGN decision 14): a zygote (``worker/zygote.py``) that imported torch
+"""The warm pool: a zygote (``worker/zygote.py``) that imported torch
 and the worker runtime forks each rank's shepherd, so workers start without importing
 torch again. One zygote serves every job of this process while what workers would
 inherit stays the same (environment, cwd, sys.path, installed packages: the

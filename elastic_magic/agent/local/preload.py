@@ -1,5 +1,5 @@
-"""What this kernel's zygotes import beyond torch and the worker runtime (DESIGN decision
-20: what cells import is what the pool should preload).
+"""What this kernel's zygotes import beyond torch and the worker runtime: what cells import is
+what the pool should preload.
 
 The list is this process's, for every zygote it starts: the defaults (DDP's path and data
 loading), the modules jobs name (``--preload``), and those the workers of earlier cells

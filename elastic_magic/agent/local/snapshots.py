@@ -60,7 +60,7 @@ from ...messages import (
     StateRequest,
 )
 from . import checkpoint_file
-from .parts import CommitParts
+from .commit_files import CommitFiles
 
 _FILE = "checkpoint.em"  # signed: checkpoint_file
 _LEGACY_DATA, _LEGACY_META = "snapshot.pt", "snapshot.json"  # earlier versions' pair
@@ -79,7 +79,7 @@ class SnapshotStore:
     _writer: CheckpointWriter | None = field(default=None, repr=False)
     _folder_fd: int | None = None  # the checkpoint folder, checked
     _key: bytes | None = None  # the user's checkpoint key (signs and checks checkpoints)
-    parts: CommitParts = field(default_factory=CommitParts)  # the files commits go into
+    parts: CommitFiles = field(default_factory=CommitFiles)  # the files commits go into
     token: int = 0  # the commit's (rank 0's random number): its chunks on other machines
 
     @property

@@ -1,4 +1,4 @@
-"""Survivors stay (DESIGN decision 23), the agent's side on this machine: after a failure
+"""Survivors stay (``--survivors``), the agent's side on this machine: after a failure
 or at a resize, the ranks that are still healthy leave their payload without leaving their
 process, and wait, parked, for the next group; only the others are stopped.
 
@@ -55,7 +55,7 @@ def stays(worker: Worker, session: bool = False) -> bool:
 
 
 @dataclasses.dataclass
-class Kept:
+class SortedRanks:
     """What ``keep_survivors`` leaves: the survivors by slot, the ranks that had ended
     (their shepherds may still end what they left), and the failures of the ranks stopped
     for not parking."""
@@ -66,7 +66,7 @@ class Kept:
 
 
 def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout: float,
-                   session: bool = False) -> Kept:
+                   session: bool = False) -> SortedRanks:
     """Ask the ranks to leave, give them ``timeout`` seconds to park (``wait(seconds)``
     serves the inbox meanwhile: their reports and their last commits), or NO_PROGRESS
     seconds after the last rank left; stop the others. ``session``: a session's group,
@@ -95,7 +95,7 @@ def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout:
         (running if worker.alive() else ended).append(worker)
     stop(running, TEARDOWN_ESCALATION)
     join_threads(running, timeout=2.0)
-    return Kept(survivors, ended, [dataclasses.replace(w.failure(), reason=STUCK,
+    return SortedRanks(survivors, ended, [dataclasses.replace(w.failure(), reason=STUCK,
                                                        consequence=True) for w in stuck])
 
 

@@ -3,7 +3,8 @@
 It owns what a group's life takes, and nothing of the decisions between groups: the
 rendezvous round, starting the group, the inbox (commands, worker reports, other machines),
 the job's state, tearing a group down, what follows a failure here (restart, or a slot left
-out: design decision 19), the result, and releasing everything at the end (decision 13).
+out), the result, and releasing everything at the end (a finished job holds nothing but its
+result: a notebook runs hundreds of cells).
 The one-shot loop (``job_loop``) and a session's loops (``session_loop``,
 ``session_joined``) each hold an engine; none inherits another's loop.
 
@@ -55,7 +56,7 @@ from ..local.workers import Worker
 from ..local.zygote_link import PoolError
 from ..machines.rendezvous import Rendezvous
 from ..machines.roles import SingleMachine
-from ..policy import Membership, Next, Resize, Step
+from ..policy import FollowUp, GroupOutcome, Membership, Resize
 from ..rounds import RoundInfo
 from ..status import StatusBoard
 from .cells import without_end_marks
@@ -96,7 +97,7 @@ class Engine:
         self.elastic_state = StateKeeper(spec, role, board, emit, self._leave_at_commit)
         self.membership = Membership(spec.nproc)
         self.recovery = Recovery(spec, self.membership, role, board, emit)  # restarts, slots
-        self.survivors = Survivors(spec.survivors)  # decision 23
+        self.survivors = Survivors(spec.survivors)  # --survivors: healthy ranks stay
         self.rendezvous: Rendezvous | None = None
         self.round: RoundInfo | None = None
         self.group: WorkerGroup | None = None
@@ -194,7 +195,7 @@ class Engine:
             self.group.close(spare)
             self.board.publish(pids={})
 
-    def after_group(self, step: Step) -> Next:
+    def after_group(self, step: GroupOutcome) -> FollowUp:
         """What follows the group that ended with ``step`` (see ``recovery``)."""
         ranks = self.group.ranks if self.group is not None else ()
         return self.recovery.after_group(step, self.failures, ranks)

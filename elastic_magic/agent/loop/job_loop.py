@@ -15,7 +15,7 @@ from dataclasses import replace
 from ...events import Restarting, WorkerFailed
 from ...messages import Action
 from ...result import JobResult, JobState, RankFailure, is_consequence, root_cause_order
-from ..policy import Next, RegroupClock, Step, during_group, final_state, what_ended
+from ..policy import FollowUp, GroupOutcome, RegroupClock, during_group, final_state, what_ended
 from ..rounds import RoundInfo
 from .engine import Engine
 
@@ -47,16 +47,16 @@ class JobLoop:
                 engine.start_group(info)
                 self.regroup_clock.reset()
                 step = what_ended(self._end_group(self._monitor(), info), inbox.heard)
-                if step is Step.NODE_FAILED:  # what ended it here comes first
+                if step is GroupOutcome.NODE_FAILED:  # what ended it here comes first
                     engine.failures = [*engine.role.node_failures,
                                        *root_cause_order(engine.failures)]
                 final = final_state(step)
                 next_ = engine.after_group(step)
-                if next_ is Next.END:
+                if next_ is FollowUp.END:
                     break
-                if next_ in (Next.RESTART, Next.EXCLUDE):
+                if next_ in (FollowUp.RESTART, FollowUp.EXCLUDE):
                     engine.role.reforming()
-                if next_ is Next.RESTART:
+                if next_ is FollowUp.RESTART:
                     engine.recovery.count_restart()
                     engine.set_state(JobState.RESTARTING)
                     engine.emit(Restarting(engine.restarts, engine.spec.max_restarts,
@@ -69,7 +69,7 @@ class JobLoop:
             result = engine.finish(final)
         return result
 
-    def _monitor(self) -> Step:
+    def _monitor(self) -> GroupOutcome:
         """Watch the group until something must be done; carry it out; say what it was."""
         engine, group = self.engine, self.engine.group
         assert group is not None
@@ -77,7 +77,7 @@ class JobLoop:
             action = engine.switchboard.next_action(self._poll_interval())
             status = engine.hangs.watch(group.poll(), group)
             step = during_group(action, action is None and self._regroup_due(), status)
-            if step is not Step.WAIT:
+            if step is not GroupOutcome.WAIT:
                 self._carry_out(step)
                 engine.board.publish(pids=group.live_pids())
                 return step
@@ -92,24 +92,24 @@ class JobLoop:
         return min(self.engine.spec.monitor_interval, 0.005) if closing \
             else self.engine.spec.monitor_interval
 
-    def _carry_out(self, step: Step) -> None:
+    def _carry_out(self, step: GroupOutcome) -> None:
         engine, group = self.engine, self.engine.group
         assert group is not None
-        if step is Step.STOP:  # SIGINT first: the cell sees KeyboardInterrupt
+        if step is GroupOutcome.STOP:  # SIGINT first: the cell sees KeyboardInterrupt
             engine.set_state(JobState.STOPPING)
             engine.role.stopping_job(engine.stop_reason or "stopped")
             group.interrupt()
-        elif step is Step.REGROUP:  # a machine joins or is lost: the others regroup
+        elif step is GroupOutcome.REGROUP:  # a machine joins or is lost: the others regroup
             engine.role.regrouping()
             engine.set_state(JobState.RESIZING)
             if self._stays():
                 self._keep_survivors()
             else:
                 group.stop_now()
-        elif step is Step.NODE_FAILED:
+        elif step is GroupOutcome.NODE_FAILED:
             engine.set_state(JobState.STOPPING)
             group.stop_now()
-        elif step is Step.FAILED:
+        elif step is GroupOutcome.FAILED:
             engine.set_state(JobState.STOPPING)
             failures = self._keep_survivors() if self._stays() else engine.tear_down()[1]
             engine.failures = engine.hangs.explain(failures)
@@ -118,14 +118,14 @@ class JobLoop:
                 engine.failures = [replace(f, consequence=True) for f in engine.failures]
             for failure in engine.failures:
                 engine.emit(WorkerFailed(failure))
-        elif step is Step.RESIZED:
+        elif step is GroupOutcome.RESIZED:
             engine.set_state(JobState.RESIZING)
             if self._stays():  # every rank left at the commit: all of them stay
                 engine.survivors.keep(group, engine.switchboard.next_action,
                                       engine.spec.link_timeout)
             else:
                 group.release()
-        elif step is Step.SUCCEEDED:
+        elif step is GroupOutcome.SUCCEEDED:
             group.release()
 
     def _stays(self) -> bool:
@@ -166,10 +166,10 @@ class JobLoop:
         waiting = self.engine.nodes_waiting() if self.regroup_clock.check_now(now) else None
         return self.regroup_clock.due(now, waiting, self.engine.graceful)
 
-    def _end_group(self, step: Step, info: RoundInfo) -> Step:
+    def _end_group(self, step: GroupOutcome, info: RoundInfo) -> GroupOutcome:
         """A group that succeeded here still needs the other machines' results."""
         group = self.engine.group
-        if step is not Step.SUCCEEDED or group is None:
+        if step is not GroupOutcome.SUCCEEDED or group is None:
             return step
         return self.engine.role.finish_round(info, group, self.engine.switchboard.next_action)
 

@@ -1,6 +1,6 @@
 """What follows a group that ended on this machine: a restart (counted against
---max-restarts), a worker slot that failed again left out while --min-nproc allows (design
-decision 19; no restart), a new round, or the end; and the record of what the job goes on
+--max-restarts), a worker slot that failed again left out while --min-nproc allows (as Horovod's
+blacklist does; no restart), a new round, or the end; and the record of what the job goes on
 without. The rule itself is ``policy.after_group``; this keeps the count and the slots."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from ...events import EventSink, Excluded, MembershipChanged
 from ...result import RankFailure
 from ...spec import JobSpec
 from ..machines.roles import SingleMachine
-from ..policy import Membership, Next, Step, after_group, own_failure
+from ..policy import FollowUp, GroupOutcome, Membership, after_group, own_failure
 from ..status import StatusBoard
 
 
@@ -25,12 +25,12 @@ class Recovery:
         self.emit = emit
         self.restarts = 0
 
-    def after_group(self, step: Step, failures: list[RankFailure],
-                    ranks: tuple[int, ...]) -> Next:
+    def after_group(self, step: GroupOutcome, failures: list[RankFailure],
+                    ranks: tuple[int, ...]) -> FollowUp:
         """What follows a group of ``ranks`` (this machine's) that ended with ``step``; the
         slot of the rank that failed of itself, if it is left out, stays out until the user
         names it back (a scale with ``include``)."""
-        mine = [f for f in failures if f.rank in ranks] if step is Step.FAILED else []
+        mine = [f for f in failures if f.rank in ranks] if step is GroupOutcome.FAILED else []
         cause = own_failure(mine)
         membership = self.membership
         slot = membership.slots[cause.local_rank] if cause else None
@@ -38,7 +38,7 @@ class Recovery:
             step, self.restarts, self.spec.max_restarts,
             failed_before=slot is not None and membership.failed_before(slot),
             can_shrink=slot is not None and membership.nproc > self.spec.min_nproc)
-        if next_ is Next.EXCLUDE and cause and slot is not None:
+        if next_ is FollowUp.EXCLUDE and cause and slot is not None:
             again = "failed again after a restart" if self.restarts \
                 else "failed, no restart left"
             why = f"{again} (rank {cause.rank}: {cause.headline})"

@@ -1,4 +1,4 @@
-"""A session's loop (design decision 15), on the kernel's machine: a group kept alive between
+"""A session's loop, on the kernel's machine: a group kept alive between
 cells.
 
 The group is formed as a job's is (the engine's round, workers from the warm pool,
@@ -10,8 +10,8 @@ broke in, naming the rank (a cell the user interrupted comes back interrupted), 
 re-formed before the next cell: a new round, fresh workers, the setup cells replayed in
 order (a ``State`` they make restores the last commit). Re-formations after a failure count
 against ``--max-restarts``, as a job's restarts do, and a slot that fails again is left out
-as a job's is (decision 19); a resize does not count. What to do is decided in ``policy``.
-With ``--survivors`` (decision 23) the healthy ranks stay, namespaces and all, and only the
+as a job's is; a resize does not count. What to do is decided in ``policy``.
+With ``--survivors`` the healthy ranks stay, namespaces and all, and only the
 new ranks start and replay the setup cells (``_form``).
 """
 
@@ -26,7 +26,7 @@ from ...messages import Action, StopCommand
 from ...payload import Payload
 from ...result import JobResult, JobState, RankFailure
 from ..inbox import CellRequest, InboxItem, InterruptCommand
-from ..policy import CellStep, Next, Step, cell_state
+from ..policy import CellStep, FollowUp, GroupOutcome, cell_state
 from .cell_runner import CellOutcome, CellRunner, not_back
 from .cells import CellEvents, SessionEndedError
 from .engine import Engine
@@ -173,9 +173,9 @@ class SessionLoop:
         a slot that failed again, which is no restart)."""
         engine = self.engine
         engine.failures = outcome.failures
-        next_ = engine.after_group(Step.FAILED)
-        reforms = next_ is not Next.END
-        if next_ is Next.RESTART:
+        next_ = engine.after_group(GroupOutcome.FAILED)
+        reforms = next_ is not FollowUp.END
+        if next_ is FollowUp.RESTART:
             engine.recovery.count_restart()
         elif not reforms:
             self.ended = JobState.FAILED

@@ -1,4 +1,4 @@
-"""Snapshot chunks between machines (decision 24).
+"""Snapshot chunks between machines: State scales with the model, not with the kernel.
 
 A chunk is what one commit's rank sends: its part of a sharded State, or the whole snapshot
 of a replicated one. It crosses a signed link in pieces (``ChunkPiece``, at most ``PIECE``
@@ -25,7 +25,7 @@ from typing import Protocol
 from ...chunk_messages import ChunkKept, ChunkKey, ChunkPiece
 from ...messages import LinkMessage
 from ...snapshot_format import part_spans, write_all_at
-from ..local.parts import copy_range
+from ..local.commit_files import copy_range
 
 PIECE = 4 << 20  # bytes a frame: what a chunk in flight costs a heap
 

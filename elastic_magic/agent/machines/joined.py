@@ -36,7 +36,7 @@ from ..local.group import WorkerGroup
 from ..local.network import choose
 from ..local.snapshots import StateServer
 from ..local.workers import Worker, take_memory_file
-from ..policy import Step
+from ..policy import GroupOutcome
 from ..rounds import RoundInfo
 from .chunks import ChunkSink
 from .hub import Link, read_into
@@ -151,10 +151,10 @@ class JoinedMachine(SingleMachine):
         self.link.send(Regroup())  # the head regroups every machine
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
-                     next_action: NextAction) -> Step:
+                     next_action: NextAction) -> GroupOutcome:
         self.link.send(GroupResult(info.round_id, info.node_rank, group.results(),
                                    group.tails()))
-        return Step.SUCCEEDED
+        return GroupOutcome.SUCCEEDED
 
     def send_to_head(self, message: LinkMessage) -> None:
         self.link.send(message)

@@ -21,7 +21,7 @@ from ...messages import (
     StateReply,
     StateRequest,
 )
-from ..local.parts import CommitParts, append, share
+from ..local.commit_files import CommitFiles, append, share
 from ..local.snapshots import StateServer
 from ..local.workers import Worker
 from .chunks import (
@@ -86,7 +86,7 @@ class HeadCopies:
         self.copier: PeerCopier | None = None
 
     def copy(self, links: dict[int, LinkLike], request: StateRequest,
-             memory_file: int | None, parts: CommitParts) -> None:
+             memory_file: int | None, parts: CommitFiles) -> None:
         """Copy a local rank's chunk: in ``memory_file``, in the request, or written into
         the commit's file (``parts``)."""
         if not isinstance(request, Commit) or not links or not request.token:

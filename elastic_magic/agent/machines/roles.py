@@ -16,7 +16,6 @@ from ...messages import (
     Action,
     Commit,
     EndJob,
-    Forward,
     GroupResult,
     Hello,
     JobOffer,
@@ -25,6 +24,7 @@ from ...messages import (
     LinkMessage,
     NodeFinished,
     NodeRequest,
+    RankEvents,
     Regroup,
     ReleaseAtCommit,
     Reply,
@@ -40,7 +40,7 @@ from ..local.group import WorkerGroup
 from ..local.network import choose
 from ..local.snapshots import StateServer
 from ..local.workers import Worker, take_memory_file
-from ..policy import Step
+from ..policy import GroupOutcome
 from ..rounds import RoundInfo
 from .hub import HUB_KEY, Hub, join_command
 from .launched import Launched
@@ -130,10 +130,10 @@ class SingleMachine:
         return False
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
-                     next_action: NextAction) -> Step:
+                     next_action: NextAction) -> GroupOutcome:
         """This machine's group succeeded in round ``info``: what ended the round for the
         job (SUCCEEDED, or STOP, REGROUP, NODE_FAILED heard before the others were done)."""
-        return Step.SUCCEEDED
+        return GroupOutcome.SUCCEEDED
 
     def peers_for_stacks(self) -> set[int]:
         """The other machines to ask for their ranks' stacks (hub connections)."""
@@ -219,6 +219,8 @@ class Head(SingleMachine):
                world_size: int) -> Action | None:
         if item.message is None and self.hub is not None:  # what it was sending stops
             self.hub.chunks.drop(item.node)
+        if item.message is None:  # the machine is gone: its allocation may be replaced
+            self.launched.link_ended(item.node)
         match item.message:
             case Hello(host, nproc, pid, allocation):
                 self.names[item.node] = host
@@ -226,7 +228,7 @@ class Head(SingleMachine):
                 self.greeted.add(item.node)
                 self.launched.arrived(item.node, allocation)
                 self.emit(NodeConnected(host, nproc, True))
-            case Forward(event):  # its ranks' output belongs to our current attempt here
+            case RankEvents(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0
                 self.emit(dataclasses.replace(event, attempt=attempt)
                           if isinstance(event, Output) else event)
@@ -243,8 +245,10 @@ class Head(SingleMachine):
                 return self._lost(item.node, why, group, failures)
             case NodeFinished() if item.node in self.launched.released:  # left at a commit
                 return self._gone_at_commit(item.node)
-            case NodeFinished():  # the job is over for it: not a loss
+            case NodeFinished(final):  # the job is over for it: not a loss
                 self.pids.pop(item.node, None)
+                if final is JobState.SUCCEEDED:  # for every machine: none is replaced
+                    self.launched.ending()
             case LeaveAtCommit(reason):  # its scheduler's SIGTERM: preempted or cancelled
                 return self._leave_at_commit(item.node, reason, group)
             case Leaving():  # its ranks are about to go: regroup without them
@@ -336,6 +340,7 @@ class Head(SingleMachine):
         return rendezvous.num_nodes_waiting() > 0
 
     def stopping_job(self, reason: str) -> None:
+        self.launched.ending()  # before its machines go: none of them is replaced
         # Other machines hear first, so their ranks stop rather than fail on lost peers.
         if self.hub is not None:
             self.hub.broadcast(EndJob(reason))
@@ -348,7 +353,7 @@ class Head(SingleMachine):
     reforming = regrouping
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
-                     next_action: NextAction) -> Step:
+                     next_action: NextAction) -> GroupOutcome:
         """Wait for every other machine's results of this round."""
         deadline = time.monotonic() + self.spec.timeout
         while len(self.results.get(info.round_id, {})) < info.nnodes - 1:
@@ -357,12 +362,12 @@ class Head(SingleMachine):
                                    f"{self.spec.timeout:.0f}s")
             action = next_action(self.spec.monitor_interval)
             if action is Action.STOP:
-                return Step.STOP
+                return GroupOutcome.STOP
             if action is Action.NODE_FAILED:
-                return Step.NODE_FAILED
+                return GroupOutcome.NODE_FAILED
             if action is Action.REGROUP:  # a machine went before its results came
-                return Step.REGROUP  # so re-form, and finish from the last commit
-        return Step.SUCCEEDED
+                return GroupOutcome.REGROUP  # so re-form, and finish from the last commit
+        return GroupOutcome.SUCCEEDED
 
     def peers_for_stacks(self) -> set[int]:
         return set(self.names) if self.hub is not None else set()

@@ -36,7 +36,7 @@ def share(fd: int) -> int:
     return shared
 
 
-class CommitParts:
+class CommitFiles:
     """The files commits are written into: the one being written (``pending``) and those
     kept for reuse. A whole commit's file goes to the store as a read-locked descriptor."""
 
