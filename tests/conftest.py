@@ -74,6 +74,16 @@ def tagged_workers() -> list[psutil.Process]:
     return workers
 
 
+def wait_for_workers(count: int, timeout: float = 60.0) -> list[psutil.Process]:
+    """The live workers once there are ``count`` of them (each rank's shepherd has forked
+    and named itself, which may come a moment after the rank printed), or what there is
+    at ``timeout``: one place that waits for what it counts."""
+    deadline = time.monotonic() + timeout
+    while len(workers := tagged_workers()) != count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return workers
+
+
 def wait_until_no_workers(timeout: float) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
     while (left := job_processes()) and time.monotonic() < deadline:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import tagged_workers, wait_until_no_workers
+from conftest import wait_for_workers, wait_until_no_workers
 from netns import network as network  # the fixture
 from playwright.sync_api import expect, sync_playwright
 
@@ -227,7 +227,7 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
         expect(lines).to_contain_text("long job rank 1 ready")
         expect(lines.locator(".em-stderr")).to_contain_text("a warning on rank 1")
         expect(lines).not_to_contain_text("rank 0 ready")
-        assert len(tagged_workers()) == 2
+        assert len(wait_for_workers(2)) == 2
         dash.screenshot(path=str(ARTIFACTS / "dashboard.png"))
 
         # Resize from the dashboard: no State in this cell, so it restarts at 3 workers.
@@ -238,10 +238,7 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
         expect(dash.locator("[data-em=tab-2]")).to_be_visible()
         expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
         expect(dash.locator("[data-em=restarts]")).to_have_text("restarts 0/0")
-        deadline = time.monotonic() + 30
-        while len(tagged_workers()) != 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(tagged_workers()) == 3
+        assert len(wait_for_workers(3)) == 3
 
         # Every rank's stacks while it runs; nothing stops (a subshell carries the click).
         dash.locator("[data-em=stacks-button]").click()
@@ -285,10 +282,7 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         status = page.locator("[data-em=status]")
         expect(status).to_contain_text("elastic #1: running")
         expect(status).to_be_visible()
-        deadline = time.monotonic() + 30
-        while len(tagged_workers()) != 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(tagged_workers()) == 2
+        assert len(wait_for_workers(2)) == 2
 
         # Its cell, from the row's link: the notebook makes it the active cell.
         page.locator(".jp-Notebook .jp-Cell").nth(2).click()

@@ -319,16 +319,6 @@ def test_twenty_crash_and_restart_cycles_all_succeed(log_dir, recorder):
     assert len(ports) == cycles + 1, "every attempt gets a fresh worker store"
 
 
-def test_restarts_exhausted_reports_last_attempt(log_dir):
-    with pytest.raises(em.JobFailedError) as err:
-        em.launch(RESTART_CELL, namespace={"CYCLES": 5}, nproc=2, max_restarts=1,
-                  log_dir=log_dir, render=lambda e: None)
-    result = err.value.result
-    assert result.restarts == 1 and result.failure.message == "crash in attempt 1"
-    assert result.failure.attempt == 1 and result.failure.rank == 1
-    assert "attempt 2 of 2" in str(err.value)
-
-
 def test_stop_while_running_ends_every_worker(log_dir, recorder):
     spec = em.JobSpec.create(2, log_dir=log_dir)
     from elastic_magic.payload import build_payload

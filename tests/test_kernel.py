@@ -13,6 +13,7 @@ from conftest import (
     forked_children,
     survivors,
     tagged_workers,
+    wait_for_workers,
     wait_until_no_workers,
 )
 from jupyter_client.manager import start_new_kernel
@@ -108,10 +109,7 @@ def test_workers_die_with_the_kernel(kernel, how):
     km, kc = kernel
     execute(kc, "CRASH_RANK = -1")
     kc.execute(LONG_CELL)
-    deadline = time.monotonic() + 60
-    while len(tagged_workers()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    workers = tagged_workers()
+    workers = wait_for_workers(2)
     assert len(workers) == 2
     if how == "killed":
         os.kill(km.provisioner.process.pid, signal.SIGKILL)
@@ -198,7 +196,7 @@ def test_background_job_is_managed_with_line_magics(kernel):
     assert "  1  em-" in jobs and "world size 2" in jobs
     _, status = execute(kc, "%elastic status 1")
     assert "state: running" in status and "pids: {0: " in status
-    assert len(tagged_workers()) == 2
+    assert len(wait_for_workers(2)) == 2
     _, stopped = execute(kc, "%elastic stop")
     assert "stopped; its workers have exited" in stopped
     assert not tagged_workers()

@@ -45,7 +45,7 @@ from elastic_magic.messages import (
     StopCommand,
 )
 from elastic_magic.payload import Payload
-from elastic_magic.result import JobState
+from elastic_magic.result import JobFailedError, JobState
 from elastic_magic.spec import JobSpec
 from elastic_magic.worker.session import CELL_END_MARK
 
@@ -267,6 +267,8 @@ def test_restarts_run_out(tmp_path):
     result, _ = run_job(world, spec(tmp_path, max_restarts=1))
     assert result.state is JobState.FAILED and result.restarts == 1
     assert result.failure.rank == 1 and result.failure.exit_code == 3
+    assert result.failure.attempt == 1  # the last attempt's failure, not the first's
+    assert "attempt 2 of 2" in str(JobFailedError(result))
     assert len(world.slots) == 2
 
 

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from conftest import KILL_OWN_SHEPHERD, tagged_workers
+from conftest import KILL_OWN_SHEPHERD, tagged_workers, wait_for_workers
 
 import elastic_magic as em
 from elastic_magic.events import Output, SessionBroken, SessionReformed, WorkerFailed
@@ -467,7 +467,7 @@ def test_in_a_real_kernel_ctrl_c_leaves_the_session_alive_and_it_ends_with_the_k
         assert "KeyboardInterrupt" in text
         reply, text = execute(kc, "%%elastic --text\nprint('still here', os.getpid())")
         assert reply["status"] == "ok" and "[rank 1] still here" in text, text
-        assert len(tagged_workers()) == 2
+        assert len(wait_for_workers(2)) == 2
         km.shutdown_kernel(now=False)
         left = wait_until_no_workers(timeout=5.0)
         assert not left, f"workers outlived the kernel: {[p.pid for p in left]}"
