@@ -248,15 +248,37 @@ def usable_dir(folder: str | os.PathLike[str], flag: str) -> Path:
     return path
 
 
-def own_dir(folder: str | os.PathLike[str], flag: str) -> Path:
-    """A folder whose files a job reads back and unpickles (--checkpoint-dir): the user's,
-    and no one else may write to it (the agent checks it again on its descriptor)."""
-    path = usable_dir(folder, flag)
+TRUST_PATH = "--checkpoint-shared (checkpoint_shared=True in Python)"
+
+
+def own_dir(folder: str | os.PathLike[str], flag: str, *, trust_path: bool = False) -> Path:
+    """A folder whose files a job reads back and unpickles (--checkpoint-dir), where it
+    really is: reached through folders no one else can write (unless ``trust_path``) and
+    no link someone else could have made, the missing part created 0700; the user's, and
+    no one else may write to it (the agent checks it all again, on descriptors)."""
+    given = folders.absolute(Path(folder))
     try:
-        os.close(folders.own_folder(path, private=False))
-    except folders.NotPrivate as exc:
+        fd, path = folders.open_path(given, create=True, trust_writers=trust_path)
+    except folders.SharedFolder as exc:
         raise SpecError(
-            f"{flag} {exc}. A checkpoint planted there would run its code in your job when "
-            f"it resumes: give a folder that only you can write (if this one is yours: "
-            f"chmod go-w {path}).") from None
+            f"{flag} {given}: {exc}, and a job would resume from that folder's checkpoint "
+            f"and write over it. Give a folder below folders that only you (or root) can "
+            f"write, or add {TRUST_PATH} if you trust everyone who can write there.") from None
+    except folders.NotPrivate as exc:
+        raise SpecError(f"{flag} {given}: {exc}. Give the folder's own path (a link of "
+                        "yours, in a folder only you can write, is followed).") from None
+    except OSError as exc:
+        raise SpecError(f"{flag} {given}: cannot create or open it ({exc.strerror}). Pick "
+                        "a folder of yours.") from None
+    try:
+        problem = folders.describe(os.fstat(fd), path, private=False)
+    finally:
+        os.close(fd)
+    if problem:
+        raise SpecError(
+            f"{flag} {problem}. A checkpoint planted there would run its code in your job "
+            f"when it resumes: give a folder that only you can write (if this one is yours: "
+            f"chmod go-w {path}).")
+    if not os.access(path, os.W_OK):
+        raise SpecError(f"{flag} {path}: not writable. Pick a writable folder.")
     return path

@@ -8,6 +8,11 @@ creates are 0700; a folder that exists already is opened without following a lin
 checked on its descriptor (owner, mode); files are created with ``O_EXCL | O_NOFOLLOW``
 relative to a folder descriptor the job holds, so renaming the folder and planting another
 at its name (possible wherever others can write its parent) redirects nothing.
+
+A folder whose files a job loads (--checkpoint-dir, the key's) is reached from / one folder
+at a time (``open_path``): a folder on the way that lets others rename what it holds, or a
+link that someone else could have made, would let them choose which folder of the user's
+the job loads from and writes over.
 """
 
 from __future__ import annotations
@@ -24,9 +29,17 @@ NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+MAX_LINKS = 40  # links followed in one path, as the kernel's own limit
+
+
 class NotPrivate(Exception):
     """A folder or file a job would use is not safely the user's own. The message says
     what to do."""
+
+
+class SharedFolder(NotPrivate):
+    """A folder on the way to a path is another user's, or others can write it without the
+    sticky bit: they could put another folder at the path. The user may trust them."""
 
 
 def make_folders(path: Path) -> None:
@@ -89,6 +102,132 @@ def new_file(dir_fd: int, name: str) -> int:
     """Create ``name`` in the folder ``dir_fd``, 0600, for writing: never an existing file
     and never through a link."""
     return os.open(name, NEW_FILE, 0o600, dir_fd=dir_fd)
+
+
+def _trusted(uid: int) -> bool:
+    return uid in (0, os.geteuid())
+
+
+def replaceable(info: os.stat_result) -> str | None:
+    """Who, besides the user and root, can rename or replace what the folder with ``info``
+    holds, in words; None where no one can. A sticky folder of root's or the user's (/tmp)
+    lets others replace only what is theirs."""
+    if not _trusted(info.st_uid):
+        return f"belongs to user id {info.st_uid}"
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        return f"can be written by other users (mode {mode:o}, without the sticky bit)"
+    return None
+
+
+def open_path(path: Path, *, create: bool = False, trust_writers: bool = False
+              ) -> tuple[int, Path]:
+    """A descriptor of the folder ``path`` (absolute) and where it really is, reached from
+    / one folder at a time, each opened relative to the one before (what a name holds
+    cannot change between its check and its use); the missing part created 0700
+    (``create``). Raises SharedFolder where a folder on the way lets others replace what
+    it holds (``replaceable``), unless ``trust_writers``; NotPrivate for a link that
+    someone else could have made (another user's, or in such a folder), never followed,
+    and for a file on the way; OSError as opening a folder does."""
+    pending = list(reversed(path.parts))
+    fd = os.open("/", OPEN_DIR)
+    real: list[str] = []
+    links = 0
+    try:
+        while pending:
+            name = pending.pop()
+            if name.startswith("/"):  # an absolute path or link target: from the top
+                fd = _instead(fd, os.open("/", OPEN_DIR))
+                real.clear()
+                continue
+            if name in ("", "."):
+                continue
+            if name == "..":
+                fd = _instead(fd, os.open("..", OPEN_DIR, dir_fd=fd))
+                del real[-1:]
+                continue
+            here = Path("/", *real)
+            writers = replaceable(os.fstat(fd))
+            if writers and not trust_writers:
+                _refuse_link(fd, name, here, writers)  # named as such, if it is one
+                raise SharedFolder(f"the folder {here} on the way {writers}: whoever can "
+                                   f"write it can put another folder, or a link to one, at "
+                                   f"{here / name}")
+            try:
+                child = _open_child(fd, name, create)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                target = _refuse_link(fd, name, here, writers)
+                if target is None:
+                    raise NotPrivate(f"{here / name} is not a folder") from None
+                links += 1
+                if links > MAX_LINKS:
+                    raise NotPrivate(f"{path}: more than {MAX_LINKS} symbolic links on the "
+                                     "way") from None
+                pending.extend(reversed(Path(target).parts))
+                continue
+            fd = _instead(fd, child)
+            real.append(name)
+        return fd, Path("/", *real)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def own_path(path: Path, *, create: bool = False, trust_writers: bool = False
+             ) -> tuple[int, Path]:
+    """``open_path``, and the folder it ends at checked on its descriptor: the user's, and
+    no one else may write to it."""
+    fd, real = open_path(path, create=create, trust_writers=trust_writers)
+    problem = describe(os.fstat(fd), real, private=False)
+    if problem:
+        os.close(fd)
+        raise NotPrivate(problem)
+    return fd, real
+
+
+def absolute(path: Path) -> Path:
+    """``path`` from the current folder, its links and ``..`` left for ``open_path``."""
+    path = path.expanduser()
+    return path if path.is_absolute() else Path(os.getcwd(), path)
+
+
+def _refuse_link(fd: int, name: str, here: Path, writers: str | None) -> str | None:
+    """Where the link ``name`` in the folder ``fd`` (``here``) points, if it is one that
+    only the user or root can have made; None if it is not a link. Raises NotPrivate
+    for another user's link, or one in a folder that ``writers`` (others) can write."""
+    try:
+        info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISLNK(info.st_mode):
+        return None
+    target = os.readlink(name, dir_fd=fd)
+    link = f"{here / name} is a symbolic link (to {target})"
+    if not _trusted(info.st_uid):
+        raise NotPrivate(f"{link} that user id {info.st_uid} made, not you: it is not "
+                         "followed")
+    if writers:
+        raise NotPrivate(f"{link} in {here}, which {writers}: any of them could have made "
+                         "it, or changed where it points; it is not followed")
+    return target
+
+
+def _instead(old: int, new: int) -> int:
+    os.close(old)
+    return new
+
+
+def _open_child(fd: int, name: str, create: bool) -> int:
+    try:
+        return os.open(name, OPEN_DIR, dir_fd=fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+    with contextlib.suppress(FileExistsError):  # one made meanwhile is opened as any other
+        os.mkdir(name, 0o700, dir_fd=fd)
+    return os.open(name, OPEN_DIR, dir_fd=fd)
 
 
 def redirectable(path: Path) -> bool:

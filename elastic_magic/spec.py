@@ -146,9 +146,15 @@ OPTIONS: tuple[Option, ...] = (
            "give is never pruned)", "DIR",
            lambda flag, v: usable_dir(v, flag) if v else default_log_dir(), per_machine=True),
     Option("checkpoint_dir", "--checkpoint-dir", None, "also keep the last committed elastic "
-           "State here (atomic writes; a folder only you can write); a job started with a "
-           "checkpoint in it resumes from it", "DIR",
-           lambda flag, v: own_dir(v, flag) if v else None, per_machine=True),
+           "State here (atomic writes; a folder only you can write, below folders only you or "
+           "root can write); a job started with a checkpoint in it resumes from it", "DIR",
+           lambda _, v: v or None, per_machine=True),  # checked in create (checkpoint_shared)
+    Option("checkpoint_shared", "--checkpoint-shared", False, "let --checkpoint-dir "
+           "lie below a folder that another user owns, or that others can write without the "
+           "sticky bit (a team's folder): you trust them, as they could put another folder of "
+           "yours at its name (its checkpoint is then refused: see --checkpoint-moved); a "
+           "link there is still never followed", action="store_true",
+           check=lambda _, v: bool(v), per_machine=True),
     # Detected where the workers run; Python callers (tests) may state it.
     Option("gpus", None, None, "CUDA GPUs the workers may use (default: those visible)",
            check=gpu_count, per_machine=True),
@@ -227,6 +233,7 @@ class JobSpec:
     last_call: float = 1.0  # --last-call
     launcher: str | None = None
     launch: dict[str, str] = field(default_factory=dict)  # its options, config and flags
+    checkpoint_shared: bool = False  # --checkpoint-shared
 
     @property
     def multi_node(self) -> bool:
@@ -281,6 +288,9 @@ class JobSpec:
             raise SpecError(f"--rdzv-endpoint {given.get('rdzv_endpoint')}: a fixed port is "
                             "for jobs that other machines join; add --nnodes MIN:MAX.")
         launch = _checked_launcher(v["launcher"], v["launch"], max_nodes)
+        if v["checkpoint_dir"] is not None:  # where it may lead depends on the trust given
+            v["checkpoint_dir"] = own_dir(v["checkpoint_dir"], "--checkpoint-dir",
+                                          trust_path=v["checkpoint_shared"])
         # Options kept as checked, under their own names; then the ones worked out above.
         kept = {name: value for name, value in v.items() if name in cls.__dataclass_fields__}
         return cls(**{**kept, "nproc": count, "backend": backend, "min_nproc": low,

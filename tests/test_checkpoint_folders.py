@@ -1,0 +1,130 @@
+"""The checkpoint folder and the key on a machine shared with others: another user (a real
+process of uid 65534) who can write a folder on the way cannot redirect --checkpoint-dir
+through a link, nor swap another of the victim's folders (an older checkpoint) into its
+place, nor take the key away so that a new one is made. Real jobs, real workers."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import elastic_magic as em
+from elastic_magic import snapshot_format
+from elastic_magic.agent.handles.job import AgentError
+from elastic_magic.agent.local import checkpoint_file
+
+NOBODY = 65534
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+
+CELL = """
+import elastic_magic
+state = elastic_magic.State(step=0, resumed_at=-1)
+state.resumed_at = state.step
+for step in range(state.step + 1, state.step + 3):
+    state.step = step
+    state.commit()
+"""
+
+
+@pytest.fixture
+def shared():
+    """A folder other users can reach (tmp_path's parents are root's alone), root's, and
+    closed to their writes: the place for a team's folder in these tests."""
+    path = Path(tempfile.mkdtemp(prefix="em-shared-"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def as_nobody(script: str) -> None:
+    """Run ``script`` (sh) as another user: uid and gid 65534, no other group."""
+    subprocess.run(["sh", "-ec", script], user=NOBODY, group=NOBODY, extra_groups=[],
+                   cwd="/", check=True)
+
+
+def run(ckpt, log_dir, **options):
+    """Run CELL on ``ckpt``: the step it resumed at, the step it ended at."""
+    result = em.launch(CELL, nproc=1, log_dir=log_dir, checkpoint_dir=ckpt,
+                       render=lambda e: None, **options)
+    values = snapshot_format.load(io.BytesIO(result.snapshot))["values"]
+    return values["resumed_at"], values["step"]
+
+
+def refused(ckpt, log_dir, **options) -> str:
+    """Launch on ``ckpt``: the agent's refusal, before any worker started."""
+    started = set(log_dir.glob("*/group_*"))
+    with pytest.raises(AgentError) as error:
+        em.launch(CELL, nproc=1, log_dir=log_dir, checkpoint_dir=ckpt, render=lambda e: None,
+                  **options)
+    assert set(log_dir.glob("*/group_*")) == started  # no worker of this job started
+    assert "CheckpointRefused" not in str(error.value) and "NotPrivate" not in str(error.value)
+    return str(error.value)
+
+
+def spec_error(ckpt, log_dir, **options) -> str:
+    """Launch on ``ckpt``: the usage error, before anything started."""
+    started = set(log_dir.iterdir())
+    with pytest.raises(em.SpecError) as error:
+        em.launch(CELL, nproc=1, log_dir=log_dir, checkpoint_dir=ckpt, render=lambda e: None,
+                  **options)
+    assert set(log_dir.iterdir()) == started  # no job started
+    return str(error.value)
+
+
+def step_of(ckpt: Path) -> int:
+    return checkpoint_file.split((ckpt / "checkpoint.em").read_bytes())[0]["step"]
+
+
+# -- links and folders on the way --------------------------------------------------------
+
+@root_only
+@pytest.mark.parametrize("team_mode", [0o1777, 0o777], ids=["sticky", "not sticky"])
+def test_a_link_another_user_made_is_never_followed(shared, tmp_path, log_dir, team_mode):
+    important = tmp_path / "important-exp"  # the victim's other experiment
+    important.mkdir(mode=0o700)
+    assert run(important, log_dir) == (0, 2)
+    kept = (important / "checkpoint.em").read_bytes()
+    team = shared / "team"
+    team.mkdir()
+    os.chmod(team, team_mode)
+    # She cannot read the victim's folder, nor write it: she only names it.
+    as_nobody(f"ln -s {important} {team}/new-exp")
+    for trusting in ({}, {"checkpoint_shared": True}):
+        message = spec_error(team / "new-exp", log_dir, **trusting)
+        assert f"{team}/new-exp is a symbolic link (to {important}) that user id {NOBODY} " \
+               "made, not you: it is not followed" in message, message
+    assert (important / "checkpoint.em").read_bytes() == kept  # neither resumed nor written
+
+
+@root_only
+def test_a_folder_on_the_way_that_others_can_change_is_refused_unless_trusted(
+        shared, tmp_path, log_dir):
+    sticky, team, hers = shared / "tmp", shared / "team", shared / "hers"
+    for folder, mode in ((sticky, 0o1777), (team, 0o777), (hers, 0o755)):
+        folder.mkdir()
+        os.chmod(folder, mode)
+    os.chown(hers, NOBODY, NOBODY)
+    assert run(sticky / "exp", log_dir) == (0, 2)  # /tmp's way: others cannot rename it
+    own_link = tmp_path / "link"  # the user's own link, in a folder only they can write
+    own_link.symlink_to(sticky / "exp")
+    assert run(own_link, log_dir) == (2, 4)
+    for folder, problem in ((team, "can be written by other users (mode 777, without the "
+                                   "sticky bit)"),
+                            (hers, f"belongs to user id {NOBODY}")):
+        message = spec_error(folder / "exp", log_dir)
+        assert f"the folder {folder} on the way {problem}" in message, message
+        assert "--checkpoint-shared" in message
+        assert not (folder / "exp").exists()  # nothing made there
+        assert run(folder / "exp", log_dir, checkpoint_shared=True) == (0, 2)
+    # Trusted or not, a link in a folder others can write is not followed: any of them
+    # could have made it, or changed it since.
+    (team / "link").symlink_to(sticky / "exp")
+    message = spec_error(team / "link", log_dir, checkpoint_shared=True)
+    assert f"{team}/link is a symbolic link (to {sticky}/exp) in {team}, which can be " \
+           "written by other users" in message, message
