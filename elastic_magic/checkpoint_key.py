@@ -6,6 +6,11 @@ signature this key verifies. Whoever cannot read the key cannot forge a checkpoi
 the file lies. The key is made on first use, in ``$XDG_CONFIG_HOME/elastic_magic/`` (default
 ``~/.config/elastic_magic/checkpoint.key``) or the file ``$ELASTIC_MAGIC_CHECKPOINT_KEY``
 names; to resume on another machine, copy the key file there (mode 0600).
+
+The key's folder, and every folder on the way to it, must let no one else replace what it
+holds (``folders.open_path``): whoever could rename the key's folder away would have the
+next job make a new key, and refuse every checkpoint of the user's. A key missing where a
+checkpoint is to be loaded is an error that names it, never a new key.
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ import secrets
 import stat
 from pathlib import Path
 
-from .folders import READ_FILE, NotPrivate, describe, make_folders, new_file, open_folder
+from .folders import (
+    READ_FILE,
+    NotPrivate,
+    absolute,
+    describe,
+    new_file,
+    open_path,
+    replaceable,
+)
 
 ENV = "ELASTIC_MAGIC_CHECKPOINT_KEY"
 KEY_SIZE = 32
@@ -34,21 +47,54 @@ def key_path() -> Path:
     return Path(config) / "elastic_magic" / "checkpoint.key"
 
 
-def checkpoint_key() -> bytes:
-    """The user's checkpoint key, made (0600, in a 0700 folder) if there is none yet. Raises
-    NotPrivate, saying what to do, for a key file that is a link, another user's, open to
-    others or not a key."""
+class KeyMissing(NotPrivate):
+    """There is no key where a checkpoint signed with one is to be loaded."""
+
+
+def checkpoint_key(*, signed: Path | None = None) -> bytes:
+    """The user's checkpoint key, made (0600, in a 0700 folder) if there is none yet,
+    unless a checkpoint ``signed`` with a key is to be loaded: then a missing key raises
+    KeyMissing. Raises NotPrivate, saying what to do, for a key file that is a link,
+    another user's, open to others or not a key, and for a folder on the way to it in
+    which others could rename it."""
     path = key_path()
-    make_folders(path.parent)
-    folder = open_folder(path.parent)
+    folder = key_folder(path)
     try:
         try:
             return _read(folder, path)
         except FileNotFoundError:
+            if signed is not None:
+                raise KeyMissing(
+                    f"the checkpoint key {path} is missing, and the checkpoint {signed} is "
+                    "signed with a key: it is not loaded, and no new key is made (it would "
+                    "refuse it). If the key is elsewhere (moved, or on the machine that wrote "
+                    f"the checkpoint), copy its key file here, or point {ENV} at it; if it is "
+                    "lost, move the checkpoint away to start from scratch. See README, "
+                    "Security.") from None
             _create(folder, path.name)
             return _read(folder, path)
     finally:
         os.close(folder)
+
+
+def key_folder(path: Path | None = None) -> int:
+    """A descriptor of the key's folder, created 0700 where missing, reached without a
+    folder or link on the way that others could change (``open_path``), and one in which
+    no one else can replace the key. Raises NotPrivate saying what to do."""
+    path = absolute(path or key_path())
+    fix = (f"Keep the key below folders that only you (or root) can write: fix the modes, "
+           f"or point {ENV} at a key file in such a folder. See README, Security.")
+    try:
+        folder, where = open_path(path.parent, create=True)
+    except NotPrivate as exc:
+        raise NotPrivate(f"the checkpoint key {path} is not used: {exc}; whoever can do that "
+                         f"can take your key away, or swap it. {fix}") from None
+    problem = replaceable(os.fstat(folder))
+    if problem:
+        os.close(folder)
+        raise NotPrivate(f"the checkpoint key {path} is not used: its folder {where} "
+                         f"{problem}, so they can take the key away, or swap it. {fix}")
+    return folder
 
 
 def _create(folder: int, name: str) -> None:

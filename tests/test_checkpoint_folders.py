@@ -128,3 +128,55 @@ def test_a_folder_on_the_way_that_others_can_change_is_refused_unless_trusted(
     message = spec_error(team / "link", log_dir, checkpoint_shared=True)
     assert f"{team}/link is a symbolic link (to {sticky}/exp) in {team}, which can be " \
            "written by other users" in message, message
+
+
+# -- the key's folder ----------------------------------------------------------------------
+
+@root_only
+@pytest.mark.parametrize("where", ["the config folder", "a folder above it"])
+def test_a_key_another_user_could_take_away_is_not_replaced(shared, tmp_path, log_dir,
+                                                            monkeypatch, where):
+    team = shared / "team"
+    config = team / "config"
+    config.mkdir(parents=True, mode=0o700)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
+    ckpt = tmp_path / "ckpt"
+    assert run(ckpt, log_dir) == (0, 2)
+    # The folder she can write: the config folder itself, or the team's folder above it.
+    writable = config if where == "the config folder" else team
+    os.chmod(writable, 0o777)
+    if where == "the config folder":
+        as_nobody(f"mv {config}/elastic_magic {config}/taken")
+    else:
+        as_nobody(f"mv {config} {team}/taken")
+    message = refused(ckpt, log_dir)
+    key = config / "elastic_magic" / "checkpoint.key"
+    assert f"the checkpoint key {key} is not used" in message, message
+    assert f"{writable} " in message and "can be written by other users (mode 777" in message
+    assert not key.exists()  # no new key was made
+
+
+@root_only
+def test_a_key_folder_another_user_made_is_refused(shared, tmp_path, log_dir, monkeypatch):
+    config = shared / "config"  # as /tmp: others may create what is theirs
+    config.mkdir()
+    os.chmod(config, 0o1777)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
+    as_nobody(f"mkdir -m 777 {config}/elastic_magic")  # hers, before the user's first job
+    message = refused(tmp_path / "ckpt", log_dir)
+    assert f"its folder {config}/elastic_magic belongs to user id {NOBODY}" in message, message
+    assert not os.listdir(config / "elastic_magic")
+
+
+def test_a_missing_key_where_a_checkpoint_is_signed_is_an_error_not_a_new_key(
+        tmp_path, log_dir, checkpoint_config):
+    ckpt = tmp_path / "ckpt"
+    assert run(ckpt, log_dir) == (0, 2)
+    key = checkpoint_config / "elastic_magic" / "checkpoint.key"
+    os.rename(key, tmp_path / "moved.key")
+    message = refused(ckpt, log_dir)
+    assert f"the checkpoint key {key} is missing, and the checkpoint {ckpt}/checkpoint.em " \
+           "is signed with a key" in message, message
+    assert "copy its key file here" in message and not key.exists()
+    os.rename(tmp_path / "moved.key", key)
+    assert run(ckpt, log_dir) == (2, 4)

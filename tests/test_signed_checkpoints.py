@@ -22,7 +22,7 @@ import pytest
 import elastic_magic as em
 from elastic_magic import snapshot_format
 from elastic_magic.agent.handles.job import AgentError
-from elastic_magic.checkpoint_key import ENV
+from elastic_magic.checkpoint_key import ENV, checkpoint_key
 
 CELL = """
 import elastic_magic
@@ -102,12 +102,14 @@ def test_a_checkpoint_written_with_another_key_is_refused(tmp_path, log_dir, mon
     monkeypatch.setenv(ENV, str(tmp_path / "elsewhere" / "other.key"))  # another machine's
     assert run(ckpt, log_dir) == (0, 2)
     monkeypatch.delenv(ENV)
+    checkpoint_key()  # this machine's own key (a missing one is refused: test_checkpoint_folders)
     message = refused(ckpt, log_dir)
     assert "written with another key" in message and "copy its key file" in message
     monkeypatch.setenv(ENV, str(tmp_path / "elsewhere" / "other.key"))  # the key copied
     assert run(ckpt, log_dir) == (2, 4)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("signature", ["another key's", "none (an earlier version's)"])
 def test_a_forged_checkpoint_is_never_unpickled(tmp_path, log_dir, signature):
     ckpt, canary = tmp_path / "ckpt", tmp_path / "canary"
@@ -122,6 +124,7 @@ def test_a_forged_checkpoint_is_never_unpickled(tmp_path, log_dir, signature):
     fd = os.open(ckpt / "checkpoint.em", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, data)
     os.close(fd)
+    checkpoint_key()  # the user's own (a missing one is refused: test_checkpoint_folders)
     message = refused(ckpt, log_dir)
     expected = "does not match your key" if magic == b"EMCKPT02" else "without a signature"
     assert expected in message and "README" in message, message

@@ -107,11 +107,11 @@ class SnapshotStore:
         if self.directory is None:
             return False
         folder = self._folder()
-        key = self._checkpoint_key()  # a bad key file is refused before anything starts
+        path = self.directory / _FILE
         try:
-            with self._open(folder, _FILE) as file:
-                meta, fd = checkpoint_file.load(file, self.directory / _FILE, key)
+            file = self._open(folder, _FILE)
         except FileNotFoundError:
+            self._checkpoint_key()  # a bad key file is refused before anything starts
             try:
                 with self._open(folder, _LEGACY_META), self._open(folder, _LEGACY_DATA):
                     pass
@@ -122,13 +122,18 @@ class SnapshotStore:
                 "version of elastic_magic, without a signature: it is not loaded (loading "
                 "it runs whatever it holds). Move it away to start from scratch; see "
                 "README, Security.") from None
+        with file:  # a signed one there: a missing key is an error, never a new key
+            signed = file.read(len(checkpoint_file.MAGIC)) == checkpoint_file.MAGIC
+            file.seek(0)
+            key = self._checkpoint_key(signed=path if signed else None)
+            meta, fd = checkpoint_file.load(file, path, key)
         self.meta, self.token = meta, 0
         self._replace(fd=fd)
         return True
 
-    def _checkpoint_key(self) -> bytes:
+    def _checkpoint_key(self, signed: Path | None = None) -> bytes:
         if self._key is None:
-            self._key = checkpoint_key()
+            self._key = checkpoint_key(signed=signed)
         return self._key
 
     def _folder(self) -> int:
