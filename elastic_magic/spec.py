@@ -155,6 +155,12 @@ OPTIONS: tuple[Option, ...] = (
            "yours at its name (its checkpoint is then refused: see --checkpoint-moved); a "
            "link there is still never followed", action="store_true",
            check=lambda _, v: bool(v), per_machine=True),
+    Option("checkpoint_moved", "--checkpoint-moved", False, "resume from a checkpoint that "
+           "is not the one its folder last held here: you moved, renamed or copied its "
+           "folder since it was written, or put back an older copy (without this, such a "
+           "checkpoint is refused: someone who can write a folder on the way may have put "
+           "another of your folders in its place). README: Security",
+           action="store_true", check=lambda _, v: bool(v), per_machine=True),
     # Detected where the workers run; Python callers (tests) may state it.
     Option("gpus", None, None, "CUDA GPUs the workers may use (default: those visible)",
            check=gpu_count, per_machine=True),
@@ -234,6 +240,7 @@ class JobSpec:
     launcher: str | None = None
     launch: dict[str, str] = field(default_factory=dict)  # its options, config and flags
     checkpoint_shared: bool = False  # --checkpoint-shared
+    checkpoint_moved: bool = False  # --checkpoint-moved
 
     @property
     def multi_node(self) -> bool:

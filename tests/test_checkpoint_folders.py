@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -128,6 +129,94 @@ def test_a_folder_on_the_way_that_others_can_change_is_refused_unless_trusted(
     message = spec_error(team / "link", log_dir, checkpoint_shared=True)
     assert f"{team}/link is a symbolic link (to {sticky}/exp) in {team}, which can be " \
            "written by other users" in message, message
+
+
+# -- an older checkpoint of the user's in the folder's place ------------------------------
+
+@root_only
+@pytest.mark.parametrize("old", ["the folder renamed", "a folder of its own"])
+def test_another_users_swap_of_two_checkpoint_folders_is_refused(shared, log_dir, old):
+    team = shared / "team"  # a team's folder, trusted with --checkpoint-shared
+    team.mkdir()
+    os.chmod(team, 0o777)
+    trust = {"checkpoint_shared": True}
+    ckpt, ckpt_old = team / "ckpt", team / "ckpt-old"
+    if old == "the folder renamed":  # the user started afresh, keeping the old one aside
+        assert run(ckpt, log_dir, **trust) == (0, 2)
+        os.rename(ckpt, ckpt_old)
+    else:
+        assert run(ckpt_old, log_dir, **trust) == (0, 2)
+    for expected in ((0, 2), (2, 4), (4, 6)):
+        assert run(ckpt, log_dir, **trust) == expected
+    as_nobody(f"cd {team}; mv ckpt swap; mv ckpt-old ckpt; mv swap ckpt-old")
+    assert (step_of(ckpt), step_of(ckpt_old)) == (2, 6)
+    message = refused(ckpt, log_dir, **trust)
+    assert f"the checkpoint {ckpt}/checkpoint.em is not loaded" in message, message
+    if old == "the folder renamed":  # its seal says team/ckpt: the record tells them apart
+        assert f"{ckpt} held another folder of yours when a checkpoint was last written " \
+               "there" in message, message
+    else:
+        assert f"its folder was at {ckpt_old} when it was written" in message, message
+    assert "--checkpoint-moved" in message and "find where your folder went" in message
+    assert (step_of(ckpt), step_of(ckpt_old)) == (2, 6)  # nothing written over
+    as_nobody(f"cd {team}; mv ckpt swap; mv ckpt-old ckpt; mv swap ckpt-old")  # put back
+    assert run(ckpt, log_dir, **trust) == (6, 8)
+
+
+def test_an_older_copy_put_back_is_refused_unless_the_user_says_so(tmp_path, log_dir):
+    ckpt = tmp_path / "ckpt"
+    assert run(ckpt, log_dir) == (0, 2)
+    older = (ckpt / "checkpoint.em").read_bytes()
+    assert run(ckpt, log_dir) == (2, 4)
+    os.unlink(ckpt / "checkpoint.em")
+    (ckpt / "checkpoint.em").write_bytes(older)  # a backup restored
+    message = refused(ckpt, log_dir)
+    # Each run writes one checkpoint per commit, or fewer (a write skips one superseded).
+    numbers = re.search(r"it is older than the last checkpoint this folder held \(it is its "
+                        r"checkpoint (\d+), and (\d+) was written since\)", message)
+    assert numbers and int(numbers[1]) < int(numbers[2]), message
+    assert "--checkpoint-moved" in message
+    assert run(ckpt, log_dir, checkpoint_moved=True) == (2, 4)  # the user restored it
+    assert run(ckpt, log_dir) == (4, 6)  # and it is the folder's latest now
+
+
+def test_a_folder_the_user_moved_resumes_with_checkpoint_moved(tmp_path, log_dir):
+    ckpt, moved = tmp_path / "ckpt", tmp_path / "elsewhere" / "ckpt"
+    assert run(ckpt, log_dir) == (0, 2)
+    moved.parent.mkdir()
+    os.rename(ckpt, moved)
+    message = refused(moved, log_dir)
+    assert f"its folder was at {ckpt} when it was written" in message, message
+    assert "If you did that yourself, resume with --checkpoint-moved" in message
+    assert run(moved, log_dir, checkpoint_moved=True) == (2, 4)
+    assert run(moved, log_dir) == (4, 6)
+    copy = tmp_path / "copy"  # the file alone, into another folder
+    copy.mkdir()
+    shutil.copy(moved / "checkpoint.em", copy / "checkpoint.em")
+    message = refused(copy, log_dir)
+    assert f"it was written in another folder (then at {moved})" in message, message
+
+
+def test_a_checkpoint_of_the_version_before_is_refused_saying_what_to_do(
+        tmp_path, log_dir, checkpoint_config):
+    ckpt = tmp_path / "ckpt"
+    assert run(ckpt, log_dir) == (0, 2)
+    # As the version before wrote it: signed, but without the folder's seal.
+    meta, snapshot = checkpoint_file.split((ckpt / "checkpoint.em").read_bytes())
+    del meta["folder"]
+    key = (checkpoint_config / "elastic_magic" / "checkpoint.key").read_bytes()
+    os.unlink(ckpt / "checkpoint.em")
+    fd = os.open(ckpt / "checkpoint.em", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        checkpoint_file.write(fd, key, meta, snapshot, len(snapshot))
+    finally:
+        os.close(fd)
+    message = refused(ckpt, log_dir)
+    assert "written by an earlier version of elastic_magic, which did not tie a checkpoint " \
+           "to its folder" in message, message
+    assert "resume from it once with --checkpoint-moved" in message
+    assert run(ckpt, log_dir, checkpoint_moved=True) == (2, 4)
+    assert run(ckpt, log_dir) == (4, 6)
 
 
 # -- the key's folder ----------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
     MAGIC | u64 metadata length | metadata (JSON) | snapshot | HMAC-SHA256 of all before
 
+The metadata holds the folder's seal (``checkpoint_folder``): which folder, where, and the
+how-manyth checkpoint of it this is, so an older one put in its place is told apart.
+
 The tag is computed with the user's key (``elastic_magic.checkpoint_key``) as the file is
 written and checked as it is read into a memory file, before anything in it (the metadata
 included) is parsed or unpickled: a checkpoint written with another key, or changed by a
@@ -103,6 +106,20 @@ def load(file: BinaryIO, path: Path, key: bytes) -> tuple[dict[str, Any], int]:
     except BaseException:
         os.close(out)
         raise
+
+
+def peek(file: BinaryIO) -> dict[str, Any]:
+    """The metadata of the checkpoint ``file`` as its header says, unchecked ({} if it has
+    none): never for what a job loads, only for a hint from a folder only the user writes."""
+    head = file.read(_START)
+    if head[:len(MAGIC)] != MAGIC or len(head) < _START:
+        return {}
+    length = _LENGTH.unpack_from(head, len(MAGIC))[0]
+    try:
+        meta = json.loads(file.read(min(length, _MAX_META)))
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def split(data: bytes) -> tuple[dict[str, Any], bytes]:

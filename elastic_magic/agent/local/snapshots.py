@@ -9,7 +9,9 @@ yet, so a slow disk delays the checkpoint, never the training. The job's end wai
 Loading a checkpoint unpickles it (in the workers): one that someone else planted would run
 their code. So every checkpoint is signed with the user's key and loaded only once the
 signature checks (``checkpoint_file``): one written with another key, changed or cut short
-is refused. As a second line, the folder is opened once, checked on its descriptor (the
+is refused; and one that is not the latest its folder held (an older one of the user's put
+in its place) is refused too (``checkpoint_folder``). As a second line, the folder is opened
+once, through folders and links no one else could change, checked on its descriptor (the
 user's, no one else may write to it), and the files are read only if they are the user's
 too (not links, no one else may write them); they are written new (``O_EXCL |
 O_NOFOLLOW``) relative to that descriptor, then renamed into place.
@@ -32,22 +34,18 @@ and offered; bytes only where no file could be shared. Workers read it back thro
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import os
-import re
-import secrets
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ...checkpoint_key import checkpoint_key
 from ...events import Committed
-from ...folders import READ_FILE, NotPrivate, describe, new_file, own_folder
+from ...folders import READ_FILE, NotPrivate, describe
 from ...messages import (
     Commit,
     CommitIntent,
@@ -60,11 +58,11 @@ from ...messages import (
     StateRequest,
 )
 from . import checkpoint_file
+from .checkpoint_folder import FILE as _FILE
+from .checkpoint_folder import CheckpointFolder, temporary_file
 from .commit_files import CommitFiles
 
-_FILE = "checkpoint.em"  # signed: checkpoint_file
 _LEGACY_DATA, _LEGACY_META = "snapshot.pt", "snapshot.json"  # earlier versions' pair
-_LEFTOVER = re.compile(r"\.(checkpoint\.em|snapshot\.pt|snapshot\.json)\.[0-9a-f]{16}")
 split_checkpoint = checkpoint_file.split
 
 
@@ -77,7 +75,9 @@ class SnapshotStore:
     _fd: int | None = None  # an anonymous memory file this store owns
     size: int = 0
     _writer: CheckpointWriter | None = field(default=None, repr=False)
-    _folder_fd: int | None = None  # the checkpoint folder, checked
+    trust_path: bool = False  # --checkpoint-shared
+    moved: bool = False  # --checkpoint-moved
+    _place: CheckpointFolder | None = None  # the checkpoint folder, checked
     _key: bytes | None = None  # the user's checkpoint key (signs and checks checkpoints)
     parts: CommitFiles = field(default_factory=CommitFiles)  # the files commits go into
     token: int = 0  # the commit's (rank 0's random number): its chunks on other machines
@@ -107,18 +107,18 @@ class SnapshotStore:
         if self.directory is None:
             return False
         folder = self._folder()
-        path = self.directory / _FILE
+        path = folder.path / _FILE
         try:
-            file = self._open(folder, _FILE)
+            file = self._open(folder.fd, _FILE)
         except FileNotFoundError:
             self._checkpoint_key()  # a bad key file is refused before anything starts
             try:
-                with self._open(folder, _LEGACY_META), self._open(folder, _LEGACY_DATA):
+                with self._open(folder.fd, _LEGACY_META), self._open(folder.fd, _LEGACY_DATA):
                     pass
             except FileNotFoundError:
                 return False
             raise checkpoint_file.CheckpointRefused(
-                f"the checkpoint {self.directory / _LEGACY_DATA} was written by an earlier "
+                f"the checkpoint {folder.path / _LEGACY_DATA} was written by an earlier "
                 "version of elastic_magic, without a signature: it is not loaded (loading "
                 "it runs whatever it holds). Move it away to start from scratch; see "
                 "README, Security.") from None
@@ -127,6 +127,11 @@ class SnapshotStore:
             file.seek(0)
             key = self._checkpoint_key(signed=path if signed else None)
             meta, fd = checkpoint_file.load(file, path, key)
+        try:
+            folder.check(meta.pop("folder", None))  # the latest this folder held, here
+        except BaseException:
+            os.close(fd)
+            raise
         self.meta, self.token = meta, 0
         self._replace(fd=fd)
         return True
@@ -136,17 +141,12 @@ class SnapshotStore:
             self._key = checkpoint_key(signed=signed)
         return self._key
 
-    def _folder(self) -> int:
-        if self._folder_fd is None:
+    def _folder(self) -> CheckpointFolder:
+        if self._place is None:
             assert self.directory is not None
-            try:
-                self._folder_fd = own_folder(self.directory, private=False)
-            except NotPrivate as exc:
-                raise NotPrivate(f"--checkpoint-dir {exc}: nothing is loaded from it or "
-                                 "written to it. Give a folder that only you can write.") \
-                    from None
-            _remove_leftovers(self._folder_fd)
-        return self._folder_fd
+            self._place = CheckpointFolder(self.directory, trust_path=self.trust_path,
+                                           moved=self.moved)
+        return self._place
 
     def _open(self, folder: int, name: str) -> BinaryIO:
         """A file of the checkpoint, open, if it is the user's own and no one else may
@@ -190,9 +190,9 @@ class SnapshotStore:
                 writer.close()
         finally:
             self._replace()
-            if self._folder_fd is not None:
-                os.close(self._folder_fd)
-                self._folder_fd = None
+            if self._place is not None:
+                self._place.close()
+                self._place = None
 
     def _replace(self, data: bytes | None = None, fd: int | None = None) -> None:
         if self._fd is not None:
@@ -201,67 +201,15 @@ class SnapshotStore:
         self.size = os.fstat(fd).st_size if fd is not None else len(data or b"")
 
 
-def _remove_leftovers(folder: int) -> None:
-    """Remove the temporary files of checkpoint writes that a crash interrupted: regular
-    files of the user's, named as this module names them, in a folder checked to be the
-    user's (no one else can have put or renamed anything there), that no writer holds
-    locked: another job sharing the folder may be writing one (``temporary_file``)."""
-    for name in os.listdir(folder):
-        if not _LEFTOVER.fullmatch(name):
-            continue
-        try:  # O_NONBLOCK: a FIFO must not stall the job's start
-            fd = os.open(name, READ_FILE | os.O_NONBLOCK, dir_fd=folder)
-        except OSError:
-            continue  # gone already, or a link: left alone
-        try:
-            info = os.fstat(fd)
-            if not (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a write under way
-            with contextlib.suppress(FileNotFoundError):
-                now = os.stat(name, dir_fd=folder, follow_symlinks=False)
-                if (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino):
-                    os.unlink(name, dir_fd=folder)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def temporary_file(folder: int, name: str) -> Iterator[tuple[int, str]]:
-    """A new temporary file for ``name`` in ``folder`` (a descriptor), open for writing
-    and locked (``flock``) while the block runs: its descriptor and its name. Removed if
-    the block raises."""
-    while True:
-        tmp = f".{name}.{secrets.token_hex(8)}"
-        fd = new_file(folder, tmp)
-        # Held until the file is renamed or removed: another job starting on the folder
-        # removes only the temporary files no one holds (``_remove_leftovers``).
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if os.fstat(fd).st_nlink:
-            break
-        os.close(fd)  # removed between its creation and the lock: take another
-    try:
-        yield fd, tmp
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=folder)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(folder: int, name: str, key: bytes, meta: dict[str, Any],
+def _write_atomically(place: CheckpointFolder, name: str, key: bytes, meta: dict[str, Any],
                       source: bytes | int | None, size: int = 0) -> None:
     """Write the signed checkpoint of ``source`` (bytes, or ``size`` bytes of a file
-    descriptor) to a new temporary file in ``folder`` (a descriptor), fsync it, then rename
-    it over ``name``."""
-    with temporary_file(folder, name) as (fd, tmp):
-        checkpoint_file.write(fd, key, meta, source, size)
+    descriptor), sealed as the folder's next, to a new temporary file in the folder, fsync
+    it, then rename it over ``name``."""
+    with place.sealing() as seal, temporary_file(place.fd, name) as (fd, tmp):
+        checkpoint_file.write(fd, key, {**meta, "folder": seal}, source, size)
         os.fsync(fd)
-        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        os.replace(tmp, name, src_dir_fd=place.fd, dst_dir_fd=place.fd)
 
 
 class CheckpointWriter:
@@ -269,8 +217,8 @@ class CheckpointWriter:
     one that is superseded before its turn is skipped. An error is raised by the next
     ``submit`` or by ``close``."""
 
-    def __init__(self, folder: int, key: bytes) -> None:
-        self.folder = folder  # the checkpoint folder's descriptor (the store's)
+    def __init__(self, folder: CheckpointFolder, key: bytes) -> None:
+        self.folder = folder  # the store's
         self.key = key
         self._cond = threading.Condition()
         self._pending: tuple[dict[str, Any], bytes | int | None, int] | None = None

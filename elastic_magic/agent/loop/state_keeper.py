@@ -32,7 +32,9 @@ class StateKeeper:
         self.role = role
         self.board = board
         self.emit = emit
-        self.snapshots = SnapshotStore(spec.checkpoint_dir)
+        self.snapshots = SnapshotStore(spec.checkpoint_dir,
+                                       trust_path=spec.checkpoint_shared,
+                                       moved=spec.checkpoint_moved)
         self.server = StateServer(self.snapshots, self._committed, leave_at_commit) \
             if role.holds_snapshots else None
         self.used = False  # a worker (here or on another machine) asked for State
