@@ -76,6 +76,14 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    """Register the ``%%elastic`` and ``%elastic`` magics (``%load_ext elastic_magic``).
+
+    It also starts the warm pool on a thread: a process that imports torch while the
+    kernel goes on, from which the first cell's workers are forked.
+
+    Args:
+        ipython: The IPython shell that loads the extension.
+    """
     import os
     import sys
 
@@ -92,7 +100,12 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """Stop this kernel's running jobs, end the warm pool and remove both magics."""
+    """Stop this kernel's running jobs and its session, end the warm pool and remove both
+    magics (``%unload_ext elastic_magic``).
+
+    Args:
+        ipython: The IPython shell that unloads the extension.
+    """
     from .agent.local.pool import shutdown_pool
 
     magics = ipython.magics_manager.registry.pop("ElasticMagics", None)

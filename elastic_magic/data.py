@@ -55,7 +55,27 @@ class ElasticSampler:
     start of the epoch's order (``drop_last=False``, as DistributedSampler pads).
     ``state_dict`` records (epoch, offset): the samples of the epoch consumed by all ranks.
     Iterate it directly (``for indices in sampler``, position counted when handed out), or
-    through ``elastic_magic.DataLoader`` (counted when the loop receives the batch).
+    through ``elastic_magic.DataLoader`` (counted when the loop receives the batch); a torch
+    DataLoader is refused (TypeError at its first batch).
+
+    Args:
+        length: The dataset's length.
+        global_batch_size: A fixed global batch, split evenly across the ranks.
+        batch_size: A fixed per-rank batch (give this or ``global_batch_size``).
+        seed: The shuffle's seed (each epoch's is ``seed + epoch``).
+        shuffle: Permute each epoch; False: in index order.
+        drop_last: Drop the last incomplete global batch; False: fill it up.
+
+    Attributes:
+        epoch: The epoch it hands out (``set_epoch``).
+        offset: Samples of this epoch consumed, all ranks together.
+
+    Raises:
+        ValueError: Both or neither batch size, or one outside 1..``length``.
+
+    Example:
+        >>> sampler = ElasticSampler(len(dataset), global_batch_size=64)
+        >>> loader = elastic_magic.DataLoader(dataset, batch_sampler=sampler)
     """
 
     def __init__(self, length: int, global_batch_size: int | None = None, *,
@@ -79,7 +99,17 @@ class ElasticSampler:
         self._finished_here = False  # this process iterated the epoch to its end
 
     def split(self, world: int) -> tuple[int, int]:
-        """(this rank's batch, the global batch) at world size ``world``."""
+        """The batch sizes at a world size.
+
+        Args:
+            world: The number of ranks.
+
+        Returns:
+            (this rank's batch, the global batch).
+
+        Raises:
+            ValueError: The global batch does not split evenly into ``world`` ranks.
+        """
         if self.batch_size is not None:
             return self.batch_size, self.batch_size * world
         assert self.global_batch_size is not None
@@ -95,6 +125,12 @@ class ElasticSampler:
         return self.length // step if self.drop_last else -(-self.length // step)
 
     def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch``, as ``DistributedSampler.set_epoch`` (call it before
+        each epoch; the same epoch again keeps the position, as after a restore).
+
+        Args:
+            epoch: The epoch to hand out.
+        """
         if epoch != self.epoch:
             self.epoch, self.offset, self._finished_here = epoch, 0, False
 
@@ -137,9 +173,19 @@ class ElasticSampler:
             self._finished_here = True
 
     def state_dict(self) -> dict[str, int]:
+        """The position, for State's commits.
+
+        Returns:
+            ``{"epoch": ..., "offset": ...}``: the samples of the epoch all ranks consumed.
+        """
         return {"epoch": self.epoch, "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Go back to a position (``state_dict``'s), at any world size.
+
+        Args:
+            state: What ``state_dict`` returned.
+        """
         self.epoch, self._finished_here = state["epoch"], False
         if "offset" in state:
             self.offset = state["offset"]
@@ -244,6 +290,24 @@ class DataLoader(tud.DataLoader):
     epoch, index), and the workers' base seed does not come from the global RNG (unless
     you give a ``generator``). ``loader.dataset`` is a view of yours (its attributes pass
     through; yours is ``loader.dataset.dataset``). Only map-style datasets.
+
+    Args:
+        dataset: A map-style dataset (``__getitem__`` and ``__len__``).
+        batch_size: With a DistributedSampler: a fixed per-rank batch.
+        shuffle: Not taken: the sampler's ``shuffle`` decides (ValueError if given).
+        sampler: A ``torch.utils.data.DistributedSampler``.
+        batch_sampler: An ``ElasticSampler``.
+        global_batch_size: With a DistributedSampler: a fixed global batch.
+        **options: torch's DataLoader's other arguments (``in_order=False`` is refused).
+
+    Attributes:
+        elastic_sampler: The ElasticSampler that keeps the position (made from a
+            DistributedSampler's settings when given one).
+
+    Raises:
+        TypeError: An iterable-style dataset, or neither sampler.
+        ValueError: ``shuffle``, ``in_order=False``, or a sampler or batch size beside an
+            ElasticSampler.
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
@@ -297,9 +361,19 @@ class DataLoader(tud.DataLoader):
         return _consumed(iterator, self._handed_out.pending, elastic)
 
     def state_dict(self) -> dict[str, int]:
+        """The position of the batches the loop received (``ElasticSampler.state_dict``).
+
+        Returns:
+            ``{"epoch": ..., "offset": ...}``.
+        """
         return self.elastic_sampler.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Go back to a position (``state_dict``'s), at any world size.
+
+        Args:
+            state: What ``state_dict`` returned.
+        """
         self.elastic_sampler.load_state_dict(state)
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +13,7 @@ from typing import Any, Protocol
 import cloudpickle
 
 from .logs import rank_log
+from .result_parts import MemorySnapshot, Unpicklable
 
 
 class JobState(str, Enum):
@@ -33,12 +32,31 @@ class JobState(str, Enum):
 
     @property
     def is_final(self) -> bool:
+        """Whether the job has ended: succeeded, failed or stopped."""
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """Why one rank failed: an exception in user code, or an exit code / signal."""
+    """Why one rank failed: an exception in user code, or an exit code / signal.
+
+    Attributes:
+        rank: Its global rank.
+        local_rank: Its rank on its machine.
+        attempt: The group it ran in (its logs' ``group_<attempt>``).
+        pid: Its process ID.
+        time: When it failed (epoch seconds).
+        exc_type: The exception's type name; None if it raised none.
+        message: The exception's message.
+        traceback: Formatted: user frames only, with the cell's line numbers.
+        cell_line: The cell's line it failed at, if known.
+        source_line: That line's code.
+        exit_code: The process's exit code (negative: a signal), if it exited.
+        signal: The signal that killed it ("SIGKILL"), if one did.
+        log_dir: Its log folder.
+        reason: Why a rank that raised nothing failed (stalled, returned while others waited).
+        consequence: It only waited for another rank's failure (not a cause).
+    """
 
     rank: int
     local_rank: int
@@ -47,19 +65,18 @@ class RankFailure:
     time: float
     exc_type: str | None = None
     message: str = ""
-    traceback: str = ""  # formatted, user frames only, cell line numbers
+    traceback: str = ""
     cell_line: int | None = None
     source_line: str | None = None
     exit_code: int | None = None
     signal: str | None = None
     log_dir: str | None = None
-    # Set by the agent for a rank that raised nothing itself: it stalled, returned while
-    # others waited, or waited in a collective for the rank that did (``consequence``).
     reason: str | None = None
     consequence: bool = False
 
     @property
     def headline(self) -> str:
+        """One line: the reason, the exception, the signal or the exit code."""
         if self.reason:
             where = f" (cell line {self.cell_line})" if self.cell_line else ""
             return f"{self.reason}{where}"
@@ -77,40 +94,32 @@ class RankFailure:
                 self.reason)
 
 
-@dataclass(frozen=True)
-class Unpicklable:
-    """Stands in for a rank's value that could not be sent back to the kernel."""
-
-    repr: str
-    reason: str
-
-    def __repr__(self) -> str:
-        return f"<not transferable: {self.repr} ({self.reason})>"
-
-
-class MemorySnapshot:
-    """A finished job's last snapshot, left in the anonymous memory file the agent kept it
-    in: a result kept in the notebook costs no heap until its snapshot is read."""
-
-    def __init__(self, fd: int) -> None:
-        """Owns ``fd`` (closed with this object)."""
-        self.size = os.fstat(fd).st_size
-        self._fd = fd
-        self._finalizer = weakref.finalize(self, os.close, fd)
-
-    def read(self) -> bytes:
-        # A description of its own: reads from its start, whatever else reads the file.
-        with open(f"/proc/self/fd/{self._fd}", "rb") as file:
-            data = file.read()
-        if len(data) != self.size:
-            raise OSError(f"the snapshot's memory file holds {len(data)} bytes, not "
-                          f"{self.size}")
-        return data
-
-
 @dataclass
 class JobResult:
-    """The outcome of one elastic job."""
+    """The outcome of one elastic job (or of a session's cell).
+
+    Attributes:
+        run_id: The job's name.
+        state: How it ended: SUCCEEDED, FAILED or STOPPED.
+        world_size: Ranks in its last group.
+        restarts: Restarts used after failures; ``max_restarts`` the most allowed.
+        max_restarts: The job's --max-restarts.
+        duration: Seconds from ``started`` to its end.
+        log_dir: Its ranks' logs: ``group_<n>/rank_<r>/{stdout,stderr}.log``.
+        values: Each rank's value (the cell's last expression), by rank; on success only.
+        failure: The root cause of the final failure (None unless it failed).
+        failures: Every rank's failure of that attempt, root cause first.
+        pulled: The --pull variables, copied from rank 0 (on success).
+        missing_pulls: The --pull names rank 0 did not have.
+        tails: Each rank's last output lines, by rank.
+        stop_reason: Why it was stopped (STOPPED only).
+        resizes: Resizes it went through.
+        commit: The last committed State's step, time and world size (None: none).
+        snapshot_source: The last commit: bytes, or in the agent's memory file (``snapshot``).
+        stacks: Failed by a timeout or a stall: each stuck rank's stacks, before the teardown.
+        excluded: Machines and worker slots it lost or gave up on, and why, in order.
+        started: When it began, in epoch seconds (a session's cell: when the session took it).
+    """
 
     run_id: str
     state: JobState
@@ -120,28 +129,22 @@ class JobResult:
     duration: float
     log_dir: Path
     values: dict[int, Any] = field(default_factory=dict)
-    failure: RankFailure | None = None  # root cause of the final failure
-    failures: list[RankFailure] = field(default_factory=list)  # that attempt's, root first
+    failure: RankFailure | None = None
+    failures: list[RankFailure] = field(default_factory=list)
     pulled: dict[str, Any] = field(default_factory=dict)
     missing_pulls: list[str] = field(default_factory=list)
     tails: dict[int, list[str]] = field(default_factory=dict)
     stop_reason: str | None = None
     resizes: int = 0
-    commit: dict[str, Any] | None = None  # the last committed State: step, time, world size
-    # The last commit: bytes, or left in the agent's memory file (``snapshot`` reads it).
+    commit: dict[str, Any] | None = None
     snapshot_source: bytes | MemorySnapshot | None = field(default=None, repr=False)
-    # A job that failed by a timeout or a stall: each stuck rank's stacks (all threads),
-    # taken before the group was torn down.
     stacks: dict[int, str] = field(default_factory=dict, repr=False)
-    # Machines and worker slots the job lost or gave up on, and why ("machine 10.0.0.2
-    # (node 1): no heartbeat for 6s ..."), in order.
     excluded: list[str] = field(default_factory=list)
-    # When it began (epoch seconds): a session's cell, when the session took it up (a
-    # re-formation it waited for included); it ended ``duration`` later.
     started: float = 0.0
 
     @property
     def ok(self) -> bool:
+        """Whether it succeeded."""
         return self.state is JobState.SUCCEEDED
 
     @property
@@ -157,10 +160,24 @@ class JobResult:
 
     def log_path(self, rank: int, stream: str = "stdout",
                  attempt: int | None = None) -> Path | None:
-        """Full log of one rank; the last attempt by default."""
+        """Full log of one rank.
+
+        Args:
+            rank: Its global rank.
+            stream: "stdout" or "stderr".
+            attempt: Its group's number (``group_<n>``); None: the last.
+
+        Returns:
+            The log file's path; None if the job has no group's logs.
+        """
         return rank_log(self.log_dir, rank, stream, attempt)
 
     def summary(self) -> str:
+        """One line: state, world size, restarts, duration, what it went on without.
+
+        Returns:
+            "failed, world size 2, restarts 1/1, 3.2s", say.
+        """
         parts = [
             f"{self.state.value}",
             f"world size {self.world_size}",
@@ -361,7 +378,13 @@ def describe_failure(result: JobResult) -> str:
 
 
 class JobFailedError(RuntimeError):
-    """The job ended in failure after its restarts; ``.result`` holds the details."""
+    """The job ended in failure after its restarts; ``.result`` holds the details. Its
+    message names the root cause first, then the other ranks' failures.
+
+    Args:
+        result: The failed job's JobResult (its ``.result``).
+        shown: The output shows the root cause's traceback already (IPython notes just that).
+    """
 
     def __init__(self, result: JobResult, *, shown: bool = False) -> None:
         super().__init__(describe_failure(result))

@@ -34,7 +34,24 @@ R = TypeVar("R")
 def run(function: Callable[P, R]) -> Callable[P, R]:
     """Call ``function(state, ...)``; with ``--survivors``, go on in place after a peer's
     failure or a resize (see the module's text). Without a job, or without the flag, it
-    is a plain call."""
+    is a plain call.
+
+    Going on in place, a rank waits for the next group, rolls ``state`` back to its last
+    commit, runs the ``State.on_reset`` callbacks and calls ``function`` again.
+
+    Args:
+        function: The training function; its first argument is the elastic State.
+
+    Returns:
+        A wrapper with ``function``'s signature, returning what ``function`` returns.
+        Called with anything but a State first, it raises TypeError; whatever
+        ``function`` raises that it does not go on after is raised again.
+
+    Example:
+        >>> @elastic_magic.run
+        ... def train(state): ...
+        >>> train(state)
+    """
 
     @functools.wraps(function)
     def in_place(*args: P.args, **kwargs: P.kwargs) -> R:

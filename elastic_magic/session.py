@@ -56,7 +56,19 @@ _live: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
 class Session(AgentThread):
-    """Workers that stay alive across cells. Options are a job's (``%%elastic`` flags)."""
+    """Workers that stay alive across cells, from now until ``stop`` (or the ``with``'s end).
+    Sending a cell (run, push, pull, gather) to an ended session raises SessionEndedError;
+    if its agent itself fails meanwhile, AgentError.
+
+    Args:
+        nproc: Workers on this machine: N, "auto", "cpu" or "gpu".
+        render: Shows each cell's events (also ``.render``). Default: plain text.
+        **options: The job's options, as the ``%%elastic`` flags (listed below; an unknown
+            one is a TypeError, a bad value a SpecError); ``max_restarts`` defaults to 3.
+
+    Attributes:
+        cells: Cells sent so far (push, pull and gather too); ``spec``, ``run_id``: a Job's.
+    """
 
     def __init__(self, nproc: int | str | None = None, *, render: Renderer | None = None,
                  **options: Any) -> None:
@@ -82,16 +94,36 @@ class Session(AgentThread):
 
     def run(self, source: str, *, setup: bool = False, render: Renderer | None = None,
             check: bool = True) -> JobResult:
-        """Run ``source`` on every rank, in its namespace; the cell's JobResult. ``setup``:
-        replay it, in order, whenever the session re-forms. With ``check`` a failed cell
-        raises JobFailedError (the session goes on). Ctrl-C interrupts every rank's code and
-        raises KeyboardInterrupt once they are back (or the session was re-formed)."""
+        """Run ``source`` on every rank, in its namespace. Ctrl-C interrupts every rank's
+        code and raises KeyboardInterrupt once they are back (or the session re-formed).
+
+        Args:
+            source: The cell's code; its last expression is each rank's value.
+            setup: Replay it, in order, whenever the session re-forms.
+            render: Shows this cell's events instead of the session's renderer.
+            check: Raise JobFailedError if the cell fails (the session goes on).
+
+        Returns:
+            The cell's JobResult.
+
+        Raises:
+            PayloadError: ``source`` does not compile.
+            JobFailedError: The cell failed (with ``check``).
+        """
         payload = build_payload(source, self.spec, namespace={})
         return self._submit(session_payload(payload), setup, render, check)
 
     def push(self, *, setup: bool = False, **values: Any) -> None:
-        """Set these variables on every rank (cloudpickled by value). ``setup``: push them
-        again when the session re-forms."""
+        """Set these variables on every rank (cloudpickled by value).
+
+        Args:
+            setup: Push them again whenever the session re-forms.
+            **values: Variable name -> value.
+
+        Raises:
+            ValueError: A name is not a variable name.
+            PayloadError: A value cannot be pickled (nothing is pushed).
+        """
         for name in values:
             _check_name(name)
         problems = []
@@ -108,11 +140,31 @@ class Session(AgentThread):
         self._submit(session_payload(payload), setup, self._quiet, check=True)
 
     def pull(self, name: str, rank: int = 0) -> Any:
-        """The variable ``name`` of one rank."""
+        """The variable ``name`` of one rank.
+
+        Args:
+            name: A variable of the ranks' namespaces.
+            rank: Whose.
+
+        Returns:
+            Its value, unpickled here.
+
+        Raises:
+            NameError: The rank has no such variable.
+            ValueError: ``name`` is not a variable name, or no rank ``rank`` runs.
+            PayloadError: The value cannot be sent back (not picklable).
+        """
         return self._fetch(name, rank)[rank]
 
     def gather(self, name: str) -> dict[int, Any]:
-        """The variable ``name`` of every rank, by rank."""
+        """The variable ``name`` of every rank (the errors are ``pull``'s).
+
+        Args:
+            name: A variable of the ranks' namespaces.
+
+        Returns:
+            Rank -> its value.
+        """
         return self._fetch(name, None)
 
     def _fetch(self, name: str, rank: int | None) -> dict[int, Any]:
@@ -187,7 +239,11 @@ class Session(AgentThread):
         return ended
 
     def ended_error(self) -> SessionEndedError:
-        """What a cell sent to an ended session raises."""
+        """What a cell sent to an ended session raises.
+
+        Returns:
+            A SessionEndedError that says why it ended.
+        """
         why = f" ({self.result.summary()})" if self.result is not None else ""
         if self.error is not None:
             why = f" (its agent failed: {self.error!r})"
@@ -198,19 +254,29 @@ class Session(AgentThread):
 
     def scale(self, nproc: int, include: Iterable[int] = ()) -> None:
         """Resize to ``nproc`` workers: before the next cell, or at the next State commit
-        of the cell that runs (the same re-formation; it does not count as a restart). A
-        worker slot left out for failing again stays out unless named in ``include``."""
+        of the cell that runs (the same re-formation; it does not count as a restart).
+
+        Args:
+            nproc: The new number of workers on this machine, within --min-nproc and
+                --max-nproc (else SpecError).
+            include: Worker slots left out for failing again that may come back.
+        """
         self.spec.check_scale(nproc)
         self._inbox.put(ScaleCommand(nproc, include=tuple(include)))
 
     def stop(self, timeout: float | None = None) -> None:
-        """End the session: workers leave (a running cell is interrupted)."""
+        """End the session: workers leave (a running cell is interrupted).
+
+        Args:
+            timeout: Seconds to wait for its end at most; None waits as long as it takes.
+        """
         if not self._done.is_set():
             self._inbox.put(StopCommand("the session was stopped"))
         self._thread.join(timeout)
 
     @property
     def active(self) -> bool:
+        """Whether the session still runs cells."""
         return not self._done.is_set()
 
     def _status_extra(self, status: JobStatus) -> dict[str, Any]:
@@ -221,7 +287,14 @@ class Session(AgentThread):
         self._inbox.put(InterruptCommand())
 
     def stacks(self, timeout: float = 10.0) -> dict[int, str]:
-        """Every rank's Python stacks, without stopping anything."""
+        """Every rank's Python stacks, without stopping anything.
+
+        Args:
+            timeout: Seconds to wait for the agent to gather them (then TimeoutError).
+
+        Returns:
+            Global rank -> its stacks (all threads), as text.
+        """
         return self.request_stacks().result(timeout)
 
     def __enter__(self) -> Session:
@@ -252,4 +325,4 @@ def stop_all(which: Callable[[Session], bool] = lambda _: True) -> None:
 atexit.register(stop_all)
 
 if Session.__doc__:  # absent under python -OO
-    Session.__doc__ += "\n\n" + options_help() + "\n"
+    Session.__doc__ += "\n    Options:\n" + options_help() + "\n"

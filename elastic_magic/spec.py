@@ -211,7 +211,38 @@ def _check_names(names: Iterable[str], valid: Iterable[str], what: str) -> None:
 @dataclass
 class JobSpec:
     """A validated launch request. Build it with :meth:`create` (or :meth:`for_machine`);
-    the options it takes are declared in ``OPTIONS``."""
+    the options it takes are declared in ``OPTIONS``.
+
+    Attributes:
+        nproc: Workers on this machine (--nproc, resolved).
+        backend: "gloo" or "nccl" (--backend, auto resolved).
+        max_restarts: --max-restarts.
+        monitor_interval: --monitor-interval, in seconds.
+        timeout: --timeout, in seconds.
+        stall_timeout: --stall-timeout, in seconds; None: off.
+        init_process_group: False with --no-init.
+        pool: False with --no-pool.
+        preload: --preload's modules.
+        log_dir: Where the runs' log folders go (--log-dir, or the default).
+        env: --env's variables.
+        argv: The cell's ``sys.argv[1:]`` (--args).
+        pull: --pull's variable names.
+        gpus: The CUDA GPUs the workers may use.
+        min_nproc: --min-nproc (default: nproc).
+        max_nproc: --max-nproc (default: nproc).
+        checkpoint_dir: --checkpoint-dir, checked; None: no checkpoint on disk.
+        min_nodes: --nnodes's MIN (1 without it).
+        max_nodes: --nnodes's MAX (1 without it).
+        link_timeout: --link-timeout, in seconds.
+        rdzv_host: --rdzv-endpoint's host (default 127.0.0.1).
+        rdzv_port: --rdzv-endpoint's port; 0: the OS picks one.
+        survivors: --survivors.
+        last_call: --last-call, in seconds.
+        launcher: --launcher's name; None: no launcher.
+        launch: The launcher's options: its config file section, --launch flags over it.
+        checkpoint_shared: --checkpoint-shared.
+        checkpoint_moved: --checkpoint-moved.
+    """
 
     nproc: int
     backend: str  # gloo or nccl, resolved
@@ -248,7 +279,14 @@ class JobSpec:
         return self.max_nodes > 1
 
     def check_scale(self, nproc: int) -> None:
-        """A resize target must lie within the job's bounds."""
+        """A resize target must lie within the job's bounds.
+
+        Args:
+            nproc: The number of workers asked for on this machine.
+
+        Raises:
+            SpecError: ``nproc`` is outside --min-nproc/--max-nproc.
+        """
         if not self.min_nproc <= nproc <= self.max_nproc:
             raise SpecError(
                 f"scale {nproc}: this job runs between {self.min_nproc} and {self.max_nproc} "
@@ -258,7 +296,24 @@ class JobSpec:
     @classmethod
     def create(cls, nproc: int | str | None = None, **options: Any) -> JobSpec:
         """Check every option (see ``OPTIONS``; unset ones take their defaults) and the
-        rules between them. Raises SpecError, saying what to change, before anything runs."""
+        rules between them. Raises SpecError, saying what to change, before anything runs.
+
+        Args:
+            nproc: Workers on this machine: N, "auto", "cpu" or "gpu" (default: one per
+                GPU, or 1 without GPUs).
+            **options: The other options, by ``OPTIONS`` name (``max_restarts=1``).
+
+        Returns:
+            The checked JobSpec.
+
+        Raises:
+            TypeError: An unknown option (naming the closest one).
+            SpecError: A bad value, or options that do not go together.
+
+        Example:
+            >>> JobSpec.create(2, max_restarts=1).max_restarts
+            1
+        """
         _check_names(options, OPTION_NAMES, "job option")
         given = {**options, "nproc": nproc}
         # Each option's own check, in table order; then the rules between options.
@@ -309,7 +364,19 @@ class JobSpec:
     def for_machine(cls, head: JobSpec, **own: Any) -> JobSpec:
         """The head's job as a joining machine runs it: the per-machine options from
         ``own`` (unset: their defaults, as on this machine), every other option as the
-        head has it. Checked again, against this machine's GPUs."""
+        head has it. Checked again, against this machine's GPUs.
+
+        Args:
+            head: The head's JobSpec.
+            **own: This machine's per-machine options (nproc, gpus, log_dir...).
+
+        Returns:
+            The JobSpec this machine runs.
+
+        Raises:
+            TypeError: An option that is not per-machine, or unknown.
+            SpecError: A bad value here (more workers than this machine's GPUs, say).
+        """
         _check_names(own, (o.name for o in OPTIONS if o.per_machine), "per-machine option")
         followed = {o.name: o.read(head) if o.read else getattr(head, o.name)
                     for o in OPTIONS if not o.per_machine}

@@ -49,18 +49,31 @@ class LauncherError(RuntimeError):
 @dataclass(frozen=True)
 class JoinRequest:
     """What a machine needs to join: the head's endpoint and the job's token (which a
-    launcher must never put on a command line: a 0600 file, stdin or the environment)."""
+    launcher must never put on a command line: a 0600 file, stdin or the environment).
+
+    Attributes:
+        endpoint: The head's ``HOST:PORT``, as ``elastic-magic join`` takes it.
+        token: The job's secret (``--token-file`` or ``--token-stdin`` of the join).
+        run_id: The job's name (for job names and file names).
+        nproc: Each machine's --nproc; None: its own default.
+    """
 
     endpoint: str
     token: str
     run_id: str
-    nproc: str | None = None  # each machine's --nproc; None: its own default
+    nproc: str | None = None
 
 
 @dataclass(frozen=True)
 class Allocation:
-    """One machine asked of the scheduler. ``state``: pending, running or ended;
-    ``reason``: why it waits, in the scheduler's words (squeue's Reason)."""
+    """One machine asked of the scheduler.
+
+    Attributes:
+        id: The scheduler's name for it (a Slurm job ID, ``host#n``).
+        state: "pending", "running" or "ended".
+        reason: Why it waits (or ended), in the scheduler's words (squeue's Reason).
+        where: The machine it runs on, once known.
+    """
 
     id: str
     state: str
@@ -68,13 +81,36 @@ class Allocation:
     where: str = ""
 
     def describe(self) -> str:
+        """One line for the job's status.
+
+        Returns:
+            "1234: pending (Priority)", "5678: running on node3", say.
+        """
         why = f" ({self.reason})" if self.reason and self.state == "pending" else ""
         where = f" on {self.where}" if self.where else ""
         return f"{self.id}: {self.state}{why}{where}"
 
 
 class Launcher(Protocol):
-    """The interface every launcher has (see the module's docstring)."""
+    """The interface every launcher has (see the module's docstring). It is made once to
+    check the options (when the job's options are), then again for the job.
+
+    Args:
+        options: The launcher's section of the config file and the ``--launch KEY=VALUE``
+            flags over it (``-`` in keys read as ``_``).
+
+    Attributes:
+        name: The name it is registered under (``--launcher NAME``).
+
+    Raises:
+        SpecError: An unknown option (``known_options`` says which exist) or a bad value.
+
+    Example:
+        Registered in its distribution's ``pyproject.toml``::
+
+            [project.entry-points."elastic_magic.launchers"]
+            pbs = "my_package.pbs:PbsLauncher"
+    """
 
     name: ClassVar[str]
 
@@ -82,24 +118,65 @@ class Launcher(Protocol):
         """Check the options (raise SpecError naming the bad one); start nothing."""
 
     def start(self, request: JoinRequest) -> Allocation:
-        """Ask for one machine running ``elastic-magic join`` for this job."""
+        """Ask for one machine running ``elastic-magic join`` for this job.
+
+        Args:
+            request: Where it joins, and the token (never on a command line).
+
+        Returns:
+            The new allocation (pending, often).
+
+        Raises:
+            LauncherError: The scheduler refused; one is asked for again after a delay.
+        """
 
     def allocations(self) -> list[Allocation]:
-        """Every allocation started and not yet cancelled, as the scheduler sees it."""
+        """Every allocation started and not yet cancelled, as the scheduler sees it.
+
+        Returns:
+            Each one's state, and why it waits; one that ended unasked is replaced.
+
+        Raises:
+            LauncherError: The scheduler cannot be asked (the job's status says so).
+        """
 
     def cancel(self, allocation_id: str) -> None:
-        """End one allocation (its join leaves the job as a machine that is stopped)."""
+        """End one allocation (its join leaves the job as a machine that is stopped).
+
+        Args:
+            allocation_id: An ``Allocation.id`` that ``start`` returned (one already ended
+                or cancelled: nothing to do).
+
+        Raises:
+            LauncherError: The scheduler has not confirmed the cancel.
+        """
 
     def cancel_all(self) -> None:
-        """End every allocation this launcher started."""
+        """End every allocation this launcher started, and remove the files of
+        ``orphan_files``.
+
+        Raises:
+            LauncherError: The scheduler has not confirmed every cancel.
+        """
 
     def orphan_cleanup(self, allocation_id: str) -> list[list[str]]:
         """The commands a watchdog runs for this allocation if the kernel dies first (none
-        where the allocation ends by itself when the kernel is gone)."""
+        where the allocation ends by itself when the kernel is gone).
+
+        Args:
+            allocation_id: An ``Allocation.id`` that ``start`` returned.
+
+        Returns:
+            Each command's argv: ``[["scancel", "1234"]]``, or ``[]``.
+        """
 
     def orphan_files(self) -> list[str]:
         """The files of the job's that ``start`` made (a token file), which a watchdog
-        removes if the kernel dies first, whatever became of the allocations."""
+        removes if the kernel dies first, whatever became of the allocations.
+
+        Returns:
+            The files' paths (``[]`` where ``start`` writes none).
+        """
 
 
 def _registry() -> dict[str, str]:

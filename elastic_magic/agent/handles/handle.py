@@ -134,10 +134,12 @@ class AgentThread:
 
     @property
     def state(self) -> JobState:
+        """What the job is doing now (``JobState``)."""
         return self._board.current.state
 
     @property
     def done(self) -> bool:
+        """Whether the agent has ended (``result`` or ``error`` is set)."""
         return self._done.is_set()
 
     @property
@@ -151,7 +153,13 @@ class AgentThread:
 
     def status(self) -> dict[str, Any]:
         """A snapshot for people: state, size, restarts, what was left out and why, live
-        worker PIDs, logs."""
+        worker PIDs, logs.
+
+        Returns:
+            ``run_id``, ``state``, ``world_size``, ``nnodes``, ``restarts`` ("n/max"),
+            ``pids`` (rank -> PID), ``log_dir``; a job's ``elapsed``, a session's
+            ``cells``; ``excluded`` and ``machines`` when there are any.
+        """
         s = self._board.current
         excluded = {"excluded": "; ".join(s.excluded)} if s.excluded else {}
         if s.machines:  # a --launcher's allocations, pending ones with the scheduler's reason
@@ -170,7 +178,15 @@ class AgentThread:
         then the newest): its join is told to leave (SIGTERM, or its ssh stdin closed), the
         others regroup from the last commit, and its allocation ends. Asked before the
         job reaches its scheduler (not started yet, the rendezvous not open), it is kept:
-        the launcher then asks for that many."""
+        the launcher then asks for that many.
+
+        Args:
+            nnodes: The number of machines, within the job's ``--nnodes MIN:MAX``.
+
+        Raises:
+            SpecError: The job has no --launcher, or ``nnodes`` is outside MIN:MAX.
+            ValueError: The job has ended.
+        """
         if self.spec.launcher is None:
             raise SpecError("scale --nodes needs a job started with --launcher (slurm, ssh); "
                             "without one, machines join and leave with elastic-magic join.")
@@ -188,14 +204,26 @@ class AgentThread:
 
     def wait_for_join_command(self, timeout: float | None = None) -> str | None:
         """The command other machines run to join (``--nnodes`` above 1), once the
-        rendezvous accepts them; None on one machine, or if it ended first."""
+        rendezvous accepts them.
+
+        Args:
+            timeout: Seconds to wait at most; None waits as long as it takes.
+
+        Returns:
+            The ``elastic-magic join ...`` command line; None on one machine, if the job
+            ended first or the timeout passed.
+        """
         if not self.spec.multi_node:
             return None
         return self._board.wait_for(lambda s: s.join_command is not None, timeout).join_command
 
     def request_stacks(self) -> Future[dict[int, str]]:
-        """Every rank's Python stacks, without waiting: the future gets them (from the
-        agent thread). Once ended: the stacks it kept of stuck ranks (often none)."""
+        """Every rank's Python stacks, without waiting for them.
+
+        Returns:
+            A future that gets global rank -> stacks (from the agent thread). Once ended:
+            the stacks it kept of stuck ranks (often none).
+        """
         answer: Future[dict[int, str]] = Future()
         if self.done:
             answer.set_result(self._kept_stacks())

@@ -33,7 +33,25 @@ __all__ = ["RENDER_INTERVAL", "AgentError", "Job", "Renderer", "new_run_id"]
 
 
 class Job(AgentThread):
-    """Handle on one elastic job. Commands are queued: safe from any thread."""
+    """Handle on one elastic job. Commands are queued: safe from any thread.
+
+    A ``%%elastic --bg`` cell returns one; ``launch`` makes one and waits for it.
+
+    Args:
+        spec: The job's options (``JobSpec.create``).
+        payload: What every rank runs (``payload.build_payload``).
+        run_id: The job's name. Default: a new ``em-<hex>``.
+        joined: This machine joins another's job (``elastic-magic join``) through it.
+        forward: Also gets each event (a joined machine's, for the head to show).
+
+    Attributes:
+        spec: The job's JobSpec.
+        run_id: The job's name, as in ``%elastic`` commands and the log folder.
+        token: What other machines show to join (with ``--nnodes``), else None.
+        events: The agent's events, in order, until ``wait`` renders them.
+        result: The JobResult once the job has ended, else None.
+        error: The agent's own failure, if it failed (``wait`` raises AgentError).
+    """
 
     def __init__(self, spec: JobSpec, payload: Payload, run_id: str | None = None, *,
                  joined: JoinedJob | None = None,
@@ -56,6 +74,14 @@ class Job(AgentThread):
             self._forward(event)
 
     def start(self) -> Job:
+        """Start the agent (it starts the workers) on a thread of its own.
+
+        Returns:
+            This job, to chain ``.wait()``.
+
+        Raises:
+            RuntimeError: It was started before.
+        """
         self._thread.start()
         return self
 
@@ -63,13 +89,26 @@ class Job(AgentThread):
         return {"elapsed": f"{status.elapsed:.1f}s"}
 
     def wait_for_running(self, timeout: float | None = None) -> bool:
-        """Block until every rank is in user code; False if the job ended first or the
-        timeout passed."""
+        """Block until every rank is in user code.
+
+        Args:
+            timeout: Seconds to wait at most; None waits as long as it takes.
+
+        Returns:
+            True once running; False if the job ended first or the timeout passed.
+        """
         status = self._board.wait_for(lambda s: s.state is JobState.RUNNING, timeout)
         return status.state is JobState.RUNNING
 
     def wait_done(self, timeout: float | None = None) -> bool:
-        """Block until the job has ended (without rendering); False on timeout."""
+        """Block until the job has ended (without rendering its events).
+
+        Args:
+            timeout: Seconds to wait at most; None waits as long as it takes.
+
+        Returns:
+            True once ended; False if the timeout passed.
+        """
         return self._done.wait(timeout)
 
     def __repr__(self) -> str:
@@ -82,9 +121,17 @@ class Job(AgentThread):
     def scale(self, nproc: int, immediate: bool = False, include: Iterable[int] = ()) -> None:
         """Resize to ``nproc`` workers on this machine. With an elastic State in the cell the
         resize happens at the next ``commit()`` (no step lost or repeated) unless
-        ``immediate``; a job without State is resized at once. A worker slot left out for
-        failing again stays out at every size unless named in ``include``. Raises SpecError
-        outside the job's --min-nproc/--max-nproc bounds."""
+        ``immediate``; a job without State is resized at once.
+
+        Args:
+            nproc: The new number of workers on this machine.
+            immediate: Restart the group at the new size now, from the last commit.
+            include: Worker slots left out for failing again that may come back (others
+                stay out at every size).
+
+        Raises:
+            SpecError: ``nproc`` is outside the job's --min-nproc/--max-nproc bounds.
+        """
         self.spec.check_scale(nproc)
         self._inbox.put(ScaleCommand(nproc, immediate, tuple(include)))
 
@@ -95,8 +142,15 @@ class Job(AgentThread):
         return dict(commit) if commit else None
 
     def wait_for_commit(self, step: int, timeout: float | None = None) -> bool:
-        """Block until a snapshot of ``step`` or later is committed; False if the job ended
-        first or the timeout passed."""
+        """Block until a snapshot of ``step`` or later is committed.
+
+        Args:
+            step: The State's step to wait for.
+            timeout: Seconds to wait at most; None waits as long as it takes.
+
+        Returns:
+            True once committed; False if the job ended first or the timeout passed.
+        """
 
         def reached(status: JobStatus) -> bool:
             commit = status.last_commit
@@ -107,10 +161,20 @@ class Job(AgentThread):
         return reached(status) and not status.done
 
     def stacks(self, timeout: float = 10.0) -> dict[int, str]:
-        """Every rank's current Python stacks (all threads), by global rank, without
-        stopping anything; ranks on other machines too. A rank that cannot answer (stuck in
-        C code that holds the GIL) says so. After the job has ended: the stacks it kept of
-        its stuck ranks when it failed by a timeout or a stall (often none)."""
+        """Every rank's current Python stacks (all threads), without stopping anything;
+        ranks on other machines too. A rank that cannot answer (stuck in C code that holds
+        the GIL) says so.
+
+        Args:
+            timeout: Seconds to wait for the agent to gather them.
+
+        Returns:
+            Global rank -> its stacks, as text. After the job has ended: the stacks it kept
+            of its stuck ranks when it failed by a timeout or a stall (often none).
+
+        Raises:
+            TimeoutError: The agent did not gather them in time (try again).
+        """
         answer = self.request_stacks()
         try:
             return answer.result(timeout)
@@ -122,16 +186,26 @@ class Job(AgentThread):
                 from None
 
     def stop(self, reason: str = "stopped") -> None:
-        """Ask the agent to stop every worker (SIGINT, then SIGTERM, then SIGKILL)."""
+        """Ask the agent to stop every worker (SIGINT, then SIGTERM, then SIGKILL); returns
+        at once (``wait_done`` waits for the end).
+
+        Args:
+            reason: Why, as the job's result and panel show it.
+        """
         self._inbox.put(StopCommand(reason))
 
     @property
     def started(self) -> bool:
+        """Whether ``start`` was called."""
         return self._thread.ident is not None
 
     def end(self, reason: str) -> None:
         """Stop the job if it runs and return once it has ended, whatever interrupts
-        the wait (a second Ctrl-C must not leave workers behind)."""
+        the wait (a second Ctrl-C must not leave workers behind).
+
+        Args:
+            reason: Why, as the job's result and panel show it.
+        """
         if not self.started or self.done:
             return
         self.stop(reason)
@@ -148,6 +222,17 @@ class Job(AgentThread):
         Ctrl-C (a kernel interrupt) stops the workers first, then raises KeyboardInterrupt.
         A renderer that raises stops the job too, which then ends before the error is
         raised: nobody would be watching it.
+
+        Args:
+            render: Takes each batch of events (at most 10 a second; an empty one is a
+                tick). None: the events are dropped.
+
+        Returns:
+            The JobResult, whatever the job's state (a failed job raises nothing here).
+
+        Raises:
+            AgentError: The agent itself failed; the workers were stopped.
+            KeyboardInterrupt: Ctrl-C, once the workers have stopped.
         """
         def step() -> bool:
             try:
