@@ -1,16 +1,26 @@
 """The Slurm launcher against a real Slurm (tests/slurm.py: munged, slurmctld, one slurmd
 per network namespace): a training job grows onto allocations as Slurm starts them, gives
 one back (it leaves at a commit, then its Slurm job is cancelled), waits with Slurm's own
-reason shown, and leaves nothing in the queue, also when the kernel is killed outright; the
-token is in no command line and no job field."""
+reason shown, and leaves nothing in the queue, also when the kernel is killed outright (or
+interrupted, or killed, while sbatch submits); the token is in no command line and no job
+field."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import select
+import shlex
+import shutil
+import signal
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from netns import network as network  # the fixture
@@ -188,3 +198,226 @@ def test_a_preempted_machine_leaves_at_a_commit_and_its_replacement_waits_with_t
     while slurm.queue() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert slurm.queue() == []
+
+
+# -- what the notebook's folder holds, and what a job prints there --------------------------
+
+
+def _one_join(slurm, tmp_path, workdir) -> list:
+    """One join submitted from ``workdir`` to an endpoint it refuses at once (``join``
+    exits 2), once it ended: the files of the launcher's output folder named for it."""
+    from elastic_magic.launchers import JoinRequest, make_launcher
+
+    launcher = make_launcher("slurm", {**options(tmp_path), "workdir": str(workdir)})
+    try:
+        allocation = launcher.start(JoinRequest("not-an-endpoint", "token", "em-planted"))
+        deadline = time.monotonic() + 120
+        while launcher.allocations()[0].state != "ended":
+            assert time.monotonic() < deadline, (launcher.allocations(), slurm.logs())
+            time.sleep(0.2)
+    finally:
+        launcher.cancel_all()
+    return list((tmp_path / "output").glob(f"elastic-em-planted*-{allocation.id}.out"))
+
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_a_job_on_a_node_runs_nothing_planted_in_the_start_folder_through_pythonpath(
+        network, slurm, tmp_path, monkeypatch):
+    """sbatch gives the job the kernel's environment and folder: with ``PYTHONPATH=":lib:..."``
+    (an empty and a relative entry, which Python turns into the job's folder and one in it),
+    an ``elastic_magic/__init__.py`` planted in a group-writable notebook folder ran as the
+    user on the node. The join runs its own elastic_magic, and nothing of the folder's."""
+    start, marker = tmp_path / "start", tmp_path / "marker"
+    for folder in (start, start / "lib"):
+        (folder / "elastic_magic").mkdir(parents=True)
+        (folder / "elastic_magic" / "__init__.py").write_text(
+            f"open({str(marker)!r}, 'a').write(__file__ + '\\n')\n")
+    start.chmod(0o775)
+    monkeypatch.setenv("PYTHONPATH", f":lib:{PACKAGE_PARENT}")  # what sbatch passes on
+    (printed,) = _one_join(slurm, tmp_path, start)
+    assert not marker.exists(), marker.read_text()
+    assert "'not-an-endpoint' is not HOST:PORT" in printed.read_text()  # the join ran there
+
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_what_a_job_prints_goes_to_a_private_folder_not_the_working_folder(
+        network, slurm, tmp_path):
+    """Slurm writes a job's output to ``slurm-%j.out`` in its working folder, with the
+    user's umask (0644 under 022): a joined machine's ranks' lines, for others to read.
+    It goes to a file of the launcher's 0700 output folder instead."""
+    import os
+    import stat
+
+    work = tmp_path / "work"
+    work.mkdir(mode=0o755)
+    old = os.umask(0o022)  # sbatch hands the job its submitter's umask
+    try:
+        printed = _one_join(slurm, tmp_path, work)
+    finally:
+        os.umask(old)
+    assert list(work.iterdir()) == []  # no slurm-*.out
+    assert len(printed) == 1 and "is not HOST:PORT" in printed[0].read_text()  # both streams
+    output = tmp_path / "output"
+    assert stat.S_IMODE(output.stat().st_mode) == 0o700
+    assert output.stat().st_uid == os.getuid()
+    assert [p.name for p in output.iterdir()] == [p.name for p in output.glob("elastic-*.out")]
+
+
+# -- a kernel that dies or is interrupted while sbatch submits; scancel that times out ------
+
+
+class Gate:
+    """Where a wrapper script tells the test how far it got (``tell``, ``reach``: told,
+    then waits for ``open``), through two FIFOs the test holds open."""
+
+    def __init__(self, folder: Path) -> None:
+        self.said, self.go = folder / "said", folder / "go"
+        os.mkfifo(self.said)
+        os.mkfifo(self.go)
+        self._said = os.open(self.said, os.O_RDONLY | os.O_NONBLOCK)
+        self._writer = os.open(self.said, os.O_WRONLY)  # no end of file between scripts
+        self._go = os.open(self.go, os.O_RDWR)  # the script's open does not wait for it
+        self._pending = b""
+
+    def shell(self) -> str:
+        said, go = shlex.quote(str(self.said)), shlex.quote(str(self.go))
+        return (f'tell() {{ echo "$*" > {said}; }}\n'
+                f'reach() {{ tell "$@"; read go < {go}; }}\n')
+
+    def heard(self, timeout: float = 120) -> str:
+        """The next line a script told."""
+        while b"\n" not in self._pending:
+            assert select.select([self._said], [], [], timeout)[0], "no script told anything"
+            self._pending += os.read(self._said, 1 << 10)
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode()
+
+    def open(self) -> None:
+        os.write(self._go, b"go\n")
+
+    def close(self) -> None:
+        for fd in (self._said, self._writer, self._go):
+            os.close(fd)
+
+
+@pytest.fixture
+def tools(tmp_path, monkeypatch) -> Iterator[tuple[Path, Gate]]:
+    """A folder first on PATH for wrappers of Slurm's tools (``wrap``), and their Gate."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    gate = Gate(tmp_path)
+    try:
+        yield folder, gate
+    finally:
+        gate.close()
+
+
+def wrap(tools: tuple[Path, Gate], tool: str, body: str) -> None:
+    """``tool`` on PATH runs ``body`` (``$REAL``: the real one) after the Gate's functions."""
+    folder, gate = tools
+    real = shutil.which(tool, path=os.environ["PATH"].split(":", 1)[1])
+    assert real is not None
+    (folder / tool).write_text(f"#!/bin/sh\nREAL={shlex.quote(real)}\n{gate.shell()}{body}")
+    (folder / tool).chmod(0o755)
+
+
+def failing_scancel(tools: tuple[Path, Gate], folder: Path) -> Path:
+    """scancel, logging its arguments, that fails as a busy controller does while the
+    returned file holds a count above 0 (each failure takes one off)."""
+    left, log = folder / "scancel-failures", folder / "scancel.log"
+    left.write_text("0")
+    wrap(tools, "scancel", textwrap.dedent(f"""\
+        echo "$*" >> {shlex.quote(str(log))}
+        left=$(cat {shlex.quote(str(left))})
+        if [ "$left" -gt 0 ]; then
+            echo $((left - 1)) > {shlex.quote(str(left))}
+            echo "scancel: error: Socket timed out on send/recv operation" >&2
+            exit 1
+        fi
+        exec "$REAL" "$@"
+    """))
+    return left
+
+
+def wait_until(check, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def held(tmp_path) -> dict[str, str]:
+    """The launcher's options, its jobs held (they wait, JobHeldUser, until cancelled)."""
+    return {**options(tmp_path), "sbatch_options": "--hold"}
+
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_a_kernel_killed_while_sbatch_submits_leaves_no_job_and_no_token_file(
+        network, slurm, tools, tmp_path):
+    _, gate = tools
+    # sbatch has the batch script, then waits before it submits, then says what it did.
+    wrap(tools, "sbatch", 'script=$(cat)\nreach submitting\n'
+                          'out=$(printf "%s\\n" "$script" | "$REAL" "$@")\n'
+                          'tell "submitted $out"\necho "$out"\n')
+    head = start_head(network, tmp_path, "slurm", held(tmp_path), nnodes="1:2")
+    try:
+        assert gate.heard() == "submitting"
+        assert [p.name for p in (tmp_path / "tokens").iterdir()] != []  # written first
+        head.kill()  # SIGKILL, while sbatch runs
+        head.wait()
+        gate.open()  # it submits now, the kernel gone
+        job_id = gate.heard().split()[1]
+        # The watchdog waited for sbatch's end, then cancelled its job by its name.
+        wait_until(lambda: slurm.queue() == [], f"job {job_id} left in {slurm.queue()}")
+        wait_until(lambda: list((tmp_path / "tokens").iterdir()) == [], "the token file left")
+    finally:
+        end(head)
+
+
+HEAD_INTERRUPTED = textwrap.dedent("""
+    import json, sys
+    import elastic_magic as em
+    from elastic_magic.agent.handles.job import Job
+    from elastic_magic.payload import build_payload
+    spec = em.JobSpec.create(1, nnodes="1:2", rdzv_endpoint=sys.argv[1], launcher="slurm",
+                             launch=json.loads(sys.argv[2]), log_dir=sys.argv[3], timeout=60)
+    job = Job(spec, build_payload("import time\\nwhile True: time.sleep(0.1)", spec)).start()
+    try:
+        job.wait()
+    except KeyboardInterrupt:  # Ctrl-C: the job stopped, then the cell ends
+        print("interrupted", job.status_snapshot.machines, flush=True)
+""")
+
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_an_interrupt_while_sbatch_submits_leaves_one_job_tracked_and_then_cancelled(
+        network, slurm, tools, tmp_path):
+    _, gate = tools
+    submitted = tmp_path / "submitted"
+    failing_scancel(tools, tmp_path)  # fails none: it logs what it cancels
+    # sbatch submits, then waits before it says the job's id (an interrupt meanwhile
+    # would have killed it, and with it the only record of the job).
+    wrap(tools, "sbatch", f'out=$("$REAL" "$@") || exit $?\n'
+                          f'echo "$out" >> {shlex.quote(str(submitted))}\n'
+                          'reach "submitted $out"\necho "$out"\n')
+    head = subprocess.Popen(
+        [sys.executable, "-c", HEAD_INTERRUPTED, network.head_address,
+         json.dumps([f"{k}={v}" for k, v in held(tmp_path).items()]),
+         str(tmp_path / "head-logs")],
+        stdout=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+    try:
+        job_id = gate.heard().split()[1]
+        os.killpg(head.pid, signal.SIGINT)  # Jupyter's interrupt: the kernel's whole group
+        gate.open()
+        out, _ = head.communicate(timeout=120)
+        assert head.returncode == 0 and out.startswith("interrupted"), out
+        assert submitted.read_text().split() == [job_id]  # one submission, not a second
+        cancels = (tmp_path / "scancel.log").read_text().splitlines()
+        assert job_id in cancels, cancels  # the kernel had it: cancelled by its id
+        wait_until(lambda: slurm.queue() == [], f"left in the queue: {slurm.queue()}")
+        assert list((tmp_path / "tokens").iterdir()) == []
+    finally:
+        end(head)
+

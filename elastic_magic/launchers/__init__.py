@@ -174,6 +174,12 @@ class Launcher(Protocol):
         """The files of the job's that ``start`` made (a token file), which a watchdog
         removes if the kernel dies first, whatever became of the allocations.
 
+        A launcher whose ``start`` submits a job that a kernel killed or interrupted
+        meanwhile could leave behind also has ``prepare_start(request) -> (key, commands)``:
+        the commands that cancel what the next ``start`` submits, whatever becomes of it (a
+        unique job name's ``scancel``), held by the watchdog before ``start`` runs; the
+        files that ``start`` will write are in ``orphan_files`` by then too.
+
         Returns:
             The files' paths (``[]`` where ``start`` writes none).
         """

@@ -12,7 +12,8 @@ after MAX_FAILURES in a row no more are asked until the next ``scale``, and the 
 so with the last failure's reason. A machine that joins ends the streak.
 What every allocation is doing, with the scheduler's reason for those that wait, goes to
 ``publish`` (the job's status). A :class:`Watchdog` in a session of its own holds what
-would end each allocation, and runs it if the kernel dies before ``close``.
+would end each allocation (and, with a launcher's ``prepare_start``, what undoes a
+submission before it runs), and runs it if the kernel dies before ``close``.
 """
 
 from __future__ import annotations
@@ -137,16 +138,19 @@ class Cluster:
                     self._failed(f"{allocation.id} ended before its machine joined{why}")
         live = [a for a in allocations if a.state != "ended"]
         while len(self._live) < self.target and self._may_start():
+            assert self.watchdog is not None
             try:
+                undo = self._prepare_start()
                 started = self.launcher.start(self.request)
-            except LauncherError as exc:
+            except LauncherError as exc:  # what undoes it stays held: it may have submitted
                 self._failed(f"cannot start a machine: {exc}")
                 break
             finally:  # a token file written for a start that failed is the job's too
                 self._guard_files()
             self._live.append(started.id)
-            assert self.watchdog is not None
             self.watchdog.add(started.id, self.launcher.orphan_cleanup(started.id))
+            if undo is not None:
+                self.watchdog.drop(undo)
             live.append(started)
         if len(self._live) > self.target:
             pending = [a.id for a in live if a.state == "pending"]
@@ -184,6 +188,19 @@ class Cluster:
             return (f"no more machines asked for ({streak}); `%elastic scale --nodes N` "
                     "asks again",)
         return (f"asking for a machine again in {self._delay():g}s ({streak})",)
+
+    def _prepare_start(self) -> str | None:
+        """What undoes the next start (a launcher's optional ``prepare_start``: a key and
+        commands), held by the watchdog before it runs, with the files it will write: a
+        kernel killed or interrupted while it submits leaves nothing. The key, if any."""
+        prepare = getattr(self.launcher, "prepare_start", None)
+        if prepare is None:
+            return None
+        key, commands = prepare(self.request)
+        assert self.watchdog is not None
+        self.watchdog.add(str(key), commands)
+        self._guard_files()
+        return str(key)
 
     def _guard_files(self) -> None:
         assert self.watchdog is not None

@@ -12,11 +12,13 @@ the job.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import secrets
 import shlex
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +26,7 @@ from pathlib import Path
 from ..agent.local import interpreter
 from ..checks import SpecError
 from . import Allocation, JoinRequest, LauncherError, known_options
+from .watchdog import submitting
 
 OPTIONS = {
     "partition": "sbatch --partition",
@@ -44,11 +47,13 @@ _STATES = {"PENDING": "pending", "CONFIGURING": "pending", "RUNNING": "running",
            "NODE_FAIL": "ended", "OUT_OF_MEMORY": "ended"}
 
 
-def _run(argv: list[str], stdin: str | None = None) -> str:
+def _run(argv: list[str], stdin: str | None = None, hold: tuple[int, ...] = ()) -> str:
+    """``argv``'s output. In a session of its own: the kernel's interrupt (SIGINT to its
+    process group) cannot kill an ``sbatch`` after it submitted, before it said the id."""
     env = {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
     try:
         done = subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env,
-                              timeout=60)
+                              timeout=60, start_new_session=True, pass_fds=hold)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LauncherError(f"{argv[0]}: {exc}") from None
     if done.returncode:
@@ -77,6 +82,11 @@ class SlurmLauncher:
         self._jobs: list[str] = []
         self._token_file: Path | None = None
         self._lock = threading.Lock()
+        self._token_path: Path | None = None  # chosen before the file is written
+        self._count = itertools.count(1)
+        self._next_name: str | None = None  # the next start's job name (prepare_start)
+        self._names: dict[str, str] = {}  # job id -> its job name
+        self._maybe: list[str] = []  # names of submissions whose sbatch failed
 
     def _write_token(self, request: JoinRequest) -> Path:
         """The token in a 0600 file of a 0700 folder, made without following links."""
@@ -86,11 +96,43 @@ class SlurmLauncher:
                     self.token_dir.stat().st_mode & 0o077:
                 raise LauncherError(f"{self.token_dir} must be yours and private (chmod "
                                     "700) to hold the job's token.")
-            fd, name = tempfile.mkstemp(prefix=f"{request.run_id}-", dir=self.token_dir)
-            with os.fdopen(fd, "w") as file:  # mkstemp makes it 0600
+            path = self._token_path_for(request)
+            try:  # O_EXCL: whatever is there already (a link) is refused, not followed
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                             os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise LauncherError(f"cannot write the job's token file: {exc}") from None
+            with os.fdopen(fd, "w") as file:
                 file.write(request.token)
-            self._token_file = Path(name)
+            self._token_file = path
         return self._token_file
+
+    def _token_path_for(self, request: JoinRequest) -> Path:
+        """Where the token file goes, chosen before it is written: a watchdog knows it
+        first (``orphan_files``)."""
+        if self._token_path is None:
+            self._token_path = self.token_dir / f"{request.run_id}-{secrets.token_hex(8)}"
+        return self._token_path
+
+    @staticmethod
+    def _cancel_by_name(name: str) -> list[str]:
+        """Cancels this user's job of that name, if there is one: exits 0 once Slurm has
+        answered (whether the job was ever submitted or not)."""
+        return ["scancel", f"--user={os.getuid()}", f"--name={name}"]
+
+    def prepare_start(self, request: JoinRequest) -> tuple[str, list[list[str]]]:
+        """The next ``start``'s job name and what cancels that job, and its token file's
+        path (``orphan_files``), known before ``sbatch`` runs: a watchdog holds them, so a
+        kernel killed during the submission leaves neither."""
+        with self._lock:
+            self._token_path_for(request)
+            if self._next_name is None:
+                self._next_name = self._new_name(request)
+            return self._next_name, [self._cancel_by_name(self._next_name)]
+
+    def _new_name(self, request: JoinRequest) -> str:
+        """A job name no other job has: what a watchdog cancels it by."""
+        return f"elastic-{request.run_id}-{next(self._count)}-{secrets.token_hex(3)}"
 
     def script(self, request: JoinRequest, token_file: Path) -> str:
         nproc = self.options.get("nproc") or request.nproc
@@ -105,10 +147,22 @@ class SlurmLauncher:
     def start(self, request: JoinRequest) -> Allocation:
         with self._lock:
             token_file = self._write_token(request)
-            out = _run([*self.sbatch, f"--job-name=elastic-{request.run_id}",
-                        f"--chdir={self.workdir}"], stdin=self.script(request, token_file))
+            name = self._next_name or self._new_name(request)
+            self._next_name = None
+            try:  # sbatch holds the watchdogs' pipe: a dead kernel's waits for its end
+                out = _run([*self.sbatch, f"--job-name={name}", f"--chdir={self.workdir}"],
+                           stdin=self.script(request, token_file), hold=submitting())
+            except LauncherError:
+                # It may have submitted before it failed (killed, timed out): cancelled by
+                # its name now, or else by cancel_all.
+                self._maybe.append(name)
+                with contextlib.suppress(LauncherError):
+                    _run(self._cancel_by_name(name))
+                    self._maybe.remove(name)
+                raise
             job_id = out.strip().split(";")[0]
             self._jobs.append(job_id)
+            self._names[job_id] = name
         return Allocation(job_id, "pending")
 
     def allocations(self) -> list[Allocation]:
@@ -141,10 +195,16 @@ class SlurmLauncher:
                 raise
 
     def cancel_all(self) -> None:
+        """Every job ended (by name those a failed sbatch may have submitted), the token
+        file removed."""
         with self._lock:
             jobs, self._jobs = self._jobs, []
-            token_file, self._token_file = self._token_file, None
+            names, self._maybe = self._maybe, []
+            token_file = self._token_file or self._token_path
+            self._token_file = self._token_path = None
         try:
+            for name in names:
+                _run(self._cancel_by_name(name))
             if jobs:
                 _run(["scancel", *jobs])
         finally:
@@ -152,7 +212,8 @@ class SlurmLauncher:
                 token_file.unlink(missing_ok=True)
 
     def orphan_cleanup(self, allocation_id: str) -> list[list[str]]:
-        return [["scancel", allocation_id]]
+        name = self._names.get(allocation_id)
+        return [self._cancel_by_name(name) if name else ["scancel", allocation_id]]
 
     def orphan_files(self) -> list[str]:
-        return [str(self._token_file)] if self._token_file else []
+        return [str(self._token_path)] if self._token_path else []

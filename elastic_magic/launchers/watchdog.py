@@ -4,12 +4,14 @@ The kernel starts the watchdog (``interpreter.command``: never ``python -m``, wh
 import from the kernel's working directory) in a session of its own (a kernel killed with
 its process group leaves it running) with its stdin a pipe that only the kernel writes. The
 kernel sends one JSON line per change: ``{"add": ID, "run": [ARGV, ...]}`` when an
-allocation starts (what would end it), ``{"drop": ID}`` when it was ended normally,
-``{"remove": PATH}`` for a file of the job's (the Slurm token), ``{"exit": true}`` when the
-job has ended cleanly. If the kernel dies first (its pidfd says so even while a child it
-forked still holds the pipe) or stdin ends without ``exit``, every command still held is
-run, the files are removed, and the watchdog exits. Nothing here reads anything but that
-pipe.
+allocation starts, or before a submission whose id is not known yet (what would end it),
+``{"drop": ID}`` when it was ended normally, ``{"remove": PATH}`` for a file of the job's
+(the Slurm token, named before it is written), ``{"exit": true}`` when the job has ended
+cleanly. If the kernel dies first (its pidfd says so even while a child it forked still
+holds the pipe) or stdin ends without ``exit``, the submissions still under way end first
+(``sbatch`` holds the write end of a second pipe, ``submitting``: its end is theirs), then
+every command still held is run, the files are removed, and the watchdog exits. Nothing
+here reads anything but those pipes.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import os
 import select
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 from ..agent.local import interpreter
+
+PATIENCE = 600.0  # seconds a dead kernel's watchdog waits for a submission under way
 
 
 def watch(lines: Iterable[str]) -> tuple[list[list[str]], list[str]]:
@@ -76,8 +81,21 @@ def kernel_lines(stdin: int, kernel: int) -> Iterator[str]:
         yield from (line.decode(errors="replace") for line in lines)
 
 
+def submissions_ended(fd: int, patience: float) -> bool:
+    """Whether every process that held the write end of pipe ``fd`` (the kernel and the
+    ``sbatch`` it was running) has closed it, waiting up to ``patience`` seconds."""
+    deadline = time.monotonic() + patience
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([fd], [], [], left)[0] and not os.read(fd, 1 << 10):
+            return True
+    return False
+
+
 def main() -> int:
     commands, files = watch(kernel_lines(0, int(sys.argv[1])))
+    if commands and len(sys.argv) > 2:
+        # an sbatch the kernel started may still submit: cancel once it has ended
+        submissions_ended(int(sys.argv[2]), PATIENCE)
     for argv in commands:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -92,12 +110,23 @@ class Watchdog:
     """The kernel's side: starts the watchdog, tells it what to end, lets it go."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            interpreter.command(__name__, str(os.getpid())), stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            text=True, env={k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"})
+        ended, holding = os.pipe()  # the submissions' pipe (see ``submitting``)
+        try:
+            self.proc = subprocess.Popen(
+                interpreter.command(__name__, str(os.getpid()), str(ended)),
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, text=True, pass_fds=(ended,),
+                env={k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"})
+        except BaseException:
+            os.close(holding)
+            raise
+        finally:
+            os.close(ended)
         assert self.proc.stdin is not None
         lifeline(self.proc.stdin)
+        self.holding = os.fdopen(holding, "wb")
+        lifeline(self.holding)
+        _HOLDING.add(self.holding)
 
     def _send(self, order: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -119,14 +148,33 @@ class Watchdog:
     def close(self) -> None:
         """The job ended cleanly: the watchdog exits without running anything."""
         self._send({"exit": True})
-        with contextlib.suppress(OSError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
+        self._let_go()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def _let_go(self) -> None:
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        with contextlib.suppress(OSError):
+            self.holding.close()
+
+
+# The write ends of the live watchdogs' submissions pipes: a submission (``sbatch``) holds
+# them while it runs, so a watchdog whose kernel died waits for it before cancelling.
+_HOLDING: weakref.WeakSet[IO[Any]] = weakref.WeakSet()
+
+
+def submitting() -> tuple[int, ...]:
+    """The descriptors a submission's process inherits (``pass_fds``) for its run."""
+    fds = []
+    for pipe in list(_HOLDING):
+        with contextlib.suppress(OSError, ValueError):  # ValueError: closed meanwhile
+            fds.append(pipe.fileno())
+    return tuple(fds)
 
 
 # Pipes whose end tells a process that the kernel is gone (the watchdog's stdin, an ssh
