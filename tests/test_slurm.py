@@ -2,8 +2,8 @@
 per network namespace): a training job grows onto allocations as Slurm starts them, gives
 one back (it leaves at a commit, then its Slurm job is cancelled), waits with Slurm's own
 reason shown, and leaves nothing in the queue, also when the kernel is killed outright (or
-interrupted, or killed, while sbatch submits); the token is in no command line and no job
-field."""
+interrupted, or killed, while sbatch submits) or scancel times out; the token is in no
+command line and no job field."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ from test_launchers import (
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.events import MachinesChanged, NodeConnected, RendezvousCompleted
+from elastic_magic.launchers import JoinRequest, make_launcher
+from elastic_magic.launchers.cluster import Cluster
 from elastic_magic.payload import build_payload
 
 
@@ -421,3 +423,51 @@ def test_an_interrupt_while_sbatch_submits_leaves_one_job_tracked_and_then_cance
     finally:
         end(head)
 
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_a_cancel_slurm_did_not_confirm_is_asked_again_until_it_is(
+        network, slurm, tools, tmp_path):
+    failures = failing_scancel(tools, tmp_path)
+    shown: list[tuple[str, ...]] = []
+    cluster = Cluster(make_launcher("slurm", held(tmp_path)),
+                      JoinRequest(f"{network.head_address}:1", "token", "em-cancels"),
+                      machines=1, publish=shown.append, poll_interval=0.2)
+    cluster.start()
+    try:
+        wait_until(lambda: len(slurm.queue()) == 1, "no job submitted")
+        failures.write_text("2")
+        cluster.scale(0)  # its waiting job is cancelled: scancel times out twice
+        wait_until(lambda: slurm.queue() == [], f"left in the queue: {slurm.queue()}")
+        assert failures.read_text().strip() == "0"
+        assert any("cancel failed (asking again in 1s): scancel" in line and
+                   "Socket timed out" in line for lines in shown for line in lines), shown
+        # At the job's end: cancel_all times out, and the watchdog goes on asking.
+        cluster.scale(1)
+        wait_until(lambda: len(slurm.queue()) == 1, "no job submitted")
+        failures.write_text("3")
+        cluster.close()
+        assert "the scheduler did not confirm every cancel" in shown[-1][0], shown[-1]
+        wait_until(lambda: slurm.queue() == [], f"left in the queue: {slurm.queue()}")
+        assert cluster.watchdog is not None and cluster.watchdog.proc.wait(timeout=120) == 0
+        assert failures.read_text().strip() == "0"
+        assert list((tmp_path / "tokens").iterdir()) == []
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_a_dead_kernels_watchdog_asks_again_until_slurm_confirms_the_cancel(
+        network, slurm, tools, tmp_path):
+    failures = failing_scancel(tools, tmp_path)
+    head = start_head(network, tmp_path, "slurm", held(tmp_path), nnodes="1:2")
+    try:
+        wait_for_status(head, lambda s: any("pending (JobHeldUser)" in m
+                                            for m in s["machines"]))
+        failures.write_text("3")
+        head.kill()  # SIGKILL: its watchdog cancels, through three timeouts
+        head.wait()
+        wait_until(lambda: slurm.queue() == [], f"left in the queue: {slurm.queue()}")
+        assert failures.read_text().strip() == "0"
+        assert list((tmp_path / "tokens").iterdir()) == []
+    finally:
+        end(head)

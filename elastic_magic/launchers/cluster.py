@@ -13,7 +13,10 @@ so with the last failure's reason. A machine that joins ends the streak.
 What every allocation is doing, with the scheduler's reason for those that wait, goes to
 ``publish`` (the job's status). A :class:`Watchdog` in a session of its own holds what
 would end each allocation (and, with a launcher's ``prepare_start``, what undoes a
-submission before it runs), and runs it if the kernel dies before ``close``.
+submission before it runs), and runs it if the kernel dies before ``close``. A cancel the
+scheduler did not confirm stays with the watchdog and is asked again after a delay that
+doubles, for up to CANCEL_PATIENCE; if ``close`` cannot end them all, the watchdog goes on
+asking on its own.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import Allocation, JoinRequest, Launcher, LauncherError, make_launcher
-from .watchdog import Watchdog
+from .watchdog import PATIENCE, Watchdog
 
 if TYPE_CHECKING:
     from ..spec import JobSpec
@@ -34,6 +37,7 @@ POLL_INTERVAL = 2.0
 RETRY_DELAY = 5.0  # after a machine failed to come up; doubled for each failure in a row
 RETRY_DELAY_MOST = 60.0
 MAX_FAILURES = 5  # in a row: then no machine is asked for until the next scale
+CANCEL_PATIENCE = 600.0  # seconds an unconfirmed cancel is asked again for (then at close)
 
 
 class Cluster:
@@ -64,6 +68,8 @@ class Cluster:
         self._live: list[str] = []  # allocation ids, oldest first
         self._ended: list[str] = []  # what ended unasked, described, for the status
         self._files: list[str] = []  # the launcher's, given to the watchdog to remove
+        # cancels the scheduler did not confirm: id -> (first failure, next try, tries)
+        self._uncancelled: dict[str, tuple[float, float, int]] = {}
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -113,6 +119,10 @@ class Cluster:
             if allocation_id in self._releasing:
                 self._releasing.remove(allocation_id)
             self._cancel(allocation_id)
+        now = time.monotonic()
+        for allocation_id, (_, retry_at, _) in list(self._uncancelled.items()):
+            if now >= retry_at:
+                self._cancel(allocation_id)
         while self._arrived:
             self._joined.add(self._arrived.pop(0))
             self._failures = 0  # one came up: the streak ends
@@ -210,16 +220,32 @@ class Cluster:
                 self.watchdog.remove(path)
 
     def _cancel(self, allocation_id: str) -> None:
+        failed = f"{allocation_id}: cancel failed"
+        self._ended = [line for line in self._ended if not line.startswith(failed)]
         try:
             self.launcher.cancel(allocation_id)
         except LauncherError as exc:
-            self._ended = [*self._ended[-4:], f"{allocation_id}: cancel failed: {exc}"]
+            # Not confirmed: the watchdog keeps it, and it is asked again (then at close).
+            now = time.monotonic()
+            first, _, tries = self._uncancelled.get(allocation_id, (now, now, 0))
+            delay = min(2.0 ** tries, RETRY_DELAY_MOST)
+            if now + delay - first <= CANCEL_PATIENCE:
+                self._uncancelled[allocation_id] = (first, now + delay, tries + 1)
+                again = f"asking again in {delay:g}s"
+            else:
+                self._uncancelled.pop(allocation_id, None)
+                again = "asked again when the job ends"
+            self._ended = [*self._ended[-4:], f"{failed} ({again}): {exc}"]
+            self._forget(allocation_id, guarded=True)
+            return
+        self._uncancelled.pop(allocation_id, None)
         self._forget(allocation_id)
 
-    def _forget(self, allocation_id: str) -> None:
+    def _forget(self, allocation_id: str, guarded: bool = False) -> None:
+        """``guarded``: the watchdog keeps it (its cancel is not confirmed)."""
         if allocation_id in self._live:
             self._live.remove(allocation_id)
-        if self.watchdog is not None:
+        if self.watchdog is not None and not guarded:
             self.watchdog.drop(allocation_id)
 
     def _show(self, lines: tuple[str, ...]) -> None:
@@ -239,14 +265,25 @@ class Cluster:
         self._closed.set()
         self._wake.set()
         with self._lock:  # a start under way finishes first, so nothing is missed
+            shown: tuple[str, ...] = ()
             try:
                 self.launcher.cancel_all()
+            except LauncherError as exc:  # the watchdog asks again on its own, for minutes
+                shown = (f"the scheduler did not confirm every cancel ({exc}); asking again "
+                         f"for up to {PATIENCE / 60:g} minutes",)
+                if self.watchdog is not None:
+                    self.watchdog.finish()
+            except BaseException:
+                if self.watchdog is not None:
+                    self.watchdog.finish()
+                raise
+            else:
+                if self.watchdog is not None:
+                    self.watchdog.close()  # only now: what it holds is ended
+            finally:
                 self._live.clear()
                 self._releasing.clear()
-                if self.watchdog is not None:
-                    self.watchdog.close()  # only now: a failed cancel_all leaves it on guard
-            finally:
-                self._show(())
+                self._show(shown)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 

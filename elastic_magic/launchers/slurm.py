@@ -183,33 +183,64 @@ class SlurmLauncher:
         return [seen.get(j, Allocation(j, "ended")) for j in jobs]
 
     def cancel(self, allocation_id: str) -> None:
+        """The job stays this launcher's until Slurm confirms its end (a LauncherError says
+        it did not yet; cancel_all tries it again)."""
         with self._lock:
             if allocation_id not in self._jobs:
                 return
-            self._jobs.remove(allocation_id)
+        self._end([allocation_id])
+
+    def _end(self, jobs: list[str]) -> None:
+        """``scancel``; the jobs Slurm confirmed ended (scancel succeeded, or squeue lists
+        them ended or no more) are forgotten, the others raise."""
         try:
-            _run(["scancel", allocation_id])
+            _run(["scancel", *jobs])
+            failure, left = "", []
+        except LauncherError as exc:  # "Socket timed out", say: it may have ended them
+            failure, left = str(exc), self._queued(jobs)
+        with self._lock:
+            self._jobs = [j for j in self._jobs if j not in jobs or j in left]
+        if left:
+            raise LauncherError(f"{failure} (still queued: {', '.join(left)})")
+
+    def _queued(self, jobs: list[str]) -> list[str]:
+        """Those of ``jobs`` Slurm may still run: all where squeue cannot say."""
+        try:
+            out = _run(["squeue", "--noheader", f"--jobs={','.join(jobs)}", "--states=all",
+                        "--format=%i|%T"])
         except LauncherError as exc:
-            ended = ("Invalid job id", "already completing or completed")
-            if not any(words in str(exc) for words in ended):  # ended already: nothing to do
-                raise
+            return [] if "Invalid job id" in str(exc) else list(jobs)
+        states = dict(line.partition("|")[::2] for line in out.split())
+        return [j for j in jobs if j in states and
+                _STATES.get(states[j], states[j].lower()) != "ended"]
 
     def cancel_all(self) -> None:
         """Every job ended (by name those a failed sbatch may have submitted), the token
-        file removed."""
+        file removed; the jobs Slurm did not confirm ended stay this launcher's (raises)."""
         with self._lock:
-            jobs, self._jobs = self._jobs, []
-            names, self._maybe = self._maybe, []
+            jobs, names = list(self._jobs), list(self._maybe)
             token_file = self._token_file or self._token_path
             self._token_file = self._token_path = None
+        failures = []
         try:
             for name in names:
-                _run(self._cancel_by_name(name))
+                try:
+                    _run(self._cancel_by_name(name))
+                except LauncherError as exc:
+                    failures.append(str(exc))
+                    continue
+                with self._lock:
+                    self._maybe.remove(name)
             if jobs:
-                _run(["scancel", *jobs])
+                try:
+                    self._end(jobs)
+                except LauncherError as exc:
+                    failures.append(str(exc))
         finally:
             if token_file is not None:
                 token_file.unlink(missing_ok=True)
+        if failures:
+            raise LauncherError("; ".join(failures))
 
     def orphan_cleanup(self, allocation_id: str) -> list[list[str]]:
         name = self._names.get(allocation_id)

@@ -7,11 +7,13 @@ kernel sends one JSON line per change: ``{"add": ID, "run": [ARGV, ...]}`` when 
 allocation starts, or before a submission whose id is not known yet (what would end it),
 ``{"drop": ID}`` when it was ended normally, ``{"remove": PATH}`` for a file of the job's
 (the Slurm token, named before it is written), ``{"exit": true}`` when the job has ended
-cleanly. If the kernel dies first (its pidfd says so even while a child it forked still
-holds the pipe) or stdin ends without ``exit``, the submissions still under way end first
-(``sbatch`` holds the write end of a second pipe, ``submitting``: its end is theirs), then
-every command still held is run, the files are removed, and the watchdog exits. Nothing
-here reads anything but those pipes.
+cleanly, ``{"finish": true}`` when the kernel could not confirm the end of some (what is
+held is run now, as at the kernel's death). If the kernel dies first (its pidfd says so even
+while a child it forked still holds the pipe) or stdin ends without ``exit``, the files are
+removed, the submissions still under way end first (``sbatch`` holds the write end of a
+second pipe, ``submitting``: its end is theirs), then every command still held is run until
+it succeeds (the scheduler confirmed it), retried with a growing delay for up to
+``PATIENCE`` seconds, and the watchdog exits. Nothing here reads anything but those pipes.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ from typing import IO, Any
 
 from ..agent.local import interpreter
 
-PATIENCE = 600.0  # seconds a dead kernel's watchdog waits for a submission under way
+PATIENCE = 600.0  # seconds a command is retried for (a scheduler that times out, say)
+FIRST_RETRY = 1.0  # then doubled, up to LONGEST_RETRY
+LONGEST_RETRY = 60.0
 
 
-def watch(lines: Iterable[str]) -> tuple[list[list[str]], list[str]]:
-    """What is still to be run and removed when ``lines`` end without ``exit``."""
+def watch(lines: Iterable[str]) -> tuple[list[list[str]], list[str], bool]:
+    """What is still to be run and removed when ``lines`` end without ``exit``, and
+    whether the kernel said ``finish`` (it lives: no submission of its is under way)."""
     held: dict[str, list[list[str]]] = {}
     files: list[str] = []
     for line in lines:
@@ -42,14 +47,18 @@ def watch(lines: Iterable[str]) -> tuple[list[list[str]], list[str]]:
         except ValueError:
             continue
         if order.get("exit"):
-            return [], []
+            return [], [], False
+        if order.get("finish"):
+            break
         if "add" in order:
             held[str(order["add"])] = [[str(word) for word in argv] for argv in order["run"]]
         elif "drop" in order:
             held.pop(str(order["drop"]), None)
         elif "remove" in order and str(order["remove"]) not in files:
             files.append(str(order["remove"]))
-    return [argv for commands in held.values() for argv in commands], files
+    else:
+        return [argv for commands in held.values() for argv in commands], files, False
+    return [argv for commands in held.values() for argv in commands], files, True
 
 
 def kernel_lines(stdin: int, kernel: int) -> Iterator[str]:
@@ -91,19 +100,36 @@ def submissions_ended(fd: int, patience: float) -> bool:
     return False
 
 
+def succeeded(argv: list[str]) -> bool:
+    try:
+        return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def run_until_done(commands: list[list[str]], patience: float = PATIENCE) -> list[list[str]]:
+    """Each command run until it succeeds, retried with a doubling delay while the next
+    try starts within ``patience`` seconds; those that never did."""
+    deadline = time.monotonic() + patience
+    delay = FIRST_RETRY
+    while True:
+        commands = [argv for argv in commands if not succeeded(argv)]
+        if not commands or time.monotonic() + delay > deadline:
+            return commands
+        time.sleep(delay)
+        delay = min(delay * 2, LONGEST_RETRY)
+
+
 def main() -> int:
-    commands, files = watch(kernel_lines(0, int(sys.argv[1])))
-    if commands and len(sys.argv) > 2:
-        # an sbatch the kernel started may still submit: cancel once it has ended
-        submissions_ended(int(sys.argv[2]), PATIENCE)
-    for argv in commands:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=60)
+    commands, files, finishing = watch(kernel_lines(0, int(sys.argv[1])))
     for path in files:
         with contextlib.suppress(OSError):
             os.unlink(path)
-    return 0
+    if commands and not finishing and len(sys.argv) > 2:
+        # an sbatch the kernel started may still submit: cancel once it has ended
+        submissions_ended(int(sys.argv[2]), PATIENCE)
+    return 1 if run_until_done(commands) else 0
 
 
 class Watchdog:
@@ -154,6 +180,12 @@ class Watchdog:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def finish(self) -> None:
+        """Some allocations' end is not confirmed: the watchdog runs what it holds now,
+        retrying for minutes on its own, and exits; the kernel does not wait for it."""
+        self._send({"finish": True})
+        self._let_go()
 
     def _let_go(self) -> None:
         with contextlib.suppress(OSError):
