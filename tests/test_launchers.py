@@ -540,7 +540,8 @@ def test_the_cluster_grows_replaces_and_gives_back_pending_ones_first():
     for allocation_id in ("1", "2", "3"):  # their machines joined the job
         launcher.states[allocation_id] = "running"
         cluster.joined(allocation_id)
-    launcher.states["3"] = "ended"  # preempted, say: replaced at once
+    launcher.states["3"] = "ended"  # preempted, say: replaced once the head heard it go
+    cluster.left("3")
     settle(lambda: len(launcher.states) == 4)
     cluster.scale(1)  # 4 waits, so it goes first; then the newest running one leaves
     settle(lambda: launcher.cancelled == ["4"] and released == ["2"])
@@ -627,6 +628,7 @@ def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, reco
     assert result.ok, result
     assert set(result.values.values()) == {(2, "2")}
     endpoint = next(e.endpoint for e in recorder.events if type(e).__name__ == "AcceptingNodes")
+    cluster.left("3")  # (once the head has heard its link end)
     assert _processes_holding(endpoint) == []  # its join exited with the job
     assert job.status_snapshot.machines == ()
 
@@ -645,6 +647,76 @@ def test_a_launcher_another_distribution_registers_drives_a_session(tmp_path, mo
         from elastic_magic.launchers.local import LocalLauncher
 
         class CountingLauncher(LocalLauncher):
+def test_machines_leaving_at_the_jobs_end_are_not_replaced():
+    """A joined machine's allocation that ended waits for the head's word: replaced once
+    its link has ended without the job ending (a preemption), never once it is ending."""
+    launcher = Scripted([])
+    cluster = Cluster(launcher, JoinRequest("h:1", "t", "run"), machines=2,
+                      publish=lambda lines: None, poll_interval=0.005)
+    cluster.start()
+
+    def settle(check) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, launcher.states
+            time.sleep(0.005)
+
+    settle(lambda: len(launcher.states) == 2)
+    for allocation_id in ("1", "2"):
+        launcher.states[allocation_id] = "running"
+        cluster.joined(allocation_id)
+    launcher.states["1"] = "ended"  # its machine left: the head has not heard it yet
+    polls = launcher.polls
+    settle(lambda: launcher.polls > polls + 5)
+    assert len(launcher.states) == 2
+    cluster.left("1")  # its link ended, and the job goes on: replaced
+    settle(lambda: len(launcher.states) == 3)
+    cluster.ending()  # the job is over: its machines go first
+    cluster.left("2")
+    launcher.states["2"] = launcher.states["3"] = "ended"
+    polls = launcher.polls
+    settle(lambda: launcher.polls > polls + 5)
+    assert sorted(launcher.states) == ["1", "2", "3"]  # none asked for
+    cluster.close()
+
+
+def test_a_local_job_that_grows_and_ends_asks_for_no_replacement(log_dir, recorder, tmp_path):
+    """At the job's end its joined machines leave first: each ended allocation was taken
+    for a lost machine and replaced (``local1#3``, cancelled seconds later; with Slurm, a
+    needless sbatch). Here the head's rank ends last, once the launcher has seen both
+    joined machines' allocations end."""
+    spec = em.JobSpec.create(1, nnodes="1:3", launcher="local", log_dir=log_dir, timeout=60)
+    go = tmp_path / "go"
+    # It runs until three machines are in its group (each join re-forms it), then ends.
+    source = textwrap.dedent(f"""
+        import os, time, torch.distributed as dist
+        while os.environ["GROUP_WORLD_SIZE"] != "3":
+            time.sleep(0.05)
+        size = dist.get_world_size()  # every rank's process group is up
+        if "ELASTIC_MAGIC_ALLOCATION" not in os.environ:  # the head's rank
+            while not os.path.exists({str(go)!r}):
+                time.sleep(0.05)
+        size
+    """)
+    job = Job(spec, build_payload(source, spec)).start()
+    joined = ("local1#1: running", "local2#2: running")
+
+    def drive() -> None:  # both joined machines done, and the launcher has looked since
+        job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
+        job._board.wait_for(lambda s: not any(m.startswith(joined) for m in s.machines),
+                            timeout=120)
+        go.touch()
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    result = job.wait(recorder)
+    driver.join(timeout=10)
+    assert result.ok and set(result.values.values()) == {3}, result
+    asked = {line.split(":")[0] for e in recorder.of(MachinesChanged) for line in e.allocations
+             if "#" in line.split(":")[0]}
+    assert asked == {"local1#1", "local2#2"}, asked  # the two machines, and no other
+
+
             name = "counting"
             started = []
 

@@ -6,6 +6,9 @@ grows as more allocations start (the rendezvous takes each machine that joins). 
 polls the scheduler every few seconds: an allocation that ended without being cancelled
 (preempted, failed, timed out) is replaced while the target wants it; ``scale`` moves the
 target (more: submitted; fewer: pending ones cancelled first, then the newest running).
+One whose machine ran in the job is replaced only once the head has heard that machine's
+link end (``left``): by then the head knows whether it left because the job is over
+(``ending``: its machines go first, and none is asked for any more).
 A machine that fails to come up (the scheduler refused it, or its allocation ended before
 its machine joined the job) is asked for again only after a delay that doubles each time;
 after MAX_FAILURES in a row no more are asked until the next ``scale``, and the status says
@@ -63,6 +66,9 @@ class Cluster:
         self._retry_at = 0.0  # time.monotonic() before which none is asked for
         self._joined: set[str] = set()  # allocations whose machine joined the job
         self._arrived: list[str] = []  # joined since the last step (from the agent's thread)
+        self._gone: list[str] = []  # their machine's link ended since (the agent's thread)
+        self._left: set[str] = set()  # joined, and the head heard their machine's link end
+        self._ending = False  # the job is over: nothing more is asked for or replaced
         self._rescaled = False  # a scale since the last step: ask again at once
         self.watchdog: Watchdog | None = None  # started by the thread (see _run)
         self._live: list[str] = []  # allocation ids, oldest first
@@ -92,6 +98,18 @@ class Cluster:
         self._arrived.append(allocation_id)
         self._wake.set()
 
+    def left(self, allocation_id: str) -> None:
+        """The allocation's machine's link to the head ended (from the agent's thread,
+        after all it said there): if the allocation ended, it may be replaced."""
+        self._gone.append(allocation_id)
+        self._wake.set()
+
+    def ending(self) -> None:
+        """The job is over (from the agent's thread, before its machines' links end): its
+        machines leave now, and none is replaced or asked for."""
+        self._ending = True
+        self._wake.set()
+
     def _run(self) -> None:
         # The agent's thread blocks SIGINT and SIGTERM, and what it starts inherits the
         # mask: ssh, sbatch and the watchdog must be stoppable as usual.
@@ -114,6 +132,9 @@ class Cluster:
         self._wake.set()
 
     def _step(self) -> None:
+        # Before _ending is read: the agent says ending before the links end.
+        while self._gone:
+            self._left.add(self._gone.pop(0))
         while self._to_cancel:
             allocation_id = self._to_cancel.pop(0)
             if allocation_id in self._releasing:
@@ -139,6 +160,11 @@ class Cluster:
                 self._releasing.remove(allocation.id)
                 self._forget(allocation.id)
             elif allocation.state == "ended" and allocation.id in self._live:
+                if self._ending:  # the job is over: its machines went first
+                    self._forget(allocation.id)
+                    continue
+                if allocation.id in self._joined and allocation.id not in self._left:
+                    continue  # whether the job's end took it is the head's to say, soon
                 self._ended = [*self._ended[-4:], allocation.describe()]
                 self._forget(allocation.id)
                 if allocation.id in self._joined:  # it ran in the job (a preemption, say)
@@ -188,10 +214,11 @@ class Cluster:
         return min(self.retry_delay * 2 ** (self._failures - 1), RETRY_DELAY_MOST)
 
     def _may_start(self) -> bool:
-        return self._failures < self.max_failures and time.monotonic() >= self._retry_at
+        return not self._ending and self._failures < self.max_failures \
+            and time.monotonic() >= self._retry_at
 
     def _failure_lines(self) -> tuple[str, ...]:
-        if not self._failures or len(self._live) >= self.target:
+        if not self._failures or len(self._live) >= self.target or self._ending:
             return ()
         streak = f"{self._failures} failed in a row; the last: {self._last_failure}"
         if self._failures >= self.max_failures:
@@ -245,6 +272,7 @@ class Cluster:
         """``guarded``: the watchdog keeps it (its cancel is not confirmed)."""
         if allocation_id in self._live:
             self._live.remove(allocation_id)
+        self._left.discard(allocation_id)
         if self.watchdog is not None and not guarded:
             self.watchdog.drop(allocation_id)
 

@@ -64,6 +64,20 @@ class Launched:
         if cluster is not None and allocation:
             cluster.joined(allocation)
 
+    def link_ended(self, node: int) -> None:
+        """A machine's link ended, after all it said: its allocation, if that has ended,
+        may now be replaced (unless the job's end took it)."""
+        allocation = self.allocations.pop(node, "")
+        cluster = self.cluster
+        if cluster is not None and allocation:
+            cluster.left(allocation)
+
+    def ending(self) -> None:
+        """The job is over: its machines leave, and none is asked for or replaced."""
+        cluster = self.cluster
+        if cluster is not None:
+            cluster.ending()
+
     def nodes_in(self, allocation: str) -> list[int]:
         """(From any thread: the dict is copied at once, under the GIL.)"""
         return [node for node, held in list(self.allocations.items()) if held == allocation]
