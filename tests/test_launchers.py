@@ -286,6 +286,29 @@ def test_a_launcher_config_another_user_could_write_is_refused(tmp_path, monkeyp
 
 
 def _processes_holding(secret: str) -> list[str]:
+def test_slurm_jobs_print_into_a_private_folder_of_the_users_not_the_working_one(tmp_path):
+    """Slurm's default ``slurm-%j.out`` lands in the job's working folder (a shared one,
+    say) with the user's umask: the sbatch command names a file of a 0700 output folder for
+    both streams; a folder that is not the user's own and private is refused before
+    sbatch runs, and so is a name Slurm would read as a pattern."""
+    output = tmp_path / "output"
+    launcher = make_launcher("slurm", {"output_dir": str(output)})
+    assert f"--output={output}/%x-%j.out" in launcher.sbatch
+    assert f"--error={output}/%x-%j.out" in launcher.sbatch
+    default = make_launcher("slurm", {}).sbatch
+    assert f"--output={Path.home()}/.cache/elastic_magic/slurm/%x-%j.out" in default
+    for bad in ("output", str(tmp_path / "100%")):
+        with pytest.raises(SpecError, match="by its absolute path, without %"):
+            make_launcher("slurm", {"output_dir": bad})
+    output.mkdir(mode=0o755)
+    output.chmod(0o755)  # whatever the umask
+    launcher = make_launcher("slurm", {"output_dir": str(output),
+                                       "token_dir": str(tmp_path / "tokens")})
+    with pytest.raises(LauncherError, match=r"must be a folder of yours and private \(chmod 700"):
+        launcher.start(JoinRequest("h:1", "t", "run"))
+    assert not (tmp_path / "tokens").exists()  # refused before anything was written
+
+
     """Every process on this machine whose command line holds ``secret``."""
     found = []
     for entry in Path("/proc").iterdir():

@@ -62,7 +62,7 @@ def slurm(network, tmp_path, monkeypatch):
 
 def options(tmp_path) -> dict[str, str]:
     return {"partition": "test", "time": "10:00", "token_dir": str(tmp_path / "tokens"),
-            "workdir": str(tmp_path)}
+            "workdir": str(tmp_path), "output_dir": str(tmp_path / "output")}
 
 
 def _job_fields(slurm, job_ids: list[str]) -> str:

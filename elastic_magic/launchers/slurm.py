@@ -7,7 +7,9 @@ read, in a folder the cluster's nodes share with the notebook (the home folder b
 removed when the allocations end; it is in no command line, script or ``squeue`` field.
 ``squeue`` gives each job's state and, while it waits, Slurm's Reason; ``scancel`` ends it,
 and Slurm's SIGTERM (a cancel, or a preemption with its grace time) makes the join leave
-the job.
+the job. What a job prints (its machine's ranks' lines) goes to a file of a 0700 folder the
+nodes share (``output_dir``), not to Slurm's ``slurm-%j.out`` in the working directory, which
+Slurm creates with the user's umask, where others may read it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import os
 import secrets
 import shlex
+import stat
 import subprocess
 import sys
 import threading
@@ -40,6 +43,8 @@ OPTIONS = {
     "token_dir": "a folder the nodes share, for the token file (default "
                  "~/.cache/elastic_magic/tokens)",
     "workdir": "the jobs' working directory (default: the notebook's)",
+    "output_dir": "a folder the nodes share, for what each job prints (default "
+                  "~/.cache/elastic_magic/slurm; made 0700, and must be yours and private)",
 }
 _STATES = {"PENDING": "pending", "CONFIGURING": "pending", "RUNNING": "running",
            "COMPLETING": "ended", "COMPLETED": "ended", "CANCELLED": "ended",
@@ -61,6 +66,20 @@ def _run(argv: list[str], stdin: str | None = None, hold: tuple[int, ...] = ()) 
     return done.stdout
 
 
+def _private_folder(path: Path) -> None:
+    """The folder of the jobs' output, made 0700 if missing, checked as the token's is:
+    its files hold what the ranks print."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.stat()
+    except OSError as exc:
+        raise LauncherError(f"{path} cannot be made to hold what the jobs print: {exc}; "
+                            "name another with --launch output_dir=DIR.") from None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise LauncherError(f"{path} must be a folder of yours and private (chmod 700) to "
+                            "hold what the jobs print.")
+
+
 class SlurmLauncher:
     name = "slurm"
 
@@ -71,7 +90,17 @@ class SlurmLauncher:
             extra = shlex.split(options.get("sbatch_options", ""))
         except ValueError as exc:
             raise SpecError(f"--launch sbatch_options: {exc}") from None
-        self.sbatch = ["sbatch", "--parsable", "--nodes=1", "--ntasks=1", *extra, *(
+        self.output_dir = Path(os.path.expanduser(options.get("output_dir") or
+                                                  "~/.cache/elastic_magic/slurm"))
+        if not self.output_dir.is_absolute() or any(c in str(self.output_dir) for c in "%\\"):
+            raise SpecError(f"--launch output_dir={options.get('output_dir')}: name a folder "
+                            "the nodes share by its absolute path, without % or \\ (Slurm "
+                            "would read them as a file name pattern).")
+        # Both streams, in order, in one file per job (%x: its name, %j: its id); the
+        # user's own sbatch_options may still name another.
+        output = f"{self.output_dir}/%x-%j.out"
+        self.sbatch = ["sbatch", "--parsable", "--nodes=1", "--ntasks=1",
+                       f"--output={output}", f"--error={output}", *extra, *(
             f"--{flag}={options[key]}" for key, flag in
             (("partition", "partition"), ("account", "account"), ("time", "time"),
              ("qos", "qos")) if options.get(key))]
@@ -89,7 +118,9 @@ class SlurmLauncher:
         self._maybe: list[str] = []  # names of submissions whose sbatch failed
 
     def _write_token(self, request: JoinRequest) -> Path:
-        """The token in a 0600 file of a 0700 folder, made without following links."""
+        """The token in a 0600 file of a 0700 folder, made without following links; the
+        folder of the jobs' output made or checked (before each start: it may be gone)."""
+        _private_folder(self.output_dir)
         if self._token_file is None:
             self.token_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             if self.token_dir.stat().st_uid != os.getuid() or \
