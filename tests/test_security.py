@@ -471,6 +471,34 @@ def test_our_interpreters_keep_absolute_path_entries_the_user_chose_in_the_start
 @pytest.mark.parametrize("pool", ["pool", "no-pool"])
 def test_modules_planted_in_the_start_folder_never_run(pool, tmp_path, log_dir):
     """`python -m` puts the current directory first on sys.path: a `cloudpickle.py` in the
+@pytest.mark.parametrize("runner", ["local", "remote"])
+def test_a_package_planted_in_the_start_folder_never_runs_through_pythonpath_entries(
+        runner, tmp_path):
+    """``export PYTHONPATH=$PYTHONPATH:/opt/x`` with it unset leaves an empty entry, which
+    Python turns into the start folder, as it does a relative one (``lib``) into a folder
+    in it. sbatch gives the job the kernel's environment and folder: an
+    ``elastic_magic/__init__.py`` planted in a group-writable notebook folder ran as the
+    user on the node, where the remote runner dropped only ``-c``'s "". Both runners
+    clean the path alike: the local one, and the remote one through a login's shell."""
+    import shlex
+
+    from elastic_magic.agent.local import interpreter
+
+    start, marker = tmp_path / "start", tmp_path / "marker"
+    for folder in (start, start / "lib"):
+        (folder / "elastic_magic").mkdir(parents=True)
+        (folder / "elastic_magic" / "__init__.py").write_text(PLANT.format(marker=str(marker)))
+    start.chmod(0o775)
+    args = ("elastic_magic.cli", "join", "not-an-endpoint", "--token-stdin")
+    argv = interpreter.command(*args) if runner == "local" else \
+        ["sh", "-c", shlex.join(interpreter.remote_command(sys.executable, *args))]
+    package_parent = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run(argv, cwd=start, input="token\n", capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": f":lib:{package_parent}"})
+    assert not marker.exists(), marker.read_text()
+    assert done.returncode == 2 and "is not HOST:PORT" in done.stderr, done.stderr
+
+
     folder a job started from ran as its user in the zygote or worker. Our interpreters
     import only from their own path, and elastic_magic from where the kernel has it (not
     the copy their path finds); the cell still gets the kernel's cwd and sys.path, and

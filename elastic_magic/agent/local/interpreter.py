@@ -16,7 +16,8 @@ kernel's copy, whatever their path finds first), then exits with what the module
 ``main()`` returns. The module's name stays a word of the command line, as with ``-m``.
 The cell gets the kernel's cwd and ``sys.path`` only when it runs, after the worker's own
 imports (``worker/runner.py``). The launchers start the watchdog and joins the same way (a
-remote one: ``remote_command``).
+remote one: ``remote_command``, whose path is cleaned the same way: a Slurm job runs in the
+notebook's folder with the kernel's PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -29,16 +30,20 @@ import elastic_magic
 # The folder of the kernel's elastic_magic, as the kernel found it.
 PACKAGE_DIR = os.path.dirname(os.path.abspath(elastic_magic.__file__))
 
+# Removes from the path what names the start folder: ``-c``'s "" and the folder itself, and
+# what PYTHONPATH's empty and relative entries made of it (Python made them absolute).
+# Simple statements only, for both runners: the remote one is this on one line.
+_CLEAN_PATH = (
+    "import os, sys",
+    "here = os.path.realpath(os.getcwd())",
+    "drop = {here} | {os.path.realpath(os.path.join(here, entry)) for entry in "
+    "os.environ.get(\"PYTHONPATH\", \"\").split(os.pathsep) if not os.path.isabs(entry)}",
+    "sys.path[:] = [entry for entry in sys.path if entry and os.path.isabs(entry) "
+    "and os.path.realpath(entry) not in drop]",
+)
+
 # argv: PACKAGE_DIR MODULE ARGS...; the module's main() sees sys.argv[1:] == ARGS.
-RUNNER = """\
-import os, sys
-here = os.path.realpath(os.getcwd())
-# PYTHONPATH's empty and relative entries name the start folder: Python made them absolute.
-relative = {os.path.realpath(os.path.join(here, entry))
-            for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-            if not os.path.isabs(entry)}
-sys.path[:] = [entry for entry in sys.path if entry and os.path.isabs(entry)
-               and os.path.realpath(entry) != here and os.path.realpath(entry) not in relative]
+RUNNER = "\n".join((*_CLEAN_PATH, """\
 import importlib.util
 package, module = sys.argv[1:3]
 del sys.argv[1:3]
@@ -47,13 +52,14 @@ spec = importlib.util.spec_from_file_location(
 sys.modules["elastic_magic"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sys.modules["elastic_magic"])
 sys.exit(importlib.import_module(module).main())
-"""
+"""))
 
-# The same for an interpreter elsewhere (a node of a cluster), whose elastic_magic is the one
-# its own path finds. One line: it goes through the remote login's shell, whatever it is.
-# argv: MODULE ARGS...
-REMOTE_RUNNER = ('import sys; sys.path[:1] == [""] and sys.path.pop(0); import importlib; '
-                 'module = sys.argv.pop(1); sys.exit(importlib.import_module(module).main())')
+# The same for an interpreter elsewhere (a node of a cluster, in the job's working folder
+# with the kernel's PYTHONPATH, as sbatch passes it on), whose elastic_magic is the one its
+# own path finds. One line, with no ' or ! in it: it goes through the remote login's shell,
+# whatever it is. argv: MODULE ARGS...
+REMOTE_RUNNER = "; ".join((*_CLEAN_PATH, "import importlib", "module = sys.argv.pop(1)",
+                           "sys.exit(importlib.import_module(module).main())"))
 
 
 def command(module: str, *args: str) -> list[str]:
