@@ -282,10 +282,6 @@ def test_a_launcher_config_another_user_could_write_is_refused(tmp_path, monkeyp
         make_launcher("ssh", {"hosts": "lab1,-oProxyCommand=evil"})
 
 
-# -- SSH, against real servers in network namespaces ------------------------------------
-
-
-def _processes_holding(secret: str) -> list[str]:
 def test_slurm_jobs_print_into_a_private_folder_of_the_users_not_the_working_one(tmp_path):
     """Slurm's default ``slurm-%j.out`` lands in the job's working folder (a shared one,
     say) with the user's umask: the sbatch command names a file of a 0700 output folder for
@@ -309,6 +305,10 @@ def test_slurm_jobs_print_into_a_private_folder_of_the_users_not_the_working_one
     assert not (tmp_path / "tokens").exists()  # refused before anything was written
 
 
+# -- SSH, against real servers in network namespaces ------------------------------------
+
+
+def _processes_holding(secret: str) -> list[str]:
     """Every process on this machine whose command line holds ``secret``."""
     found = []
     for entry in Path("/proc").iterdir():
@@ -624,6 +624,7 @@ def test_machines_that_fail_to_come_up_are_asked_for_less_often_then_no_more():
     launcher.states["3"] = "running"
     cluster.joined("3")  # its machine joined: the streak ends
     launcher.states["3"] = "ended"  # then it is preempted: replaced at once
+    cluster.left("3")  # (once the head has heard its link end)
     settle(lambda: said("no more machines asked for"))
     # Three more failures in a row (one a refusal), counted afresh after the join.
     assert said("again in 0.02s (2 failed in a row; the last: cannot start a machine: "
@@ -642,34 +643,6 @@ def test_machines_that_fail_to_come_up_are_asked_for_less_often_then_no_more():
     assert launcher.all_cancelled
 
 
-def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, recorder):
-    spec = em.JobSpec.create(1, nnodes="2:2", launcher="local", log_dir=log_dir, timeout=60)
-    source = ("import os, torch.distributed as dist\n"
-              "(dist.get_world_size(), os.environ['GROUP_WORLD_SIZE'])")
-    job = Job(spec, build_payload(source, spec)).start()
-    result = job.wait(recorder)
-    assert result.ok, result
-    assert set(result.values.values()) == {(2, "2")}
-    endpoint = next(e.endpoint for e in recorder.events if type(e).__name__ == "AcceptingNodes")
-    cluster.left("3")  # (once the head has heard its link end)
-    assert _processes_holding(endpoint) == []  # its join exited with the job
-    assert job.status_snapshot.machines == ()
-
-
-def test_a_launcher_another_distribution_registers_drives_a_session(tmp_path, monkeypatch):
-    """A scheduler added by entry point, without touching elastic_magic: an installed
-    distribution's ``elastic_magic.launchers`` entry names its class, and a session with
-    ``--nnodes`` grows onto the machines it starts and ends them with the session."""
-    site = tmp_path / "site"
-    (site / "thirdparty-1.0.dist-info").mkdir(parents=True)
-    (site / "thirdparty-1.0.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: thirdparty\nVersion: 1.0\n")
-    (site / "thirdparty-1.0.dist-info" / "entry_points.txt").write_text(
-        "[elastic_magic.launchers]\ncounting = thirdparty_launcher:CountingLauncher\n")
-    (site / "thirdparty_launcher.py").write_text(textwrap.dedent("""
-        from elastic_magic.launchers.local import LocalLauncher
-
-        class CountingLauncher(LocalLauncher):
 def test_machines_leaving_at_the_jobs_end_are_not_replaced():
     """A joined machine's allocation that ended waits for the head's word: replaced once
     its link has ended without the job ending (a preemption), never once it is ending."""
@@ -740,6 +713,33 @@ def test_a_local_job_that_grows_and_ends_asks_for_no_replacement(log_dir, record
     assert asked == {"local1#1", "local2#2"}, asked  # the two machines, and no other
 
 
+def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, recorder):
+    spec = em.JobSpec.create(1, nnodes="2:2", launcher="local", log_dir=log_dir, timeout=60)
+    source = ("import os, torch.distributed as dist\n"
+              "(dist.get_world_size(), os.environ['GROUP_WORLD_SIZE'])")
+    job = Job(spec, build_payload(source, spec)).start()
+    result = job.wait(recorder)
+    assert result.ok, result
+    assert set(result.values.values()) == {(2, "2")}
+    endpoint = next(e.endpoint for e in recorder.events if type(e).__name__ == "AcceptingNodes")
+    assert _processes_holding(endpoint) == []  # its join exited with the job
+    assert job.status_snapshot.machines == ()
+
+
+def test_a_launcher_another_distribution_registers_drives_a_session(tmp_path, monkeypatch):
+    """A scheduler added by entry point, without touching elastic_magic: an installed
+    distribution's ``elastic_magic.launchers`` entry names its class, and a session with
+    ``--nnodes`` grows onto the machines it starts and ends them with the session."""
+    site = tmp_path / "site"
+    (site / "thirdparty-1.0.dist-info").mkdir(parents=True)
+    (site / "thirdparty-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: thirdparty\nVersion: 1.0\n")
+    (site / "thirdparty-1.0.dist-info" / "entry_points.txt").write_text(
+        "[elastic_magic.launchers]\ncounting = thirdparty_launcher:CountingLauncher\n")
+    (site / "thirdparty_launcher.py").write_text(textwrap.dedent("""
+        from elastic_magic.launchers.local import LocalLauncher
+
+        class CountingLauncher(LocalLauncher):
             name = "counting"
             started = []
 

@@ -468,9 +468,6 @@ def test_our_interpreters_keep_absolute_path_entries_the_user_chose_in_the_start
     assert relative.returncode != 0 and "No module named 'em_chosen'" in relative.stderr
 
 
-@pytest.mark.parametrize("pool", ["pool", "no-pool"])
-def test_modules_planted_in_the_start_folder_never_run(pool, tmp_path, log_dir):
-    """`python -m` puts the current directory first on sys.path: a `cloudpickle.py` in the
 @pytest.mark.parametrize("runner", ["local", "remote"])
 def test_a_package_planted_in_the_start_folder_never_runs_through_pythonpath_entries(
         runner, tmp_path):
@@ -499,6 +496,9 @@ def test_a_package_planted_in_the_start_folder_never_runs_through_pythonpath_ent
     assert done.returncode == 2 and "is not HOST:PORT" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("pool", ["pool", "no-pool"])
+def test_modules_planted_in_the_start_folder_never_run(pool, tmp_path, log_dir):
+    """`python -m` puts the current directory first on sys.path: a `cloudpickle.py` in the
     folder a job started from ran as its user in the zygote or worker. Our interpreters
     import only from their own path, and elastic_magic from where the kernel has it (not
     the copy their path finds); the cell still gets the kernel's cwd and sys.path, and
