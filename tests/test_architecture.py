@@ -101,10 +101,12 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+@pytest.mark.unit
 def test_no_import_circle():
     assert cycles(import_graph()) == []
 
 
+@pytest.mark.unit
 def test_the_graph_sees_type_checking_and_relative_imports():
     graph = import_graph()
     assert "elastic_magic.messages" in graph["elastic_magic.agent.machines.roles"]
@@ -113,6 +115,7 @@ def test_the_graph_sees_type_checking_and_relative_imports():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+@pytest.mark.unit
 def test_no_class_over_250_lines():
     long = []
     for name, path in _modules().items():
@@ -124,6 +127,7 @@ def test_no_class_over_250_lines():
     assert long == []
 
 
+@pytest.mark.unit
 def test_no_module_over_400_lines():
     long = [f"{name}: {count} lines" for name, path in _modules().items()
             if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
@@ -176,6 +180,7 @@ def against_the_layers(graph: dict[str, set[str]]) -> list[str]:
                   for other in imports if not _allowed(module, other))
 
 
+@pytest.mark.unit
 def test_imports_go_only_the_directions_the_layout_draws():
     graph = import_graph()
     assert {sub for name in graph if (sub := _part(name)[1])} == set(AGENT_LAYERS)
@@ -192,6 +197,7 @@ def test_imports_go_only_the_directions_the_layout_draws():
     assert libraries == []
 
 
+@pytest.mark.unit
 def test_the_layer_rule_sees_each_kind_of_wrong_import():
     agent = "elastic_magic.agent"
     assert against_the_layers({
@@ -209,6 +215,7 @@ def test_the_layer_rule_sees_each_kind_of_wrong_import():
            "elastic_magic.worker.runner -> elastic_magic.ui.text"]
 
 
+@pytest.mark.unit
 def test_every_public_name_resolves():
     """The package imports its public names on first use (a worker does not pay for the
     agent): each must still be found where ``__init__`` says it is."""

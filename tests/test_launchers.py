@@ -45,6 +45,7 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
 # -- options, before anything starts ---------------------------------------------------
 
 
+@pytest.mark.unit
 def test_options_come_from_the_config_file_and_flags_win(tmp_path, monkeypatch):
     config = tmp_path / "launchers.ini"
     config.write_text("[slurm]\npartition = debug\naccount = lab\n\n[ssh]\nhosts = a, b\n")
@@ -55,6 +56,7 @@ def test_options_come_from_the_config_file_and_flags_win(tmp_path, monkeypatch):
     assert {"local", "slurm", "ssh"} <= set(launcher_names())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("options", "fragment"), [
     ({"launcher": "ssh", "launch": ["hosts=a"]}, "add --nnodes MIN:MAX"),
     ({"launcher": "ssh", "nnodes": "1:2"}, "needs hosts: --launch hosts="),
@@ -69,6 +71,7 @@ def test_bad_launcher_options_say_what_to_do(options, fragment, tmp_path, monkey
         em.JobSpec.create(1, **options)
 
 
+@pytest.mark.unit
 def test_scaling_machines_needs_a_launcher_and_stays_within_nnodes(log_dir):
     job = Job(em.JobSpec.create(1, nnodes="1:3", log_dir=log_dir),
               build_payload("1", em.JobSpec.create(1, log_dir=log_dir)))
@@ -256,6 +259,7 @@ def test_remote_joins_import_nothing_from_their_working_directory(planted, tmp_p
     assert _ran(planted) == []
 
 
+@pytest.mark.unit
 def test_a_launcher_config_another_user_could_write_is_refused(tmp_path, monkeypatch):
     config = tmp_path / "launchers.ini"
     config.write_text("[ssh]\nhosts = lab1\nssh = /tmp/their-ssh\n")

@@ -1,8 +1,8 @@
 """Nothing that arrives over a socket a job opens is unpickled or acted on without the job's
-secret (DESIGN decision 11). A rogue client without the token, a plain torch TCPStore
-client in this process, writes forged pickles into every key of every TCPStore the job
-exposes; the job must end with a clear error, never run the pickle, and leave no port,
-thread or worker behind. Real jobs, real `elastic-magic join` processes, on loopback."""
+secret. A rogue client without the token, a plain torch TCPStore client in this process,
+writes forged pickles into every key of every TCPStore the job exposes; the job must end
+with a clear error, never run the pickle, and leave no port, thread or worker behind. Real
+jobs, real `elastic-magic join` processes, on loopback."""
 
 from __future__ import annotations
 
@@ -271,6 +271,7 @@ def test_an_oversized_frame_from_a_peer_with_the_token_closes_only_its_link(
     assert_nothing_left(ports_before, threads_before)
 
 
+@pytest.mark.unit
 def test_a_frame_above_the_limit_is_refused_before_anything_is_allocated():
     assert MAX_FRAME < 1 << 40  # this machine's memory
     key = new_secret()
@@ -379,6 +380,7 @@ def test_machines_join_with_a_token_file_or_at_a_prompt(tmp_path, log_dir, recor
     assert job.token and not any(job.token in c for c in outcome["cmdlines"])  # type: ignore[union-attr]
 
 
+@pytest.mark.unit
 def test_the_join_command_the_notebook_shows_keeps_the_token_off_the_command_line():
     from elastic_magic.agent.machines.roles import join_command
 
@@ -386,6 +388,7 @@ def test_the_join_command_the_notebook_shows_keeps_the_token_off_the_command_lin
     assert command == "ELASTIC_MAGIC_TOKEN=3f1c elastic-magic join 10.0.0.5:29400"
 
 
+@pytest.mark.unit
 def test_a_worker_store_address_replayed_from_an_earlier_round_is_refused(monkeypatch):
     """The head signs each round's worker-store address for that round only: someone who
     copies round 0's signed value (an old store's port, which another user may hold by now)

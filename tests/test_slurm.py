@@ -43,6 +43,8 @@ from elastic_magic.launchers import JoinRequest, make_launcher
 from elastic_magic.launchers.cluster import Cluster
 from elastic_magic.payload import build_payload
 
+pytestmark = pytest.mark.cluster
+
 
 @contextlib.contextmanager
 def slurm_cluster(network, tmp_path, monkeypatch) -> Iterator[Slurm]:
