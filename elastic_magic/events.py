@@ -49,7 +49,9 @@ class Output:
     """Whole lines from one rank's stdout or stderr, in order, each as it finally shows
     (after its last carriage return). With ``partial``, the last one is a line still being
     rewritten with carriage returns (a progress bar), as it shows now: it stands until the
-    next Output of this rank and stream, whose first line replaces it."""
+    next Output of this rank and stream, whose first line replaces it. With ``cell_end``,
+    the rank's session cell has written all its output on this stream (its nonced mark,
+    taken out of the lines; the session's agent takes the flag off)."""
 
     rank: int
     stream: str  # "stdout" | "stderr"
@@ -57,6 +59,7 @@ class Output:
     attempt: int
     time: float = field(default_factory=_now)
     partial: bool = False
+    cell_end: bool = False
 
 
 @dataclass(frozen=True)

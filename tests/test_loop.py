@@ -47,7 +47,6 @@ from elastic_magic.messages import (
 from elastic_magic.payload import Payload
 from elastic_magic.result import JobFailedError, JobState
 from elastic_magic.spec import JobSpec
-from elastic_magic.worker.session import CELL_END_MARK
 
 pytestmark = pytest.mark.unit
 
@@ -122,9 +121,9 @@ class FakeControl:
         else:
             self._report(Result(cloudpickle.dumps(do.value)))
         if payload.session and do.exit is None and not do.hang:
-            for stream in ("stdout", "stderr"):  # the end-of-cell mark, as the worker prints
-                self.group.emit(Output(self.worker.global_rank, stream, (CELL_END_MARK,),
-                                       self.worker.attempt))
+            for stream in ("stdout", "stderr"):  # the end of the cell, as the pump reads it
+                self.group.emit(Output(self.worker.global_rank, stream, (),
+                                       self.worker.attempt, cell_end=True))
 
     def _report(self, message: object) -> None:
         worker = self.worker

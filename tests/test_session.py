@@ -477,18 +477,65 @@ def test_in_a_real_kernel_ctrl_c_leaves_the_session_alive_and_it_ends_with_the_k
             km.shutdown_kernel(now=True)
 
 
-def test_end_of_cell_marks_leave_the_cells_own_lines_whole():
-    from elastic_magic.agent.inbox import OutputEnded
-    from elastic_magic.agent.loop.cells import take_end_marks
-    from elastic_magic.worker.session import CELL_END_MARK
+# The end-of-cell mark before it carried the rank's nonce: text any cell can print.
+OLD_END_MARK = "\x00elastic-magic-cell-end\x00"
 
+
+@pytest.mark.unit
+def test_end_of_cell_marks_leave_the_cells_own_lines_whole(tmp_path):
+    """The pump takes a rank's nonced end mark as the end of its cell's output on that
+    stream, after the line it ends (one without a newline is still a line), and keeps it
+    out of the logs; the old mark's text, or a mark with another nonce, is printed text."""
+    from elastic_magic.agent.inbox import OutputEnded
+    from elastic_magic.agent.local.output import RankPump, new_tail
+    from elastic_magic.agent.loop.cells import take_end_marks
+    from elastic_magic.worker.stdout import cell_end_mark
+
+    nonce = "ab" * 16
+    end, forged = cell_end_mark(nonce).encode(), cell_end_mark("cd" * 16).encode()
+    printed = {"stdout": b"a\n\n" + OLD_END_MARK.encode() + b"\n" + forged + b"\npartial",
+               "stderr": b""}
+    pipes = {name: os.pipe() for name in printed}
+    for name, (_, write) in pipes.items():
+        os.write(write, printed[name] + end + (b"next\n" if name == "stdout" else b""))
+        os.close(write)
+    logs = {name: os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT) for name in pipes}
+    events: list = []
+    pump = RankPump({name: read for name, (read, _) in pipes.items()}, logs, rank=1,
+                    attempt=0, emit=events.append, tail=new_tail(), nonce=nonce)
+    pump.start()
+    pump.join(timeout=30)
     ended: list = []
-    event = Output(1, "stdout", ("a", "", "partial" + CELL_END_MARK), attempt=0)
-    assert take_end_marks(event, ended.append).lines == ("a", "", "partial")
-    assert take_end_marks(Output(1, "stderr", (CELL_END_MARK,), 0), ended.append) is None
-    assert ended == [OutputEnded(0, 1, "stdout"), OutputEnded(0, 1, "stderr")]
-    plain = Output(0, "stdout", ("x",), 0)
-    assert take_end_marks(plain, ended.append) is plain and len(ended) == 2
+    shown = {"stdout": [], "stderr": []}
+    for event in events:
+        kept = take_end_marks(event, ended.append)
+        shown[event.stream] += [*(kept.lines if kept else ()), *(["END"] * event.cell_end)]
+        assert kept is None or not kept.cell_end  # never taken as an end twice
+    assert shown == {"stdout": ["a", "", OLD_END_MARK, forged.decode(), "partial", "END",
+                                "next"],
+                     "stderr": ["END"]}
+    assert sorted(ended, key=str) == [OutputEnded(0, 1, "stderr"), OutputEnded(0, 1, "stdout")]
+    assert (tmp_path / "stdout").read_bytes() == printed["stdout"] + b"next\n"
+    assert (tmp_path / "stderr").read_bytes() == b""
+
+
+def test_a_cell_that_prints_the_end_marks_text_keeps_all_its_lines(log_dir):
+    """A cell whose output holds what the end-of-cell mark used to be (a log replayed, a
+    dataset record), on both streams, followed by many lines: every line shows under that
+    cell, the old mark's text included, and none under the next cell."""
+    cell = ("import sys\nprint('before')\n"
+            f"print({OLD_END_MARK!r})\nprint({OLD_END_MARK!r}, file=sys.stderr)\n"
+            "for i in range(3000):\n    print(f'line {i}')\nprint('FINAL LOSS 0.25')\n")
+    expected = ["before", OLD_END_MARK, *(f"line {i}" for i in range(3000)),
+                "FINAL LOSS 0.25"]
+    with em.Session(nproc=1, log_dir=log_dir) as s:
+        first, second = Watcher(), Watcher()
+        assert s.run(cell, render=first).ok
+        assert s.run("print('the next cell')", render=second).ok
+    shown = {stream: [line for e in first.of(Output) if e.stream == stream for line in e.lines]
+             for stream in ("stdout", "stderr")}
+    assert shown == {"stdout": expected, "stderr": [OLD_END_MARK]}
+    assert [line for e in second.of(Output) for line in e.lines] == ["the next cell"]
 
 
 def test_a_session_cells_lines_keep_their_order_across_stdout_and_stderr(log_dir):

@@ -21,9 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-# Ends each cell's output on stdout and stderr, so that the agent knows a cell's lines have
-# all arrived before it reports the cell (the agent strips it; see agent/loop/cells.py).
-CELL_END_MARK = "\x00elastic-magic-cell-end\x00"
+from elastic_magic.worker.stdout import cell_end
 
 _module: types.ModuleType | None = None
 _busy = False  # a cell's code runs on the main thread
@@ -63,8 +61,10 @@ def interrupt_main() -> None:
 
 
 def end_output() -> None:
-    """Flush the cell's output, then mark its end on both streams."""
-    mark = (CELL_END_MARK + "\n").encode()
+    """Flush the cell's output, then mark its end on both streams, so that the agent knows
+    a cell's lines have all arrived before it reports the cell (the mark carries the rank's
+    nonce: a line the cell printed cannot end it; ``agent/local/output.py`` takes it out)."""
+    mark = cell_end()
     for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
         try:
             stream.flush()

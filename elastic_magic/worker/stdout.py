@@ -18,6 +18,8 @@ it: ``agent/local/output.py``). By the time the agent reads mark N on one pipe, 
 came before N on the other is in that pipe already. The mark carries a random nonce the
 agent gives the rank through its control pipe before any user code runs: text the cell
 prints that looks like a mark (a dataset record, a log replayed) lacks it, so stays text.
+A session's cell ends its output on each stream with a mark of the same kind
+(``cell_end_mark``): in place of the number, ``CELL_END``.
 What bypasses ``sys.stdout``/``sys.stderr`` (C code, child processes) carries no marks and
 keeps only its own stream's order.
 """
@@ -36,11 +38,24 @@ FLUSH_DELAY = 0.05  # seconds
 # Written into a stream as order_mark(nonce) + decimal number + ORDER_END, never into the logs.
 ORDER_END = "\x00"
 NONCE_BYTES = 16
+CELL_END = "end"
+_cell_end = b""  # this rank's cell_end_mark, once buffer_stdout has its nonce
 
 
 def order_mark(nonce: str) -> str:
     """How a rank's order marks start: ``nonce`` is the rank's, in hex."""
     return f"\x00elastic-magic-order:{nonce}:"
+
+
+def cell_end_mark(nonce: str) -> str:
+    """Ends a session cell's output on a stream (the agent waits for it on both before it
+    reports the cell): text the cell printed cannot end it, lacking the nonce."""
+    return f"{order_mark(nonce)}{CELL_END}{ORDER_END}"
+
+
+def cell_end() -> bytes:
+    """This rank's ``cell_end_mark``."""
+    return _cell_end
 
 
 class _Turns:
@@ -96,6 +111,8 @@ class _TimedFlush(_Ordered):
 def buffer_stdout(nonce: str) -> None:
     """Replace ``sys.stdout`` (fd 1) with the timed-flush stream and start its thread, and
     ``sys.stderr`` (fd 2) with an unbuffered one; both mark their turns with ``nonce``."""
+    global _cell_end
+    _cell_end = cell_end_mark(nonce).encode()
     out, err = sys.stdout, sys.stderr
     if out is None or err is None:
         return

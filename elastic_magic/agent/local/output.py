@@ -7,6 +7,7 @@ once mark N has been read on one pipe, whatever the rank wrote before it on the 
 that pipe, so reading that pipe to its end settles every piece before N. Pieces are shown
 in order of their marks; the logs get each stream's bytes as they came, marks taken out.
 Only marks with the rank's nonce are marks: anything else the rank printed is its text.
+A session cell's end on a stream (``cell_end_mark``) is such a mark: its Output says so.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ...events import EventSink, Output
-from ...worker.stdout import ORDER_END, order_mark
+from ...worker.stdout import CELL_END, ORDER_END, order_mark
 
 TAIL_LINES = 200
 _CHUNK = 1 << 16
 _END = ORDER_END.encode()
 _SETTLED = float("inf")  # a stream that ended: nothing of it is still to come
+_CELL_END = CELL_END.encode()
 
 
 class _Lines:
@@ -49,14 +51,16 @@ class _Lines:
         return complete, now or None
 
     def end(self) -> list[bytes]:
-        """A last line without a newline is still a line."""
+        """A last line without a newline is still a line (at a session cell's end too)."""
         pending, self.pending = self.pending, b""
+        self.rewriting, self.shown = False, b""
         return [pending] if pending else []
 
 
 class _Marks:
     """Splits a stream's bytes at the order marks (they start with ``mark``) into (order,
-    data) pieces, holding back a mark that a read cut in two."""
+    data) pieces, holding back a mark that a read cut in two; a session cell's end mark is
+    a piece of its own, (order, None)."""
 
     def __init__(self, mark: bytes) -> None:
         self.mark = mark
@@ -64,9 +68,9 @@ class _Marks:
         self.order = 0  # the last mark read
         self.held = b""
 
-    def split(self, chunk: bytes) -> list[tuple[int, bytes]]:
+    def split(self, chunk: bytes) -> list[tuple[int, bytes | None]]:
         data, self.held = self.held + chunk, b""
-        pieces: list[tuple[int, bytes]] = []
+        pieces: list[tuple[int, bytes | None]] = []
         start = search = 0
         mark = self.mark
         while (at := data.find(mark, search)) >= 0:
@@ -76,6 +80,10 @@ class _Marks:
                 data = data[:at]
                 break
             number = data[at + len(mark):end] if end >= 0 else b""
+            if number == _CELL_END:
+                pieces += [(self.order, data[start:at]), (self.order, None)]
+                start = search = end + len(_END)
+                continue
             if not number.isdigit() or len(number) > 20:  # not ours: plain bytes
                 search = at + 1
                 continue
@@ -86,7 +94,7 @@ class _Marks:
             cut = _cut_mark(data, start, mark)
             self.held, data = data[cut:], data[:cut]
         pieces.append((self.order, data[start:]))
-        return [(order, piece) for order, piece in pieces if piece]
+        return [(order, piece) for order, piece in pieces if piece is None or piece]
 
     def rest(self) -> bytes:
         held, self.held = self.held, b""
@@ -136,7 +144,8 @@ class RankPump(threading.Thread):
         self.emit = emit
         self.tail = tail
         self.mark = order_mark(nonce).encode()
-        self.read: list[tuple[int, int, str, bytes]] = []  # (order, arrival, stream, data)
+        # (order, arrival, stream, data); data None: a session cell's output ends there
+        self.read: list[tuple[int, int, str, bytes | None]] = []
         self.arrivals = 0
 
     def run(self) -> None:
@@ -182,16 +191,19 @@ class RankPump(threading.Thread):
                 return
             except OSError:
                 chunk = b""
+            pieces: list[tuple[int, bytes | None]]
             if not chunk:
                 pieces = [(stream.marks.order, stream.marks.rest())]
                 stream.ended, stream.settled = True, _SETTLED
             else:
                 pieces = stream.marks.split(chunk)
             for order, data in pieces:
-                if data:
+                if data == b"":
+                    continue
+                if data is not None:  # a cell's end mark is not the rank's: not logged
                     stream.log.write(data)
-                    self.read.append((order, self.arrivals, stream.name, data))
-                    self.arrivals += 1
+                self.read.append((order, self.arrivals, stream.name, data))
+                self.arrivals += 1
             stream.log.flush()
             if stream.ended:
                 return
@@ -221,15 +233,20 @@ class RankPump(threading.Thread):
         pieces, self.read = self.read[:ready], self.read[ready:]
         run: list[bytes] = []
         for i, (_, _, name, data) in enumerate(pieces):
+            if data is None:  # a session cell's output on this stream ends here
+                self._lines(name, (streams[name].lines.end(), None), cell_end=True)
+                continue
             run.append(data)
-            if i + 1 == len(pieces) or pieces[i + 1][2] != name:  # the stream turns
+            after = pieces[i + 1] if i + 1 < len(pieces) else None
+            if after is None or after[2] != name or after[3] is None:  # it turns or ends
                 self._lines(name, streams[name].lines.feed(b"".join(run)))
                 run = []
         if final:
             for stream in streams.values():
                 self._lines(stream.name, (stream.lines.end(), None))
 
-    def _lines(self, stream: str, got: tuple[list[bytes], bytes | None] | None) -> None:
+    def _lines(self, stream: str, got: tuple[list[bytes], bytes | None] | None,
+               cell_end: bool = False) -> None:
         if got is None:
             return
         raw_lines, partial = got
@@ -237,9 +254,10 @@ class RankPump(threading.Thread):
         self.tail.extend(lines)
         if partial is not None:
             lines += (partial.decode("utf-8", "replace"),)
-        if not lines:
+        if not lines and not cell_end:
             return
-        self.emit(Output(self.rank, stream, lines, self.attempt, partial=partial is not None))
+        self.emit(Output(self.rank, stream, lines, self.attempt, partial=partial is not None,
+                         cell_end=cell_end))
 
 
 def visible(line: bytes) -> bytes:

@@ -14,7 +14,6 @@ from ...events import Event, Output
 from ...messages import CellReport, InterruptCell, Result, SessionCell
 from ...payload import Payload
 from ...result import RankFailure
-from ...worker.session import CELL_END_MARK
 from ..inbox import CellRequest, Inbox, OutputEnded
 
 if TYPE_CHECKING:
@@ -30,19 +29,13 @@ class SessionEndedError(RuntimeError):
 
 
 def take_end_marks(event: Output, ended: Callable[[OutputEnded], None]) -> Output | None:
-    """``event`` without the end-of-cell marks in its lines (None: nothing else was in
-    it); ``ended`` is told of each mark."""
-    if not any(line.endswith(CELL_END_MARK) for line in event.lines):
+    """``event`` without its end-of-cell flag (None: it had no lines); ``ended`` is told
+    of the end. The rank's output pump sets the flag for the rank's nonced mark only, so
+    no line the cell printed ends it."""
+    if not event.cell_end:
         return event
-    lines = []
-    for line in event.lines:
-        if line.endswith(CELL_END_MARK):
-            ended(OutputEnded(event.attempt, event.rank, event.stream))
-            line = line[:-len(CELL_END_MARK)]
-            if not line:
-                continue  # the mark alone: not a line of the cell's
-        lines.append(line)
-    return dataclasses.replace(event, lines=tuple(lines)) if lines else None
+    ended(OutputEnded(event.attempt, event.rank, event.stream))
+    return dataclasses.replace(event, cell_end=False) if event.lines else None
 
 
 def session_payload(payload: Payload) -> Payload:
@@ -102,8 +95,8 @@ class OtherMachines:
 class CellEvents:
     """A session's events (the engine's ``emit``; the output pumps call it too): each goes
     to the running cell, or waits for the next one (a rank may die between cells); on a
-    machine that joined, each is forwarded to the head instead. End-of-cell marks are taken
-    out of output lines here and posted to the inbox (:class:`OutputEnded`)."""
+    machine that joined, each is forwarded to the head instead. The ends of cells' output
+    are posted to the inbox here (:class:`OutputEnded`)."""
 
     def __init__(self, inbox: Inbox, forward: Callable[[Event], None] | None = None) -> None:
         self.inbox = inbox
@@ -134,8 +127,3 @@ class CellEvents:
     def end(self) -> None:
         self.cell = None
 
-
-def without_end_marks(tails: dict[int, list[str]]) -> dict[int, list[str]]:
-    """Output tails without the end-of-cell marks (a line that was only a mark goes)."""
-    return {rank: [line.replace(CELL_END_MARK, "") for line in lines if line != CELL_END_MARK]
-            for rank, lines in tails.items()}

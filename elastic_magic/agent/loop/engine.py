@@ -59,7 +59,6 @@ from ..machines.roles import SingleMachine
 from ..policy import FollowUp, GroupOutcome, Membership, Resize
 from ..rounds import RoundInfo
 from ..status import StatusBoard
-from .cells import without_end_marks
 from .recovery import Recovery
 from .state_keeper import StateKeeper
 from .switchboard import Switchboard
@@ -282,7 +281,7 @@ class Engine:
             log_dir=self.log_root, failures=failures, stop_reason=stop_reason,
             resizes=self.membership.resizes, commit=self.elastic_state.snapshots.meta,
             snapshot=snapshot, ranks={**ranks, **other_ranks},
-            tails=without_end_marks({**tails, **other_tails}), stacks=self.hangs.kept,
+            tails={**tails, **other_tails}, stacks=self.hangs.kept,
             excluded=self.recovery.excluded())
 
     def finish(self, final: JobState) -> JobResult:
