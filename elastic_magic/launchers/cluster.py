@@ -43,7 +43,47 @@ MAX_FAILURES = 5  # in a row: then no machine is asked for until the next scale
 CANCEL_PATIENCE = 600.0  # seconds an unconfirmed cancel is asked again for (then at close)
 
 
+class StartFailures:
+    """Machines that failed to come up, in a row: the next is asked for after a delay that
+    doubles each time, and none after ``most`` until the streak is reset."""
+
+    def __init__(self, delay: float, most: int) -> None:
+        self.first_delay = delay
+        self.most = most
+        self.count = 0
+        self.last = ""  # the last failure's reason
+        self.retry_at = 0.0  # time.monotonic() before which none is asked for
+
+    def failed(self, what: str) -> None:
+        self.count += 1
+        self.last = what
+        self.retry_at = time.monotonic() + self.delay()
+
+    def reset(self, at_once: bool = True) -> None:
+        """One came up (the streak ends), or the user asked (``at_once``: no delay)."""
+        self.count = 0
+        if at_once:
+            self.retry_at = 0.0
+
+    def delay(self) -> float:
+        return min(self.first_delay * 2 ** (self.count - 1), RETRY_DELAY_MOST)
+
+    def may_start(self) -> bool:
+        return self.count < self.most and time.monotonic() >= self.retry_at
+
+    def lines(self) -> tuple[str, ...]:
+        if not self.count:
+            return ()
+        streak = f"{self.count} failed in a row; the last: {self.last}"
+        if self.count >= self.most:
+            return (f"no more machines asked for ({streak}); `%elastic scale --nodes N` "
+                    "asks again",)
+        return (f"asking for a machine again in {self.delay():g}s ({streak})",)
+
+
 class Cluster:
+    """A job's other machines, kept at ``target`` by a thread (see the module docstring)."""
+
     def __init__(self, launcher: Launcher, request: JoinRequest, *, machines: int,
                  publish: Callable[[tuple[str, ...]], None],
                  release: Callable[[str], None] | None = None,
@@ -59,11 +99,7 @@ class Cluster:
         self._releasing: list[str] = []  # asked to leave at a commit; then cancelled
         self._to_cancel: list[str] = []
         self.poll_interval = poll_interval
-        self.retry_delay = retry_delay
-        self.max_failures = max_failures
-        self._failures = 0  # machines that failed to come up, in a row
-        self._last_failure = ""
-        self._retry_at = 0.0  # time.monotonic() before which none is asked for
+        self.failures = StartFailures(retry_delay, max_failures)
         self._joined: set[str] = set()  # allocations whose machine joined the job
         self._arrived: list[str] = []  # joined since the last step (from the agent's thread)
         self._gone: list[str] = []  # their machine's link ended since (the agent's thread)
@@ -146,10 +182,10 @@ class Cluster:
                 self._cancel(allocation_id)
         while self._arrived:
             self._joined.add(self._arrived.pop(0))
-            self._failures = 0  # one came up: the streak ends
+            self.failures.reset(at_once=False)
         if self._rescaled:  # the user asked: a fresh try, at once
             self._rescaled = False
-            self._failures, self._retry_at = 0, 0.0
+            self.failures.reset()
         try:
             allocations = self.launcher.allocations()
         except LauncherError as exc:
@@ -168,18 +204,20 @@ class Cluster:
                 self._ended = [*self._ended[-4:], allocation.describe()]
                 self._forget(allocation.id)
                 if allocation.id in self._joined:  # it ran in the job (a preemption, say)
-                    self._failures, self._retry_at = 0, 0.0
+                    self.failures.reset()
                 else:
                     why = f": {allocation.reason}" if allocation.reason else ""
-                    self._failed(f"{allocation.id} ended before its machine joined{why}")
+                    self.failures.failed(f"{allocation.id} ended before its machine "
+                                         f"joined{why}")
         live = [a for a in allocations if a.state != "ended"]
-        while len(self._live) < self.target and self._may_start():
+        while len(self._live) < self.target and not self._ending \
+                and self.failures.may_start():
             assert self.watchdog is not None
             try:
                 undo = self._prepare_start()
                 started = self.launcher.start(self.request)
             except LauncherError as exc:  # what undoes it stays held: it may have submitted
-                self._failed(f"cannot start a machine: {exc}")
+                self.failures.failed(f"cannot start a machine: {exc}")
                 break
             finally:  # a token file written for a start that failed is the job's too
                 self._guard_files()
@@ -201,30 +239,9 @@ class Cluster:
                     self._live.remove(allocation_id)
                     self._releasing.append(allocation_id)
                     self.release(allocation_id)
+        wanting = len(self._live) < self.target and not self._ending
         self._show(tuple(a.describe() for a in live) + tuple(self._ended) +
-                   self._failure_lines())
-
-    def _failed(self, what: str) -> None:
-        """A machine did not come up: the next is asked for after a longer delay."""
-        self._failures += 1
-        self._last_failure = what
-        self._retry_at = time.monotonic() + self._delay()
-
-    def _delay(self) -> float:
-        return min(self.retry_delay * 2 ** (self._failures - 1), RETRY_DELAY_MOST)
-
-    def _may_start(self) -> bool:
-        return not self._ending and self._failures < self.max_failures \
-            and time.monotonic() >= self._retry_at
-
-    def _failure_lines(self) -> tuple[str, ...]:
-        if not self._failures or len(self._live) >= self.target or self._ending:
-            return ()
-        streak = f"{self._failures} failed in a row; the last: {self._last_failure}"
-        if self._failures >= self.max_failures:
-            return (f"no more machines asked for ({streak}); `%elastic scale --nodes N` "
-                    "asks again",)
-        return (f"asking for a machine again in {self._delay():g}s ({streak})",)
+                   (self.failures.lines() if wanting else ()))
 
     def _prepare_start(self) -> str | None:
         """What undoes the next start (a launcher's optional ``prepare_start``: a key and

@@ -1,8 +1,7 @@
 """Where an agent stands in its job: alone on one machine, the head of several machines (the
 kernel), or a machine that joined the head's job (``elastic-magic join``, ``joined.py``). A
 role owns its links and threads and answers the engine's and the loops' questions, so that
-no code asks which role it holds; the loops themselves are the same for all.
-"""
+no code asks which role it holds; the loops themselves are the same for all."""
 
 from __future__ import annotations
 
@@ -239,8 +238,7 @@ class Head(SingleMachine):
             case GroupResult() as result:
                 self.results.setdefault(result.round_id, {})[result.node_rank] = result
             case NodeFinished(JobState.FAILED, failures) if failures:
-                # That machine has no restarts left: the others go on without it if the
-                # job's bounds allow.
+                # That machine has no restarts left: the others go on without it if allowed.
                 why = f"its workers failed with no restart left ({failures[0].headline})"
                 return self._lost(item.node, why, group, failures)
             case NodeFinished() if item.node in self.launched.released:  # left at a commit
