@@ -53,6 +53,7 @@ from .messages import (
     StateReply,
 )
 from .worker.client import AgentClient, ResizeExit, current
+from .worker.leave import word_deferred
 
 __all__ = ["DataLoader", "ElasticSampler", "State"]
 
@@ -291,17 +292,21 @@ class State:
             leave = client.request(CommitIntent).resize
             token = secrets.randbits(62)
         sizes: tuple[int, ...] = (size,)
-        if dist is not None:  # every rank leaves, or none; the parts of a commit match
-            rows = gather_ints(dist, [int(leave), token, size])
-            leave, token = bool(rows[0][0]), rows[0][1]
-            sizes = tuple(row[2] for row in rows) if split.sharded else (rows[0][2],)
-        if client is not None and not split.sharded:  # to roll back to in place
-            object.__setattr__(self, "_kept", Kept.of(token, dicts, self._values,
-                                                      self._commits, rngs, rank))
-        if client is not None and prepared is not None:
-            commit = functools.partial(Commit, step=self.step, time=time.time(), part=rank,
-                                       parts=len(sizes), token=token, sizes=sizes)
-            client.behind(functools.partial(_send, client, prepared, commit))
+        # Once every rank agreed, the agent's word waits until the send has started: a
+        # survivor must not hold in memory a commit that the agent never gets.
+        with word_deferred():
+            if dist is not None:  # every rank leaves, or none; the parts of a commit match
+                rows = gather_ints(dist, [int(leave), token, size])
+                leave, token = bool(rows[0][0]), rows[0][1]
+                sizes = tuple(row[2] for row in rows) if split.sharded else (rows[0][2],)
+            if client is not None and not split.sharded:  # to roll back to in place
+                object.__setattr__(self, "_kept", Kept.of(token, dicts, self._values,
+                                                          self._commits, rngs, rank))
+            if client is not None and prepared is not None:
+                commit = functools.partial(Commit, step=self.step, time=time.time(),
+                                           part=rank, parts=len(sizes), token=token,
+                                           sizes=sizes)
+                client.behind(functools.partial(_send, client, prepared, commit))
         if leave:  # the commit must be whole in the agent before any rank leaves
             if client is not None:
                 client.drain()

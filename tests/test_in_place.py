@@ -13,6 +13,7 @@ import threading
 from conftest import assert_stayed
 
 from elastic_magic.agent.handles.job import Job
+from elastic_magic.events import Committed
 from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
 
@@ -101,6 +102,85 @@ def test_survivors_go_on_in_place_through_kills_and_a_resize(tmp_path, log_dir, 
     assert sorted(tops.values()) == [1] * 5, tops
     for got, want in zip(result.values[0], baseline(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+# Rank 0 is held after every rank agreed on the commit of step 3 and before its send
+# starts (copying a value of the State is the last thing before it), until the agent's word
+# has come: rank 1 died right after that commit. Then rank 1 dies inside the commit of
+# step 6 (its state_dict), while rank 0 goes on to where the ranks agree on it.
+WORD_IN_COMMIT = textwrap.dedent("""
+    import os, signal, threading, torch, torch.distributed as dist, elastic_magic
+
+    def now():  # None while the State is being made (it reads each object's state)
+        if "state" not in globals():
+            return None
+        return int(os.environ["TORCHELASTIC_RESTART_COUNT"]), state.step, dist.get_rank()
+
+    class Held:
+        def __reduce__(self):
+            return (int, (0,))
+
+        def __deepcopy__(self, memo):
+            if now() == (0, 3, 0):
+                print("HELD", flush=True)
+                word = signal.sigtimedwait({signal.SIGINT}, 60)  # taken, then sent again:
+                print("WORD" if word else "NO WORD", flush=True)
+                signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # as it came
+            return self
+
+    class DiesInCommit:
+        def state_dict(self):
+            if now() == (1, 6, 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return {}
+
+        def load_state_dict(self, state_dict):
+            pass
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = elastic_magic.State(model=model, optimizer=opt, dies=DiesInCommit(), step=0,
+                                held=Held())
+
+    @elastic_magic.run
+    def train(state):
+        rank = dist.get_rank()
+        if rank == 0:
+            print("ENTER", state.step, "memory" if state._kept else "agent", flush=True)
+        while state.step < 8:
+            if now() == (0, 3, 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+            model(torch.ones(2, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state.step += 1
+            state.commit()
+        return state.step
+
+    train(state)
+""")
+
+
+def test_the_agents_word_between_a_commits_agreement_and_its_send_loses_no_commit(
+        log_dir, recorder):
+    """The agent asks rank 0 to leave (its peer died right after the commit of step 3)
+    while rank 0 is held where every rank has agreed on that commit and its send has not
+    started: the word waits until the send has started, so the agent has the commit that
+    rank 0 holds, and rank 0 goes on from it in place (before: from step 2, the commit of
+    step 3 lost). A peer that dies inside a commit still has rank 0 leave it."""
+    spec = JobSpec.create(2, log_dir=log_dir, max_restarts=2, survivors=True)
+    job = Job(spec, build_payload(WORD_IN_COMMIT, spec)).start()
+    result = job.wait(recorder)
+    lines = recorder.lines(0)
+    assert result.ok and result.restarts == 2 and result.values == {0: 8, 1: 8}, \
+        (result, lines)
+    assert_stayed(recorder, [(0,), (0,)])
+    assert [line for line in lines if line in ("HELD", "WORD", "NO WORD")] == \
+        ["HELD", "WORD"]
+    enters = [line.split(maxsplit=1)[1] for line in lines if line.startswith("ENTER")]
+    assert enters == ["0 agent", "3 memory", "5 memory"], enters
+    assert [event.step for event in recorder.of(Committed)] == list(range(1, 9))
 
 
 # A sharded State cannot go on in place (its parameters are laid out over the old group):

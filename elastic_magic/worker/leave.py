@@ -78,6 +78,26 @@ def resume() -> None:
         _busy = True
 
 
+@contextmanager
+def word_deferred() -> Iterator[None]:
+    """The agent's word (a SIGINT to the main thread; a kernel interrupt in a session too)
+    waits inside: it is raised as the block ends. ``State.commit`` holds it from the
+    collective where the ranks agree on a commit until the commit's send has started: a
+    survivor that left between them would hold a commit the agent never got, and roll
+    back one further. A gloo or NCCL wait does not return on a signal, so one that comes
+    while waiting in that collective (a dead peer) is raised as soon as it returns, as
+    without the block. A SIGINT to the whole process (a stop) goes to another thread and
+    does not wait."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # the word goes to the main thread: nothing of it to hold here
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # one that came is raised here
+
+
 # -- going on inside the cell (elastic_magic.run): the next group's Run, as the loop gets it
 
 class RerunCell(BaseException):
