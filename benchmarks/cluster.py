@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import NodeConnected, Output
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.events import NodeConnected, Output
+from elastic_magic.wire.payload import build_payload
 
 from .common import scratch
 from .elastic import RESIZE_CELL

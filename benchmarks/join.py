@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Output, WorkersStarted
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.events import Output, WorkersStarted
+from elastic_magic.wire.payload import build_payload
 
 from .elastic import RESIZE_CELL
 

@@ -25,9 +25,9 @@ import time
 import psutil
 
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Excluded, Output, WorkersStarted
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.events import Excluded, Output, WorkersStarted
+from elastic_magic.wire.payload import build_payload
 
 from .elastic import RESIZE_CELL
 from .join import start_joiner

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from elastic_magic.agent.local.pool import warm_pool
+from elastic_magic.agent.node.pool import warm_pool
 
 from . import cells
 from .common import launch, scratch, stamps, torchrun

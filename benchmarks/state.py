@@ -39,9 +39,9 @@ from typing import Any
 import psutil
 
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Output
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.events import Output
+from elastic_magic.wire.payload import build_payload
 
 from .common import launch, scratch
 

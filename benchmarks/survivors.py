@@ -36,9 +36,9 @@ from pathlib import Path
 import psutil
 
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Committed
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.events import Committed
+from elastic_magic.wire.payload import build_payload
 
 from . import cells
 from .common import launch, scratch, torchrun

@@ -41,8 +41,8 @@ from typing import Any
 
 import elastic_magic
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.payload import build_payload
 
 from . import cells
 from .common import free_port, launch, now, scratch, stamps

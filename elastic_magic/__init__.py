@@ -12,19 +12,22 @@ The public names are imported on first use, so a worker process (which imports
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .agent.handles.job import AgentError, Job
-    from .api import launch
-    from .data import DataLoader, ElasticSampler
-    from .events import JobState
-    from .payload import PayloadError
+    from .notebook.api import launch
+    from .notebook.session import Session, SessionEndedError
     from .result import JobFailedError, JobResult, RankFailure
-    from .resume import run
-    from .session import Session, SessionEndedError
     from .spec import JobSpec, SpecError
-    from .state import State
+    from .training.data import DataLoader, ElasticSampler
+    from .training.resume import run
+    from .training.state import State
+    from .wire.events import JobState
+    from .wire.payload import PayloadError
 
 __version__ = "0.1.0"
 
@@ -34,17 +37,17 @@ _EXPORTS = {
     "JobFailedError": ".result",
     "JobResult": ".result",
     "JobSpec": ".spec",
-    "JobState": ".events",
-    "PayloadError": ".payload",
+    "JobState": ".wire.events",
+    "PayloadError": ".wire.payload",
     "RankFailure": ".result",
     "SpecError": ".spec",
-    "Session": ".session",
-    "SessionEndedError": ".session",
-    "DataLoader": ".data",
-    "ElasticSampler": ".data",
-    "State": ".state",
-    "launch": ".api",
-    "run": ".resume",
+    "Session": ".notebook.session",
+    "SessionEndedError": ".notebook.session",
+    "DataLoader": ".training.data",
+    "ElasticSampler": ".training.data",
+    "State": ".training.state",
+    "launch": ".notebook.api",
+    "run": ".training.resume",
 }
 
 __all__ = [
@@ -69,6 +72,40 @@ __all__ = [
 ]
 
 
+# Where modules users may have imported lived before the package was regrouped: each old
+# name is the new module itself (imports, pickles and checkpoints that name it keep working).
+_MOVED = {
+    "api": "notebook.api",
+    "data": "training.data",
+    "events": "wire.events",
+    "magics": "notebook.magics",
+    "payload": "wire.payload",
+    "resume": "training.resume",
+    "session": "notebook.session",
+    "state": "training.state",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``elastic_magic.<old>`` as the module now at its new place."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        old = fullname.removeprefix(__name__ + ".")
+        if fullname.startswith(__name__ + ".") and old in _MOVED:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module(f"{__name__}.{_MOVED[spec.name.rpartition('.')[2]]}")
+
+    def exec_module(self, module: Any) -> None:
+        """Nothing to run: the module was run at its new place."""
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
@@ -87,14 +124,14 @@ def load_ipython_extension(ipython: Any) -> None:
     import os
     import sys
 
-    from .agent.local.environment import inherited_env
-    from .agent.local.pool import prewarm
+    from .agent.node.environment import inherited_env
+    from .agent.node.pool import prewarm
 
     # The warm pool's zygote imports torch while the kernel imports the magics: the first
     # cell finds it ready. Made for several workers per machine (OMP_NUM_THREADS=1), the
     # usual case; a job that inherits something else starts its own.
     prewarm(inherited_env(nproc=2), os.getcwd(), sys.path)
-    from .magics import ElasticMagics
+    from .notebook.magics import ElasticMagics
 
     ipython.register_magics(ElasticMagics)
 
@@ -106,7 +143,7 @@ def unload_ipython_extension(ipython: Any) -> None:
     Args:
         ipython: The IPython shell that unloads the extension.
     """
-    from .agent.local.pool import shutdown_pool
+    from .agent.node.pool import shutdown_pool
 
     magics = ipython.magics_manager.registry.pop("ElasticMagics", None)
     if magics is not None:

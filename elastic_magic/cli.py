@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from .checks import cuda_device_count, resolve_nproc
-from .events import Event, JobState, NetworkChosen, Output, WorkerFailed
 from .spec import JobSpec, SpecError
+from .wire.events import Event, JobState, NetworkChosen, Output, WorkerFailed
 
 # A stop that reaches this machine comes from the head: the job is over, not failed here.
 _EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 0}
@@ -146,13 +146,13 @@ def _token_from_file(path: Path) -> str:
 
 def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .agent.handles.job import AgentError, Job
-    from .agent.local.environment import inherited_env
-    from .agent.local.pool import prewarm
     from .agent.machines.hub import HubError, connect
     from .agent.machines.joined import JoinedJob
     from .agent.machines.rendezvous import rendezvous_key
-    from .messages import Hello, RankEvents
+    from .agent.node.environment import inherited_env
+    from .agent.node.pool import prewarm
     from .ui.text import TextRenderer
+    from .wire.messages import Hello, RankEvents
     from .worker.shepherd import TERM_FROM_VARIABLE
 
     if args.token_stdin:  # the launcher's end (its ssh session closed): leave the job
@@ -216,7 +216,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
 def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
                   forward: Any, host: str, nproc: int) -> int:
     from .agent.loop.assemble import join_session
-    from .messages import Hello
+    from .wire.messages import Hello
 
     joined.link.send(Hello(host, nproc, os.getpid(), _allocation()))
     print(f"[elastic] joined session {run_id} with {nproc} workers; logs: "
@@ -235,7 +235,7 @@ def _allocation() -> str:
 
 
 def _leave_at_commit(link: Any, terminated: list[bool]) -> None:
-    from .messages import LeaveAtCommit
+    from .wire.messages import LeaveAtCommit
 
     terminated.append(True)
     # Slurm signals the task and srun forwards the same SIGTERM: once is enough. Its

@@ -91,7 +91,7 @@ def _frames(frame: FrameType, *, trim: bool) -> tuple[Frame, ...]:
         current = current.f_back
     found.reverse()
     if trim:
-        # The interpreter's runner (agent/local/interpreter.py) is the outermost frame: ``-c``
+        # The interpreter's runner (agent/node/interpreter.py) is the outermost frame: ``-c``
         start = 1 if found and found[0].file == "<string>" else 0
         while start < len(found) and _ours(found[start]):
             start += 1

@@ -94,8 +94,9 @@ def wait_until_no_workers(timeout: float) -> list[psutil.Process]:
 @pytest.fixture(autouse=True)
 def checkpoint_config(tmp_path_factory, monkeypatch) -> Path:
     """Checkpoint keys are made in a config folder of the test's, never in the real home
-    (``elastic_magic.checkpoint_key``); kernels and agents started by the test inherit it."""
-    from elastic_magic.checkpoint_key import ENV
+    (``elastic_magic.training.checkpoint_key``); kernels and agents started by the test
+    inherit it."""
+    from elastic_magic.training.checkpoint_key import ENV
 
     config = tmp_path_factory.mktemp("config")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
@@ -234,7 +235,7 @@ class Recorder:
         return [e for e in self.events if isinstance(e, kind)]
 
     def lines(self, rank: int, stream: str = "stdout") -> list[str]:
-        from elastic_magic.events import Output
+        from elastic_magic.wire.events import Output
 
         return [
             line for e in self.of(Output) if e.rank == rank and e.stream == stream
@@ -266,7 +267,7 @@ def assert_stayed(recorder, stayed: list[tuple[int, ...]]) -> None:
     machines come and go); every other rank is a new process."""
     import itertools
 
-    from elastic_magic.events import WorkersStarted
+    from elastic_magic.wire.events import WorkersStarted
 
     starts = recorder.of(WorkersStarted)
     assert [s.stayed for s in starts[1:]] == stayed
@@ -297,7 +298,7 @@ def ip(request):
     process."""
     from IPython.testing.globalipapp import get_ipython
 
-    import elastic_magic.agent.local.pool as pool
+    import elastic_magic.agent.node.pool as pool
 
     users = [item for item in request.session.items
              if item.module is request.module and "ip" in item.fixturenames]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_magic.ui import ansi
-from elastic_magic.ui.state import shown
+from elastic_magic.ui.dashboard_state import shown
 
 pytestmark = pytest.mark.unit
 

@@ -109,9 +109,9 @@ def test_no_import_circle():
 @pytest.mark.unit
 def test_the_graph_sees_type_checking_and_relative_imports():
     graph = import_graph()
-    assert "elastic_magic.messages" in graph["elastic_magic.agent.machines.roles"]
-    assert "elastic_magic.agent.rounds" in graph["elastic_magic.agent.loop.cells"]  # typing
-    assert "elastic_magic" not in graph["elastic_magic.agent.local.interpreter"]  # its package
+    assert "elastic_magic.wire.messages" in graph["elastic_magic.agent.machines.roles"]
+    assert "elastic_magic.agent.round_info" in graph["elastic_magic.agent.loop.cells"]  # typing
+    assert "elastic_magic" not in graph["elastic_magic.agent.node.interpreter"]  # its package
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -135,22 +135,28 @@ def test_no_module_over_400_lines():
 
 
 # agent/'s subpackages, from the top: each imports only those below it, and agent/'s own
-# modules (the vocabulary: inbox, policy, status, rounds). machines and diagnosis are peers.
+# modules (the vocabulary: inbox, policy, status, round_info). machines and diagnosis are peers.
 AGENT_LAYERS = {
-    "handles": {"loop", "machines", "diagnosis", "local"},
-    "loop": {"machines", "diagnosis", "local"},
-    "machines": {"local"},
-    "diagnosis": {"local"},
-    "local": set(),
+    "handles": {"loop", "machines", "diagnosis", "node"},
+    "loop": {"machines", "diagnosis", "node"},
+    "machines": {"node"},
+    "diagnosis": {"node"},
+    "node": set(),
 }
-# What runs in the notebook's frontend side of the kernel: never imported by the agent or the
-# workers, which must run where there is no IPython (a joining machine, a worker process).
-NOTEBOOK = {"magics", "magic_common", "session_magic", "job_commands", "comm", "ui", "session",
-            "api"}
+# The package's top-level parts, by what may import them. The notebook side (the magics,
+# sessions, launch() and the dashboard) is imported by no other: the agent, the workers and
+# a joining machine run where there is no IPython. The workers and the training API inside
+# them never reach the kernel's agent or the launchers. The vocabulary (the wire and the
+# job's terms) is used by every side and uses none.
+NOTEBOOK = {"notebook", "ui"}
+RANK_SIDE = {"worker", "training"}
+VOCABULARY = {"wire", "spec", "checks", "result", "result_parts", "stacks", "logs", "folders",
+              "torch_internals"}
+SIDES = {"agent", "launchers", "cli", *NOTEBOOK, *RANK_SIDE}
 NOTEBOOK_LIBRARIES = {"IPython", "ipywidgets", "anywidget", "ipykernel", "traitlets"}
-# The package's vocabulary: every side uses it, it uses no side.
-VOCABULARY = {"messages", "protocol", "events", "result", "result_parts", "spec", "checks",
-              "payload", "stacks", "logs", "folders", "snapshot_format", "torch_internals", "rng"}
+# The one import against these rules: the warm pool's zygote imports the training API to
+# preload it (it runs none of it).
+PRELOADS = {("elastic_magic.worker.zygote", "elastic_magic.training.state")}
 
 
 def _part(module: str) -> tuple[str, str | None]:
@@ -166,13 +172,18 @@ def _part(module: str) -> tuple[str, str | None]:
 def _allowed(module: str, other: str) -> bool:
     top, sub = _part(module)
     other_top, other_sub = _part(other)
+    if (module, other) in PRELOADS or top == other_top == "":
+        return True
     if top == "agent" and other_top == "agent" and other_sub not in (None, sub):
         return sub is not None and other_sub in AGENT_LAYERS[sub]
-    if top in ("agent", "worker") and other_top in NOTEBOOK:
-        return False
-    if top == "worker" and other_top == "agent":
-        return False
-    return not (top in VOCABULARY and other_top in ("agent", "worker", *NOTEBOOK))
+    if other_top in NOTEBOOK:  # the notebook side, the package's root, and cli's text output
+        return top in (*NOTEBOOK, "") or (top == "cli" and other == "elastic_magic.ui.text")
+    if top in RANK_SIDE:
+        return other_top not in ("agent", "launchers", "cli")
+    if top in VOCABULARY:
+        return other_top not in SIDES or (module, other_top) == ("elastic_magic.spec",
+                                                                 "launchers")
+    return True
 
 
 def against_the_layers(graph: dict[str, set[str]]) -> list[str]:
@@ -180,14 +191,15 @@ def against_the_layers(graph: dict[str, set[str]]) -> list[str]:
                   for other in imports if not _allowed(module, other))
 
 
-@pytest.mark.unit
 def test_imports_go_only_the_directions_the_layout_draws():
     graph = import_graph()
     assert {sub for name in graph if (sub := _part(name)[1])} == set(AGENT_LAYERS)
+    # every top-level module or package has its place in the rules
+    assert {_part(name)[0] for name in graph} == {"", *SIDES, *VOCABULARY}
     assert against_the_layers(graph) == []
     libraries = []
     for name, path in _modules().items():
-        if _part(name)[0] not in ("agent", "worker"):
+        if _part(name)[0] in NOTEBOOK or name == "elastic_magic":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
@@ -199,23 +211,43 @@ def test_imports_go_only_the_directions_the_layout_draws():
 
 @pytest.mark.unit
 def test_the_layer_rule_sees_each_kind_of_wrong_import():
-    agent = "elastic_magic.agent"
+    agent, em = "elastic_magic.agent", "elastic_magic"
     assert against_the_layers({
-        f"{agent}.local.workers": {f"{agent}.loop.engine", f"{agent}.inbox"},
-        f"{agent}.machines.roles": {f"{agent}.diagnosis.hangs", f"{agent}.local.group"},
+        f"{agent}.node.workers": {f"{agent}.loop.engine", f"{agent}.inbox"},
+        f"{agent}.machines.roles": {f"{agent}.diagnosis.hangs", f"{agent}.node.group"},
         f"{agent}.inbox": {f"{agent}.handles.job"},
-        "elastic_magic.worker.runner": {f"{agent}.local.pool", "elastic_magic.ui.text"},
-        "elastic_magic.messages": {"elastic_magic.session"},
+        f"{em}.worker.runner": {f"{agent}.node.pool", f"{em}.ui.text", f"{em}.training.state"},
+        f"{em}.training.state": {f"{em}.launchers.slurm", f"{em}.worker.client"},
+        f"{em}.wire.messages": {f"{em}.notebook.session", f"{em}.training.rng"},
+        f"{em}.spec": {f"{em}.launchers", f"{em}.agent.handles.job"},
+        f"{em}.cli": {f"{em}.ui.text", f"{em}.ui.dashboard"},
         f"{agent}.loop.engine": {f"{agent}.machines.roles", f"{agent}.loop.inbox"},
     }) == [f"{agent}.inbox -> {agent}.handles.job",
-           f"{agent}.local.workers -> {agent}.loop.engine",
            f"{agent}.machines.roles -> {agent}.diagnosis.hangs",
-           "elastic_magic.messages -> elastic_magic.session",
-           f"elastic_magic.worker.runner -> {agent}.local.pool",
-           "elastic_magic.worker.runner -> elastic_magic.ui.text"]
+           f"{agent}.node.workers -> {agent}.loop.engine",
+           f"{em}.cli -> {em}.ui.dashboard",
+           f"{em}.spec -> {agent}.handles.job",
+           f"{em}.training.state -> {em}.launchers.slurm",
+           f"{em}.wire.messages -> {em}.notebook.session",
+           f"{em}.wire.messages -> {em}.training.rng",
+           f"{em}.worker.runner -> {agent}.node.pool",
+           f"{em}.worker.runner -> {em}.ui.text"]
 
 
-@pytest.mark.unit
+def test_modules_moved_by_the_regrouping_are_found_under_their_old_names():
+    """``elastic_magic.state`` and the other modules users may have imported before the
+    package was regrouped are the modules at their new places, not copies."""
+    import importlib
+
+    import elastic_magic
+    from elastic_magic import _MOVED
+
+    for old, new in _MOVED.items():
+        moved = importlib.import_module(f"elastic_magic.{old}")
+        assert moved is importlib.import_module(f"elastic_magic.{new}")
+    assert elastic_magic.state.State is elastic_magic.State  # type: ignore[attr-defined]
+
+
 def test_every_public_name_resolves():
     """The package imports its public names on first use (a worker does not pay for the
     agent): each must still be found where ``__init__`` says it is."""
@@ -230,7 +262,7 @@ def test_every_public_name_resolves():
 # What a third party implements and registers under the ``elastic_magic.launchers`` entry point.
 LAUNCHER_INTERFACE = ("Launcher", "JoinRequest", "Allocation", "LauncherError")
 _ENTRY = re.compile(r"^\*{0,2}(\w+)\s*(\([^)]*\))?:")
-# State's reference docstrings need about 50 lines more than state.py has under
+# State's reference docstrings need about 50 lines more than training/state.py has under
 # MAX_MODULE_LINES: they wait for its commit transport (``_send`` and the files it writes
 # into) to move to a module of its own. Each name here must still lack something: once one
 # is documented, drop it.

@@ -167,7 +167,7 @@ def test_a_second_job_on_the_folder_leaves_a_running_write_alone(tmp_path, log_d
     what a crashed write left, never the temporary file the first job is writing, whose
     rename (its commit) then succeeds."""
     import elastic_magic as em
-    from elastic_magic.agent.local.snapshots import temporary_file
+    from elastic_magic.agent.node.snapshots import temporary_file
     from elastic_magic.folders import own_folder
 
     ckpt = tmp_path / "ckpt"

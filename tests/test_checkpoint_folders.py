@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import elastic_magic as em
-from elastic_magic import snapshot_format
 from elastic_magic.agent.handles.job import AgentError
-from elastic_magic.agent.local import checkpoint_file
+from elastic_magic.agent.node import checkpoint_file
+from elastic_magic.training import snapshot_format
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")

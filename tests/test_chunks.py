@@ -12,8 +12,8 @@ import pytest
 
 from elastic_magic.agent.machines import chunks
 from elastic_magic.agent.machines.chunks import ChunkSink, HeldChunks, memory_file, send_snapshot
-from elastic_magic.chunk_messages import ChunkPiece
-from elastic_magic.snapshot_format import parts_header
+from elastic_magic.training.snapshot_format import parts_header
+from elastic_magic.wire.chunk_messages import ChunkPiece
 
 pytestmark = pytest.mark.unit
 

@@ -33,9 +33,9 @@ import elastic_magic as em
 from elastic_magic import torch_internals
 from elastic_magic.agent.machines import quick_rounds
 from elastic_magic.agent.machines.rendezvous import Rendezvous
-from elastic_magic.agent.rounds import RoundInfo
-from elastic_magic.events import RendezvousCompleted
-from elastic_magic.protocol import new_secret
+from elastic_magic.agent.round_info import RoundInfo
+from elastic_magic.wire.events import RendezvousCompleted
+from elastic_magic.wire.protocol import new_secret
 
 pytestmark = pytest.mark.cluster
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import elastic_magic as em
-from elastic_magic import snapshot_format
-from elastic_magic.agent.local.snapshots import split_checkpoint
+from elastic_magic.agent.node.snapshots import split_checkpoint
+from elastic_magic.training import snapshot_format
 
 
 @pytest.mark.unit
@@ -159,9 +159,9 @@ def test_a_results_snapshot_stays_in_the_memory_file_until_it_is_read(log_dir):
 
     from elastic_magic.agent.handles.ended import EndedJob
     from elastic_magic.agent.handles.job import Job
-    from elastic_magic.payload import build_payload
     from elastic_magic.result import MemorySnapshot
     from elastic_magic.spec import JobSpec
+    from elastic_magic.wire.payload import build_payload
 
     cell = ("import torch, elastic_magic\n"
             "state = elastic_magic.State(model=torch.nn.Linear(256, 256), step=3)\n"
@@ -192,7 +192,7 @@ def test_random_states_cross_ranks_as_a_fixed_layout_never_a_pickle():
 
     import numpy
 
-    from elastic_magic import rng
+    from elastic_magic.training import rng
 
     random.seed(3)
     random.gauss(0, 1)  # leaves Python's gauss_next set

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import elastic_magic as em
-from elastic_magic import snapshot_format
-from elastic_magic.agent.local.commit_files import CommitFiles
-from elastic_magic.file_locks import ofd_lock
+from elastic_magic.agent.node.commit_files import CommitFiles
+from elastic_magic.training import snapshot_format
+from elastic_magic.training.file_locks import ofd_lock
 
 
 def _inode(fd: int) -> int:

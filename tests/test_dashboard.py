@@ -13,14 +13,14 @@ import time
 import pytest
 
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Output, WorkersStarted
-from elastic_magic.payload import build_payload
 from elastic_magic.result import JobFailedError
 from elastic_magic.spec import JobSpec
 from elastic_magic.ui.dashboard import Dashboard, LiveView
+from elastic_magic.ui.dashboard_state import MERGED_LINES, RANK_LINES, TRACEBACK_SHOWN
 from elastic_magic.ui.record import record_bundle
-from elastic_magic.ui.state import MERGED_LINES, RANK_LINES, TRACEBACK_SHOWN
 from elastic_magic.ui.text import TextRenderer
+from elastic_magic.wire.events import Output, WorkersStarted
+from elastic_magic.wire.payload import build_payload
 
 FLAKY = textwrap.dedent("""
     import os, sys, time, torch.distributed as dist
@@ -380,8 +380,8 @@ def test_jobs_list_stops_the_clock_of_a_finished_job(ip, log_dir, capsys):
 def test_join_command_is_in_the_header_and_the_record():
     """A multi-node job's join command: the header (the widget shows it at the top, with a
     Copy button) and the record; not only in the collapsed timeline."""
-    from elastic_magic.events import AcceptingNodes
-    from elastic_magic.ui.state import DashboardState
+    from elastic_magic.ui.dashboard_state import DashboardState
+    from elastic_magic.wire.events import AcceptingNodes
 
     state = DashboardState("em-test", "/tmp/logs", 0)
     command = "ELASTIC_MAGIC_TOKEN=abc elastic-magic join 10.0.0.5:29400"
@@ -394,7 +394,7 @@ def test_join_command_is_in_the_header_and_the_record():
 
 @pytest.mark.unit
 def test_log_tails_show_a_rewritten_line_as_it_finally_showed():
-    from elastic_magic.job_commands import visible as _visible
+    from elastic_magic.notebook.job_commands import visible as _visible
 
     assert _visible("\r 10%|#\r 50%|#####\r100%|##########|\n") == "100%|##########|\n"
     assert _visible("plain line\n") == "plain line\n" and _visible("done\r\n") == "done\n"
@@ -496,7 +496,7 @@ def test_many_dashboard_cells_leave_no_widget_comm_or_result_behind(ip, log_dir,
 
     from ipywidgets.widgets.widget import _instances
 
-    from elastic_magic import job_commands
+    from elastic_magic.notebook import job_commands
     from elastic_magic.result import JobResult
 
     published: list[dict] = []
@@ -592,7 +592,7 @@ def test_a_ranks_lines_keep_their_order_across_stdout_and_stderr(log_dir):
 
 @pytest.mark.unit
 def test_order_marks_are_found_wherever_reads_cut_them():
-    from elastic_magic.agent.local.output import _Marks
+    from elastic_magic.agent.node.output import _Marks
     from elastic_magic.worker.stdout import ORDER_END, order_mark
 
     mark, end = order_mark("ab" * 16).encode(), ORDER_END.encode()
@@ -632,7 +632,7 @@ def test_text_that_looks_like_an_order_mark_is_printed_text(log_dir, recorder):
     job = Job(spec, build_payload(FORGED, spec)).start()
     result = job.wait(recorder)
     assert result.ok
-    from elastic_magic.events import Output
+    from elastic_magic.wire.events import Output
 
     shown = [(e.stream, line) for e in recorder.of(Output) if e.rank == 0 for line in e.lines]
     assert shown == [*(("stdout", line) for line in FORGED_LINES),

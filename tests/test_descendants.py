@@ -22,8 +22,8 @@ from conftest import (
 )
 
 import elastic_magic as em
-from elastic_magic.events import JobState, Output, WorkerFailed
-from elastic_magic.payload import build_payload
+from elastic_magic.wire.events import JobState, Output, WorkerFailed
+from elastic_magic.wire.payload import build_payload
 from elastic_magic.worker.shepherd import TERM_FROM_VARIABLE
 
 
@@ -158,7 +158,7 @@ def test_the_workers_exit_passes_through_its_shepherd(log_dir):
 SHEPHERDED = textwrap.dedent("""
     import os, signal, sys, time
     import elastic_magic as em
-    from elastic_magic.payload import build_payload
+    from elastic_magic.wire.payload import build_payload
     spec = em.JobSpec.create(1, log_dir=sys.argv[1])
     job = em.Job(spec, build_payload(sys.argv[2], spec, namespace={"PID_DIR": sys.argv[3]}))
     job.start()

@@ -13,18 +13,18 @@ import torch
 from conftest import assert_stayed, done_steps, run_resized
 
 import elastic_magic as em
-from elastic_magic import snapshot_format
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import (
+from elastic_magic.spec import JobSpec, SpecError
+from elastic_magic.training import snapshot_format
+from elastic_magic.ui.describe import describe
+from elastic_magic.wire.events import (
     Committed,
     Excluded,
     MembershipChanged,
     Output,
     ResizeRequested,
 )
-from elastic_magic.payload import build_payload
-from elastic_magic.spec import JobSpec, SpecError
-from elastic_magic.ui.describe import describe
+from elastic_magic.wire.payload import build_payload
 
 # Fixed global batch of 12 (divisible by 1, 2 and 3 ranks), fixed seeds, 2 epochs of 20.
 TRAIN = textwrap.dedent("""
@@ -240,7 +240,7 @@ def test_snapshots_reach_the_agent_through_memory_files_or_the_pipe(log_dir, rec
     worker keeps to the route that worked."""
     cell = textwrap.dedent("""
         import os, torch, elastic_magic
-        import elastic_magic.state as state_module
+        import elastic_magic.training.state as state_module
         if REFUSE != "never":  # as if the agent's file could not be opened here
             state_module._write_into = lambda *args: False
         if REFUSE == "agent_cannot_read":
@@ -275,7 +275,7 @@ def test_random_kills_with_survivors_staying_end_bit_for_bit(baseline, log_dir, 
 
     import psutil
 
-    from elastic_magic.events import WorkersStarted
+    from elastic_magic.wire.events import WorkersStarted
 
     spec = JobSpec.create(2, log_dir=log_dir, max_restarts=8, survivors=True)
     payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.1})

@@ -13,8 +13,8 @@ import torch
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec, SpecError
+from elastic_magic.wire.payload import build_payload
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

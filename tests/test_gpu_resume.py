@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Committed, MembershipChanged
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.events import Committed, MembershipChanged
+from elastic_magic.wire.payload import build_payload
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -12,11 +12,11 @@ from test_multinode import machines as machines  # the fixture: `elastic-magic j
 from test_multinode import run_head
 
 import elastic_magic as em
-from elastic_magic.events import RanksFinished, WorkerFailed
-from elastic_magic.payload import build_payload
 from elastic_magic.result import describe_failure
+from elastic_magic.ui.dashboard_state import DashboardState
 from elastic_magic.ui.record import record_text
-from elastic_magic.ui.state import DashboardState
+from elastic_magic.wire.events import RanksFinished, WorkerFailed
+from elastic_magic.wire.payload import build_payload
 
 STALL = textwrap.dedent("""
     import time, torch, torch.distributed as dist

@@ -13,9 +13,9 @@ import threading
 from conftest import assert_stayed
 
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Committed
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.events import Committed
+from elastic_magic.wire.payload import build_payload
 
 WIDTH = 600  # the model's state is above kept.COPY_LIMIT: kept as versions, not a copy
 
@@ -239,7 +239,7 @@ def test_a_commit_is_kept_by_versions_and_dropped_where_copies_would_cost():
     commit would cost the training more than the rollback saves)."""
     import torch
 
-    from elastic_magic.kept import COPY_LIMIT, Kept
+    from elastic_magic.training.kept import COPY_LIMIT, Kept
 
     model = torch.nn.Linear(WIDTH, WIDTH)  # above COPY_LIMIT
     small = torch.nn.Linear(2, 2)
@@ -263,9 +263,9 @@ def test_a_commit_the_rank_holds_is_not_sent_to_it():
     """A survivor going on in place names the commit it holds (``StateGet.held``): when it
     is the latest, the agent answers without the snapshot, to its own ranks and to a joined
     machine's (which would otherwise have it streamed first); an older one gets it all."""
-    from elastic_magic.agent.local.snapshots import SnapshotStore, StateServer
     from elastic_magic.agent.machines.remote_state import answer_node
-    from elastic_magic.messages import NodeReply, NodeRequest, Reply, StateGet, StateReply
+    from elastic_magic.agent.node.snapshots import SnapshotStore, StateServer
+    from elastic_magic.wire.messages import NodeReply, NodeRequest, Reply, StateGet, StateReply
 
     store = SnapshotStore()
     server = StateServer(store, emit=lambda event: None, leave_at_commit=lambda: False)

@@ -15,7 +15,8 @@ import pytest
 from conftest import KILL_OWN_SHEPHERD, tagged_workers
 
 import elastic_magic as em
-from elastic_magic.events import (
+from elastic_magic.result import JobResult, RankFailure, Unpicklable, describe_failure
+from elastic_magic.wire.events import (
     JobFinished,
     JobState,
     Output,
@@ -25,8 +26,7 @@ from elastic_magic.events import (
     WorkerFailed,
     WorkersStarted,
 )
-from elastic_magic.payload import build_payload
-from elastic_magic.result import JobResult, RankFailure, Unpicklable, describe_failure
+from elastic_magic.wire.payload import build_payload
 
 ALLREDUCE = """
 import torch, torch.distributed as dist
@@ -321,7 +321,7 @@ def test_twenty_crash_and_restart_cycles_all_succeed(log_dir, recorder):
 
 def test_stop_while_running_ends_every_worker(log_dir, recorder):
     spec = em.JobSpec.create(2, log_dir=log_dir)
-    from elastic_magic.payload import build_payload
+    from elastic_magic.wire.payload import build_payload
 
     job = em.Job(spec, build_payload("import time\nprint('up')\ntime.sleep(600)", spec))
     job.start()
@@ -342,7 +342,7 @@ def test_stop_while_running_ends_every_worker(log_dir, recorder):
 def test_a_renderer_that_raises_stops_the_job_before_the_error_surfaces(log_dir):
     """Nobody watches a job whose output failed (a broken frontend, a failed assertion in a
     test's renderer): it is stopped and has ended when the error reaches the caller."""
-    from elastic_magic.payload import build_payload
+    from elastic_magic.wire.payload import build_payload
 
     spec = em.JobSpec.create(2, log_dir=log_dir)
     job = em.Job(spec, build_payload("import time\ntime.sleep(600)", spec)).start()
@@ -388,7 +388,7 @@ def test_env_flag_reaches_workers(log_dir):
 
 def test_stop_before_the_rendezvous_starts_nothing(log_dir, recorder):
     spec = em.JobSpec.create(2, log_dir=log_dir)
-    from elastic_magic.payload import build_payload
+    from elastic_magic.wire.payload import build_payload
 
     job = em.Job(spec, build_payload("x = 1", spec))
     job.stop("early")
@@ -432,7 +432,7 @@ IGNORING = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import elastic_magic as em
-    from elastic_magic.payload import build_payload
+    from elastic_magic.wire.payload import build_payload
     from elastic_magic.result import JobState
 
     HANDLERS = (

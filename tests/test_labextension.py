@@ -1,5 +1,5 @@
 """The JupyterLab extension's TypeScript unit tests (jest, in labextension/), and the
-kernel side of its comm (elastic_magic/comm.py) with a real job."""
+kernel side of its comm (elastic_magic/notebook/comm.py) with a real job."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 
 from elastic_magic.agent.handles.ended import EndedJob
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.comm import JobsChannel
-from elastic_magic.payload import build_payload
-from elastic_magic.session import Session
+from elastic_magic.notebook.comm import JobsChannel
+from elastic_magic.notebook.session import Session
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.payload import build_payload
 
 LABEXTENSION = Path(__file__).resolve().parents[1] / "labextension"
 

@@ -24,7 +24,6 @@ from test_elastic import baseline as baseline  # the module-scoped fixture
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.checks import SpecError
-from elastic_magic.events import MachinesChanged, NodeConnected, RendezvousCompleted
 from elastic_magic.launchers import (
     CONFIG_VARIABLE,
     Allocation,
@@ -36,8 +35,9 @@ from elastic_magic.launchers import (
 )
 from elastic_magic.launchers.cluster import Cluster
 from elastic_magic.launchers.watchdog import Watchdog, lifeline
-from elastic_magic.payload import build_payload
-from elastic_magic.ui.state import DashboardState
+from elastic_magic.ui.dashboard_state import DashboardState
+from elastic_magic.wire.events import MachinesChanged, NodeConnected, RendezvousCompleted
+from elastic_magic.wire.payload import build_payload
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
 
@@ -394,7 +394,7 @@ HEAD = textwrap.dedent("""
     import json, sys, time
     import elastic_magic as em
     from elastic_magic.agent.handles.job import Job
-    from elastic_magic.payload import build_payload
+    from elastic_magic.wire.payload import build_payload
     spec = em.JobSpec.create(1, nnodes=sys.argv[5], rdzv_endpoint=sys.argv[1],
                              launcher=sys.argv[2], launch=json.loads(sys.argv[3]),
                              log_dir=sys.argv[4], timeout=60)

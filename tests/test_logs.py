@@ -18,10 +18,11 @@ import time
 import pytest
 
 import elastic_magic as em
-from elastic_magic import logs, snapshot_format
+from elastic_magic import logs
 from elastic_magic.agent.handles.job import AgentError
-from elastic_magic.events import JobState
-from elastic_magic.payload import build_payload
+from elastic_magic.training import snapshot_format
+from elastic_magic.wire.events import JobState
+from elastic_magic.wire.payload import build_payload
 
 NOBODY = 65534
 DAY = 24 * 3600

@@ -15,23 +15,25 @@ import cloudpickle
 import pytest
 
 from elastic_magic.agent.inbox import CellRequest, Inbox, WorkerReport
-from elastic_magic.agent.local.group import WorkerGroup
-from elastic_magic.agent.local.workers import Worker, WorkerState
 from elastic_magic.agent.loop.cells import CellEvents
 from elastic_magic.agent.loop.engine import Engine
 from elastic_magic.agent.loop.job_loop import JobLoop
 from elastic_magic.agent.loop.session_loop import SessionLoop
 from elastic_magic.agent.machines.roles import SingleMachine
-from elastic_magic.agent.rounds import RoundInfo
+from elastic_magic.agent.node.group import WorkerGroup
+from elastic_magic.agent.node.workers import Worker, WorkerState
+from elastic_magic.agent.round_info import RoundInfo
 from elastic_magic.agent.status import StatusBoard
-from elastic_magic.events import (
+from elastic_magic.result import JobFailedError, JobState
+from elastic_magic.spec import JobSpec
+from elastic_magic.wire.events import (
     Excluded,
     Output,
     Restarting,
     SessionBroken,
     SessionReformed,
 )
-from elastic_magic.messages import (
+from elastic_magic.wire.messages import (
     DumpStacks,
     ErrorInfo,
     Exit,
@@ -44,9 +46,7 @@ from elastic_magic.messages import (
     Stacks,
     StopCommand,
 )
-from elastic_magic.payload import Payload
-from elastic_magic.result import JobFailedError, JobState
-from elastic_magic.spec import JobSpec
+from elastic_magic.wire.payload import Payload
 
 pytestmark = pytest.mark.unit
 

@@ -25,9 +25,9 @@ from test_multinode import run_head
 
 import elastic_magic as em
 from elastic_magic.agent.machines.hub import Link, read_into
-from elastic_magic.events import Excluded, RendezvousCompleted, WorkerFailed, WorkersStarted
-from elastic_magic.protocol import new_secret
 from elastic_magic.ui.describe import describe
+from elastic_magic.wire.events import Excluded, RendezvousCompleted, WorkerFailed, WorkersStarted
+from elastic_magic.wire.protocol import new_secret
 
 pytestmark = pytest.mark.cluster
 

@@ -179,7 +179,7 @@ def test_unload_stops_background_jobs_and_removes_both_magics(log_dir):
     (["4", "--include", "1,3", "em-x"], (4, ["em-x"], False, (1, 3))),
 ])
 def test_scale_words_name_the_size_the_job_and_the_slots_brought_back(words, parsed):
-    from elastic_magic.magic_common import parse_scale
+    from elastic_magic.notebook.magic_cells import parse_scale
 
     assert parse_scale(words) == parsed
     with pytest.raises(UsageError, match="--include takes worker slots"):

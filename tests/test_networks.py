@@ -19,17 +19,17 @@ from test_elastic import baseline as baseline  # the module-scoped fixture
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.agent.local.network import choose, is_loopback
-from elastic_magic.events import (
+from elastic_magic.agent.node.network import choose, is_loopback
+from elastic_magic.ui.dashboard_state import DashboardState
+from elastic_magic.ui.describe import network_text
+from elastic_magic.wire.events import (
     AcceptingNodes,
     Excluded,
     NetworkChosen,
     NodeConnected,
     RendezvousCompleted,
 )
-from elastic_magic.payload import build_payload
-from elastic_magic.ui.describe import network_text
-from elastic_magic.ui.state import DashboardState
+from elastic_magic.wire.payload import build_payload
 
 pytestmark = pytest.mark.cluster
 

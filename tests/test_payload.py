@@ -4,14 +4,14 @@ import threading
 import cloudpickle
 import pytest
 
-from elastic_magic.payload import (
+from elastic_magic.wire.payload import (
     PayloadError,
     capture_globals,
     cell_payload,
     referenced_names,
     uses_ipython_syntax,
 )
-from elastic_magic.protocol import Channel, ProtocolError, new_secret
+from elastic_magic.wire.protocol import Channel, ProtocolError, new_secret
 
 pytestmark = pytest.mark.unit
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from elastic_magic.agent.local.environment import torchrun_env
-from elastic_magic.agent.local.workers import Worker
+from elastic_magic.agent.node.environment import torchrun_env
+from elastic_magic.agent.node.workers import Worker
 from elastic_magic.agent.policy import (
     CellStatus,
     CellStep,
@@ -28,11 +28,11 @@ from elastic_magic.agent.policy import (
     own_failure,
     what_ended,
 )
-from elastic_magic.agent.rounds import RoundInfo
+from elastic_magic.agent.round_info import RoundInfo
 from elastic_magic.agent.status import StatusBoard
-from elastic_magic.messages import Action
 from elastic_magic.result import JobState, RankFailure
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.messages import Action
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ import psutil
 from conftest import SHEPHERD, TAG, ZYGOTE, is_spare, job_processes
 
 import elastic_magic as em
-from elastic_magic.agent.local.pool import shutdown_pool, warm_pool
+from elastic_magic.agent.node.pool import shutdown_pool, warm_pool
 
 # What a rank sees of itself, and whose child its shepherd is (the zygote, or us). The
 # first attempt's rank 1 fails, so the restarted group's workers are seen too.
@@ -187,11 +187,11 @@ def test_the_pool_is_kept_while_workers_would_inherit_the_same_and_rebuilt_other
 def test_every_worker_of_a_job_shares_one_zygote(tmp_path):
     """What differs between one job's workers (rank, slot, GPUs, the machine's interface)
     is set after the fork: it must not make each worker a zygote of its own."""
-    from elastic_magic.agent.local.environment import torchrun_env
-    from elastic_magic.agent.local.pool import fingerprint
-    from elastic_magic.agent.local.workers import Worker
-    from elastic_magic.agent.rounds import RoundInfo
-    from elastic_magic.events import NetworkChosen
+    from elastic_magic.agent.node.environment import torchrun_env
+    from elastic_magic.agent.node.pool import fingerprint
+    from elastic_magic.agent.node.workers import Worker
+    from elastic_magic.agent.round_info import RoundInfo
+    from elastic_magic.wire.events import NetworkChosen
 
     spec = em.JobSpec.create(3, gpus=4, backend="gloo", log_dir=tmp_path)
     network = NetworkChosen("10.0.0.2", "eth0", (("GLOO_SOCKET_IFNAME", "eth0"),), (),
@@ -211,8 +211,8 @@ def test_every_worker_of_a_job_shares_one_zygote(tmp_path):
 OWNER = textwrap.dedent("""
     import sys, time
     import elastic_magic as em
-    from elastic_magic.agent.local.pool import warm_pool
-    from elastic_magic.payload import build_payload
+    from elastic_magic.agent.node.pool import warm_pool
+    from elastic_magic.wire.payload import build_payload
     spec = em.JobSpec.create(2, backend="gloo", log_dir=sys.argv[1])
     job = em.Job(spec, build_payload("import time\\nprint('up', flush=True)\\ntime.sleep(600)",
                                      spec)).start()

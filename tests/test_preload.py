@@ -13,8 +13,8 @@ import pytest
 from IPython.core.error import UsageError
 
 import elastic_magic as em
-from elastic_magic.agent.local import pool as pool_module
-from elastic_magic.agent.local.pool import WarmPool
+from elastic_magic.agent.node import pool as pool_module
+from elastic_magic.agent.node.pool import WarmPool
 from elastic_magic.worker import import_checks, imports
 
 # A cell's view, before its first line of its own: what it already has, and which zygote

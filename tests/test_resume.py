@@ -21,9 +21,9 @@ from torch.utils.data import IterableDataset, TensorDataset
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Committed, MembershipChanged
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.wire.events import Committed, MembershipChanged
+from elastic_magic.wire.payload import build_payload
 
 # The acceptance training of test_elastic (40 optimizer steps, each of 2 accumulated global
 # batches of 12), fed by a DataLoader (2 workers, prefetching, persistent) whose dataset adds

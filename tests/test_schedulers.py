@@ -18,7 +18,7 @@ import yaml
 from test_networks import run_head
 
 import elastic_magic as em
-from elastic_magic.events import RendezvousCompleted
+from elastic_magic.wire.events import RendezvousCompleted
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SBATCH = EXAMPLES / "slurm" / "join.sbatch"

@@ -30,10 +30,10 @@ from torch.distributed import TCPStore
 import elastic_magic as em
 from elastic_magic.agent.handles.job import AgentError, Job
 from elastic_magic.agent.machines.hub import connect
-from elastic_magic.events import AcceptingNodes, NodeConnected, Output, RendezvousCompleted
-from elastic_magic.messages import Hello
-from elastic_magic.payload import build_payload
-from elastic_magic.protocol import MAX_FRAME, Channel, ProtocolError, new_secret
+from elastic_magic.wire.events import AcceptingNodes, NodeConnected, Output, RendezvousCompleted
+from elastic_magic.wire.messages import Hello
+from elastic_magic.wire.payload import build_payload
+from elastic_magic.wire.protocol import MAX_FRAME, Channel, ProtocolError, new_secret
 
 REJECTED = "unauthenticated rendezvous state rejected"
 SLEEPER = "import time\nprint('up', flush=True)\ntime.sleep(300)\n"
@@ -394,7 +394,7 @@ def test_a_worker_store_address_replayed_from_an_earlier_round_is_refused(monkey
     copies round 0's signed value (an old store's port, which another user may hold by now)
     into round 1's key gets the job ended, not its workers."""
     from elastic_magic.agent.machines import rendezvous as rdzv
-    from elastic_magic.protocol import new_secret
+    from elastic_magic.wire.protocol import new_secret
 
     rendezvous = rdzv.Rendezvous(f"em-replay-{os.getpid()}", key=new_secret())
     try:
@@ -455,7 +455,7 @@ def test_our_interpreters_keep_absolute_path_entries_the_user_chose_in_the_start
     """A kernel started in the home folder with packages in ~/.local, or a project's src on
     PYTHONPATH: entries the user named absolutely stay on our interpreters' path, inside the
     start folder too; what a relative entry names does not (a shared folder's ``lib``)."""
-    from elastic_magic.agent.local import interpreter
+    from elastic_magic.agent.node import interpreter
 
     (tmp_path / "chosen").mkdir()
     (tmp_path / "chosen" / "em_chosen.py").write_text("def main():\n    print('ran')\n")
@@ -482,7 +482,7 @@ def test_a_package_planted_in_the_start_folder_never_runs_through_pythonpath_ent
     clean the path alike: the local one, and the remote one through a login's shell."""
     import shlex
 
-    from elastic_magic.agent.local import interpreter
+    from elastic_magic.agent.node import interpreter
 
     start, marker = tmp_path / "start", tmp_path / "marker"
     for folder in (start, start / "lib"):

@@ -12,11 +12,11 @@ import pytest
 from conftest import KILL_OWN_SHEPHERD, tagged_workers, wait_for_workers
 
 import elastic_magic as em
-from elastic_magic.events import Output, SessionBroken, SessionReformed, WorkerFailed
-from elastic_magic.payload import PayloadError
+from elastic_magic.ui.dashboard_state import DashboardState
 from elastic_magic.ui.describe import duration
 from elastic_magic.ui.record import summary_line
-from elastic_magic.ui.state import DashboardState
+from elastic_magic.wire.events import Output, SessionBroken, SessionReformed, WorkerFailed
+from elastic_magic.wire.payload import PayloadError
 
 
 class Watcher:
@@ -487,8 +487,8 @@ def test_end_of_cell_marks_leave_the_cells_own_lines_whole(tmp_path):
     stream, after the line it ends (one without a newline is still a line), and keeps it
     out of the logs; the old mark's text, or a mark with another nonce, is printed text."""
     from elastic_magic.agent.inbox import OutputEnded
-    from elastic_magic.agent.local.output import RankPump, new_tail
     from elastic_magic.agent.loop.cells import take_end_marks
+    from elastic_magic.agent.node.output import RankPump, new_tail
     from elastic_magic.worker.stdout import cell_end_mark
 
     nonce = "ab" * 16

@@ -11,7 +11,7 @@ from test_multinode import Machines
 from test_session import Watcher, run_in_thread
 
 import elastic_magic as em
-from elastic_magic.events import Output, SessionReformed
+from elastic_magic.wire.events import Output, SessionReformed
 
 pytestmark = pytest.mark.cluster
 

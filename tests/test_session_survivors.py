@@ -15,7 +15,7 @@ from conftest import tagged_workers
 from test_session import Watcher
 
 import elastic_magic as em
-from elastic_magic.events import SessionReformed, WorkersStarted
+from elastic_magic.wire.events import SessionReformed, WorkersStarted
 
 # Every rank's process, whether its own variables are still there, and a collective on the
 # group as it is now (its world size, summed).

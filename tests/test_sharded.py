@@ -19,11 +19,11 @@ from conftest import assert_stayed, done_steps, run_resized
 from test_multinode import Machines, run_head
 
 import elastic_magic as em
-from elastic_magic import sharded, snapshot_format
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import Committed, Excluded, MembershipChanged, RendezvousCompleted
-from elastic_magic.payload import build_payload
 from elastic_magic.spec import JobSpec
+from elastic_magic.training import sharded, snapshot_format
+from elastic_magic.wire.events import Committed, Excluded, MembershipChanged, RendezvousCompleted
+from elastic_magic.wire.payload import build_payload
 
 TRAIN = textwrap.dedent("""
     import os, signal, time, torch, torch.distributed as dist

@@ -20,9 +20,9 @@ import sys
 import pytest
 
 import elastic_magic as em
-from elastic_magic import snapshot_format
 from elastic_magic.agent.handles.job import AgentError
-from elastic_magic.checkpoint_key import ENV, checkpoint_key
+from elastic_magic.training import snapshot_format
+from elastic_magic.training.checkpoint_key import ENV, checkpoint_key
 
 CELL = """
 import elastic_magic
@@ -148,7 +148,7 @@ def test_a_key_file_others_could_read_or_swap_is_refused(tmp_path, log_dir,
 
 
 def test_two_first_uses_at_once_end_with_one_key(tmp_path, checkpoint_config):
-    code = ("from elastic_magic.checkpoint_key import checkpoint_key; "
+    code = ("from elastic_magic.training.checkpoint_key import checkpoint_key; "
             "print(checkpoint_key().hex())")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               text=True) for _ in range(6)]

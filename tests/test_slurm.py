@@ -38,10 +38,10 @@ from test_launchers import (
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.events import MachinesChanged, NodeConnected, RendezvousCompleted
 from elastic_magic.launchers import JoinRequest, make_launcher
 from elastic_magic.launchers.cluster import Cluster
-from elastic_magic.payload import build_payload
+from elastic_magic.wire.events import MachinesChanged, NodeConnected, RendezvousCompleted
+from elastic_magic.wire.payload import build_payload
 
 pytestmark = pytest.mark.cluster
 
@@ -383,7 +383,7 @@ HEAD_INTERRUPTED = textwrap.dedent("""
     import json, sys
     import elastic_magic as em
     from elastic_magic.agent.handles.job import Job
-    from elastic_magic.payload import build_payload
+    from elastic_magic.wire.payload import build_payload
     spec = em.JobSpec.create(1, nnodes="1:2", rdzv_endpoint=sys.argv[1], launcher="slurm",
                              launch=json.loads(sys.argv[2]), log_dir=sys.argv[3], timeout=60)
     job = Job(spec, build_payload("import time\\nwhile True: time.sleep(0.1)", spec)).start()

@@ -19,19 +19,19 @@ import pytest
 from conftest import ZYGOTE, assert_stayed, is_spare, wait_until_no_workers
 
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.agent.local.survivors import STUCK
+from elastic_magic.agent.node.survivors import STUCK
 from elastic_magic.agent.status import JobStatus
-from elastic_magic.events import (
+from elastic_magic.result import JobState
+from elastic_magic.spec import JobSpec
+from elastic_magic.ui.describe import describe
+from elastic_magic.wire.events import (
     Committed,
     Excluded,
     Restarting,
     WorkerFailed,
     WorkersStarted,
 )
-from elastic_magic.payload import build_payload
-from elastic_magic.result import JobState
-from elastic_magic.spec import JobSpec
-from elastic_magic.ui.describe import describe
+from elastic_magic.wire.payload import build_payload
 
 # Ten steps of a DDP training with a commit each; at step 3 (then 5, 7) of the first
 # FAILURES attempts, rank 1 does FAIL_HOW and rank 0 does STALL (or nothing).

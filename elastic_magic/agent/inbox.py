@@ -10,16 +10,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..events import Event
-from ..messages import (
+from ..result import JobResult
+from ..wire.events import Event
+from ..wire.messages import (
     LinkMessage,
     ScaleCommand,
     StacksCommand,
     StopCommand,
     WorkerMessage,
 )
-from ..payload import Payload
-from ..result import JobResult
+from ..wire.payload import Payload
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..messages import Action
 from ..result import JobState, RankFailure, is_consequence
+from ..wire.messages import Action
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ..agent.local import interpreter
+from ..agent.node import interpreter
 from ..checks import SpecError
 from . import JoinRequest, known_options
 from .ssh import SshLauncher

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..agent.local import interpreter
+from ..agent.node import interpreter
 from ..checks import SpecError
 from . import Allocation, JoinRequest, LauncherError, known_options
 from .watchdog import submitting

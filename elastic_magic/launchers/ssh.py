@@ -19,7 +19,7 @@ import subprocess
 import threading
 from collections.abc import Mapping
 
-from ..agent.local import interpreter
+from ..agent.node import interpreter
 from ..checks import SpecError
 from . import Allocation, JoinRequest, LauncherError, known_options
 from .watchdog import lifeline

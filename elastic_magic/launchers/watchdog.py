@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
-from ..agent.local import interpreter
+from ..agent.node import interpreter
 
 PATIENCE = 600.0  # seconds a command is retried for (a scheduler that times out, say)
 FIRST_RETRY = 1.0  # then doubled, up to LONGEST_RETRY

@@ -341,7 +341,7 @@ def forget_group_names() -> None:
     _get(GROUP_NAMES).__globals__["_world"].group_count = 0
 
 
-# torch's DataLoader (data.py) ----------------------------------------------------------
+# torch's DataLoader (training/data.py) ----------------------------------------------------------
 
 def is_dataloader_iterator(obj: Any) -> bool:
     """Whether ``obj`` is one of torch's DataLoader iterators (single- or multi-process).
@@ -368,7 +368,7 @@ def is_library_cleanup(function: Any) -> bool:
 
 
 # Rendezvous rounds without idle waits (agent/machines/quick_rounds.py): in rounds.py
-from . import rounds  # noqa: E402  (it builds on what is above)
+from . import rendezvous_hooks as rounds  # noqa: E402  (it builds on what is above)
 
 STATE_CACHE: Need = rounds.STATE_CACHE
 JOIN_OP: Need = rounds.JOIN_OP

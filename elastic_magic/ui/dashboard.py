@@ -13,10 +13,10 @@ import anywidget
 import traitlets
 from IPython.display import display
 
-from ..events import Event
 from ..spec import SpecError
+from ..wire.events import Event
+from .dashboard_state import DashboardState
 from .record import record_bundle
-from .state import DashboardState
 
 # At most this many state messages per second reach the frontend.
 SYNC_INTERVAL = 0.25

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..events import (
+from ..wire.events import (
     AcceptingNodes,
     Committed,
     Event,

@@ -12,8 +12,8 @@ from html import escape
 from typing import Any
 
 from . import ansi
+from .dashboard_state import DashboardState
 from .describe import clock, count_of, duration
-from .state import DashboardState
 
 _STATE_COLORS = {"succeeded": "var(--jp-success-color1, #1a7f37)",
                  "failed": "var(--jp-error-color1, #cf222e)",

@@ -6,8 +6,8 @@ import sys
 from collections import deque
 from typing import TextIO
 
-from ..events import Event, Output
 from ..result import JobResult
+from ..wire.events import Event, Output
 from . import ansi
 from .describe import describe
 

@@ -4,7 +4,7 @@ argv: CONTROL_FD REPORT_FD NOTICE_FD PARENT_PID. The process the agent spawns fo
 once and stays behind as the rank's shepherd (``shepherd.py``): it ends everything the
 worker starts, and tells the agent how the worker ended on the notice pipe. The agent
 first writes the job's secret on the control pipe, then signed messages
-(``messages.py``): Run, Reply or Exit. The control pipe is also a lifeline: EOF without an
+(``wire/messages.py``): Run, Reply or Exit. The control pipe is also a lifeline: EOF without an
 Exit means the kernel is gone, and the worker ends its whole process group at once.
 """
 
@@ -17,10 +17,11 @@ import signal
 import sys
 import threading
 
-from elastic_magic.messages import DumpStacks, Exit, Interrupt, Reply, Run
-from elastic_magic.protocol import KEY_BYTES, Channel, ProtocolError
+from elastic_magic.wire.messages import DumpStacks, Exit, Interrupt, Reply, Run
+from elastic_magic.wire.protocol import KEY_BYTES, Channel, ProtocolError
 from elastic_magic.worker import client as agent_client
-from elastic_magic.worker import leave, session, shepherd
+from elastic_magic.worker import leave, shepherd
+from elastic_magic.worker import session_cells as session
 from elastic_magic.worker.progress import answer_stacks, report_progress
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
 from elastic_magic.worker.stdout import NONCE_BYTES, buffer_stdout

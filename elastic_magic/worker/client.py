@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from elastic_magic.messages import Reply, StateRequest, WorkerMessage
-from elastic_magic.protocol import Channel
+from elastic_magic.wire.messages import Reply, StateRequest, WorkerMessage
+from elastic_magic.wire.protocol import Channel
 
 _current: AgentClient | None = None
 

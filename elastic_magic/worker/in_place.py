@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-from elastic_magic.messages import Resized, Run, Running
+from elastic_magic.wire.messages import Resized, Run, Running
 from elastic_magic.worker import client as agent_client
 from elastic_magic.worker import default_group, leave, progress
 from elastic_magic.worker.client import ResizeExit

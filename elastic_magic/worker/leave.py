@@ -3,7 +3,7 @@ word without leaving the process.
 
 A rank whose peer died usually learns it from its own collective (gloo errors once the
 dead peer's socket closes). One that computes, or waits in a collective that does not
-error, is told by the agent (:class:`~elastic_magic.messages.Interrupt`): the control listener
+error, is told by the agent (:class:`~elastic_magic.wire.messages.Interrupt`): the control listener
 signals the main thread (a blocking call returns with EINTR) and Python's SIGINT handler
 raises KeyboardInterrupt there; the runner tells it from a user's interrupt by
 :func:`asked`. The signal goes only while the payload's code runs (:func:`leavable`), so

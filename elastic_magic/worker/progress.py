@@ -8,8 +8,8 @@ import sys
 import threading
 import time
 
-from elastic_magic.messages import Progress, Stacks
 from elastic_magic.stacks import SERVICE_THREAD_PREFIX, ThreadStack, capture, position
+from elastic_magic.wire.messages import Progress, Stacks
 from elastic_magic.worker.client import AgentClient
 
 SAMPLE_INTERVAL = 0.5  # seconds between looks at the main thread

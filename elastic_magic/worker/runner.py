@@ -18,7 +18,9 @@ from typing import Any
 import cloudpickle
 
 from elastic_magic import torch_internals
-from elastic_magic.messages import (
+from elastic_magic.result import Unpicklable
+from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR
+from elastic_magic.wire.messages import (
     ErrorInfo,
     Failed,
     Imported,
@@ -27,10 +29,9 @@ from elastic_magic.messages import (
     Result,
     Running,
 )
-from elastic_magic.payload import Payload
-from elastic_magic.result import Unpicklable
-from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR
-from elastic_magic.worker import imports, leave, progress, session
+from elastic_magic.wire.payload import Payload
+from elastic_magic.worker import imports, leave, progress
+from elastic_magic.worker import session_cells as session
 from elastic_magic.worker.client import AgentClient, ResizeExit
 
 

@@ -14,7 +14,7 @@ The order across the two pipes: the agent reads each pipe as it fills, so it can
 whether a line of stdout came before a traceback on stderr. Each time the rank turns from
 one stream to the other, the stream it leaves is flushed and the one it turns to gets an
 order mark with the next number of a count the two share (``order_mark``; the agent strips
-it: ``agent/local/output.py``). By the time the agent reads mark N on one pipe, whatever
+it: ``agent/node/output.py``). By the time the agent reads mark N on one pipe, whatever
 came before N on the other is in that pipe already. The mark carries a random nonce the
 agent gives the rank through its control pipe before any user code runs: text the cell
 prints that looks like a mark (a dataset record, a log replayed) lacks it, so stays text.

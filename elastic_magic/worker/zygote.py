@@ -66,7 +66,7 @@ def warm_up() -> None:
     import torch.nn.parallel  # DistributedDataParallel
     import torch.optim
 
-    import elastic_magic.state
+    import elastic_magic.training.state
     import elastic_magic.worker.__main__
     import elastic_magic.worker.default_group  # noqa: F401
 

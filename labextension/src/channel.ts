@@ -2,7 +2,7 @@ import { Kernel, KernelMessage as KM } from '@jupyterlab/services';
 
 import { Action, IItem, KernelMessage } from './model';
 
-/** The comm target that elastic_magic registers in the kernel (elastic_magic/comm.py). */
+/** The comm target that elastic_magic registers in the kernel (elastic_magic/notebook/comm.py). */
 export const TARGET = 'elastic_magic';
 
 /**

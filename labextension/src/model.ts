@@ -37,7 +37,7 @@ export interface IAllocation {
   state: 'pending' | 'running' | 'ended' | 'leaving' | 'note';
 }
 
-/** Messages from the kernel (elastic_magic/comm.py). */
+/** Messages from the kernel (elastic_magic/notebook/comm.py). */
 export type KernelMessage =
   | { type: 'items'; items: IItem[] }
   | { type: 'finished'; item: IItem }

@@ -14,8 +14,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ...events import Event, EventSink, Output, RanksFinished
-from ...messages import (
+from ...result import RankFailure, is_consequence, root_cause_order
+from ...spec import JobSpec
+from ...stacks import place_of
+from ...wire.events import Event, EventSink, Output, RanksFinished
+from ...wire.messages import (
     Commit,
     CommitIntent,
     CommitTarget,
@@ -24,12 +27,9 @@ from ...messages import (
     Running,
     StateGet,
 )
-from ...result import RankFailure, is_consequence, root_cause_order
-from ...spec import JobSpec
-from ...stacks import place_of
 from ..inbox import WorkerReport
-from ..local.group import WorkerGroup
-from ..local.workers import WorkerState
+from ..node.group import WorkerGroup
+from ..node.workers import WorkerState
 from ..policy import GroupStatus
 from .stack_requests import NOT_ANSWERING, Gathering, StackRequests
 from .stalls import (

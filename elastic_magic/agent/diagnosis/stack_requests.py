@@ -14,11 +14,11 @@ from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ...messages import DumpStacks, NodeStacks, Stacks, StacksCommand, StacksRequest
 from ...stacks import RankStacks
+from ...wire.messages import DumpStacks, NodeStacks, Stacks, StacksCommand, StacksRequest
 from ..inbox import FromLink, InboxItem, WorkerReport
-from ..local.group import WorkerGroup
-from ..local.workers import Worker, WorkerState
+from ..node.group import WorkerGroup
+from ..node.workers import Worker, WorkerState
 
 
 class StackPeers(Protocol):

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...checks import SpecError
-from ...events import Event
-from ...messages import StacksCommand
 from ...result import JobResult, JobState
 from ...spec import JobSpec
+from ...wire.events import Event
+from ...wire.messages import StacksCommand
 from ..inbox import Inbox, InboxItem
 from ..machines.hub import new_token
 from ..machines.roles import Head
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..loop.engine import Engine
 
 # Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
-# about 1000 messages/s, and each update may resend a widget's whole state.
+# about 1000 wire/messages/s, and each update may resend a widget's whole state.
 RENDER_INTERVAL = 0.1
 
 Renderer = Callable[[list[Event]], None]

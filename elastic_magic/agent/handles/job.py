@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from ...events import Event
-from ...messages import ScaleCommand, StopCommand
-from ...payload import Payload
 from ...result import JobResult, JobState
 from ...spec import JobSpec
+from ...wire.events import Event
+from ...wire.messages import ScaleCommand, StopCommand
+from ...wire.payload import Payload
 from ..loop.assemble import job_agent
 from ..machines.joined import JoinedJob
 from ..status import JobStatus

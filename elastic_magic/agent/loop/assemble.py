@@ -11,12 +11,12 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from ...events import Event, EventSink
-from ...messages import StopCommand
-from ...payload import Payload, build_payload
 from ...result import JobState
 from ...spec import JobSpec
-from ...worker import session as worker_session
+from ...wire.events import Event, EventSink
+from ...wire.messages import StopCommand
+from ...wire.payload import Payload, build_payload
+from ...worker import session_cells as worker_session
 from ..inbox import Inbox
 from ..machines.joined import JoinedJob, JoinedMachine
 from ..machines.roles import Head, SingleMachine

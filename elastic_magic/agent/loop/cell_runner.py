@@ -1,5 +1,5 @@
 """One payload on a session's group: a cell, a setup cell replayed, or the payload a group
-starts with. Every rank runs it in its persistent namespace (``worker/session.py``) and
+starts with. Every rank runs it in its persistent namespace (``worker/session_cells.py``) and
 answers; the head's runner waits for the other machines' reports too. Used by both session
 loops (the head's or one machine's, ``session_loop``; a joined machine's,
 ``session_joined``), each with its engine.
@@ -18,12 +18,12 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from ...events import WorkerFailed
-from ...messages import CellReport, Exit, Interrupt, Leaving, Run
-from ...payload import Payload
 from ...result import JobState, RankFailure, root_cause_order, what_happened
+from ...wire.events import WorkerFailed
+from ...wire.messages import CellReport, Exit, Interrupt, Leaving, Run
+from ...wire.payload import Payload
 from ..inbox import FromLink, InboxItem, OutputEnded
-from ..local.workers import WorkerState, wait_for_exit
+from ..node.workers import WorkerState, wait_for_exit
 from ..policy import CellStatus, CellStep, during_cell
 from .cells import OtherMachines
 from .engine import Engine

@@ -10,15 +10,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ...events import Event, Output
-from ...messages import CellReport, InterruptCell, Result, SessionCell
-from ...payload import Payload
 from ...result import RankFailure
+from ...wire.events import Event, Output
+from ...wire.messages import CellReport, InterruptCell, Result, SessionCell
+from ...wire.payload import Payload
 from ..inbox import CellRequest, Inbox, OutputEnded
 
 if TYPE_CHECKING:
     from ..machines.roles import SingleMachine
-    from ..rounds import RoundInfo
+    from ..round_info import RoundInfo
 
 # Events that happen between cells (a rank dying), shown by the next cell; older ones go.
 IDLE_EVENTS = 200

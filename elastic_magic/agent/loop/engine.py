@@ -23,7 +23,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from ...events import (
+from ...logs import RunFolder, is_default, prune
+from ...result import JobResult, JobState, MemorySnapshot, RankFailure, assemble_result
+from ...spec import JobSpec
+from ...wire.events import (
     EventSink,
     HeldOutput,
     JobFinished,
@@ -33,31 +36,28 @@ from ...events import (
     StateChanged,
     WorkersStarted,
 )
-from ...logs import RunFolder, is_default, prune
-from ...messages import (
+from ...wire.messages import (
     Action,
     NodeRequest,
     Result,
     ScaleCommand,
     StopCommand,
 )
-from ...payload import Payload
-from ...protocol import new_secret
-from ...result import JobResult, JobState, MemorySnapshot, RankFailure, assemble_result
-from ...spec import JobSpec
+from ...wire.payload import Payload
+from ...wire.protocol import new_secret
 from ..diagnosis.hangs import HangWatch
 from ..diagnosis.stack_requests import StackRequests
 from ..inbox import FromLink, Inbox, InboxItem, WorkerReport
-from ..local.environment import torchrun_env
-from ..local.group import WorkerGroup
-from ..local.pool import warm_pool
-from ..local.survivors import Survivors
-from ..local.workers import Worker
-from ..local.zygote_link import PoolError
 from ..machines.rendezvous import Rendezvous
 from ..machines.roles import SingleMachine
+from ..node.environment import torchrun_env
+from ..node.group import WorkerGroup
+from ..node.pool import warm_pool
+from ..node.survivors import Survivors
+from ..node.workers import Worker
+from ..node.zygote_link import PoolError
 from ..policy import FollowUp, GroupOutcome, Membership, Resize
-from ..rounds import RoundInfo
+from ..round_info import RoundInfo
 from ..status import StatusBoard
 from .recovery import Recovery
 from .state_keeper import StateKeeper

@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from ...events import Restarting, WorkerFailed
-from ...messages import Action
 from ...result import JobResult, JobState, RankFailure, is_consequence, root_cause_order
+from ...wire.events import Restarting, WorkerFailed
+from ...wire.messages import Action
 from ..policy import FollowUp, GroupOutcome, RegroupClock, during_group, final_state, what_ended
-from ..rounds import RoundInfo
+from ..round_info import RoundInfo
 from .engine import Engine
 
 
@@ -135,7 +135,7 @@ class JobLoop:
         return engine.survivors.on and engine.elastic_state.used
 
     def _keep_survivors(self) -> list[RankFailure]:
-        """The healthy ranks park; the others are stopped (``local/survivors.py``). The
+        """The healthy ranks park; the others are stopped (``node/survivors.py``). The
         ranks that failed on their own, root cause first, and those that could not leave.
 
         When only lost peers had failed as the ranks were asked to leave, the rank that

@@ -5,9 +5,9 @@ without. The rule itself is ``policy.after_group``; this keeps the count and the
 
 from __future__ import annotations
 
-from ...events import EventSink, Excluded, MembershipChanged
 from ...result import RankFailure
 from ...spec import JobSpec
+from ...wire.events import EventSink, Excluded, MembershipChanged
 from ..machines.roles import SingleMachine
 from ..policy import FollowUp, GroupOutcome, Membership, after_group, own_failure
 from ..status import StatusBoard

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...messages import Action, CellReport, InterruptCell, SessionCell
-from ...payload import Payload
 from ...result import JobResult, JobState, RankFailure
+from ...wire.messages import Action, CellReport, InterruptCell, SessionCell
+from ...wire.payload import Payload
 from ..inbox import FromLink, InboxItem
 from ..policy import CellStep
 from .cell_runner import CellRunner

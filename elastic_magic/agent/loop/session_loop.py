@@ -21,10 +21,10 @@ import dataclasses
 import time
 from collections import deque
 
-from ...events import CellStarted, SessionBroken, SessionReformed
-from ...messages import Action, StopCommand
-from ...payload import Payload
 from ...result import JobResult, JobState, RankFailure
+from ...wire.events import CellStarted, SessionBroken, SessionReformed
+from ...wire.messages import Action, StopCommand
+from ...wire.payload import Payload
 from ..inbox import CellRequest, InboxItem, InterruptCommand
 from ..policy import CellStep, FollowUp, GroupOutcome, cell_state
 from .cell_runner import CellOutcome, CellRunner, not_back

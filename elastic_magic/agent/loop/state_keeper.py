@@ -9,13 +9,13 @@ import os
 import time
 from collections.abc import Callable
 
-from ...events import Committed, EventSink
-from ...messages import Action, Commit, CommitIntent, StateRequest
 from ...result import MemorySnapshot
 from ...spec import JobSpec
-from ..local.snapshots import SnapshotStore, StateServer
-from ..local.workers import Worker
+from ...wire.events import Committed, EventSink
+from ...wire.messages import Action, Commit, CommitIntent, StateRequest
 from ..machines.roles import SingleMachine
+from ..node.snapshots import SnapshotStore, StateServer
+from ..node.workers import Worker
 from ..status import StatusBoard
 
 # How long a teardown waits for a commit in flight (rank 0 sends it behind its training).

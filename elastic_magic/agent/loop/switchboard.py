@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 
-from ...messages import Action
+from ...wire.messages import Action
 from ..inbox import Inbox, InboxItem
 from ..policy import most_urgent
 

@@ -22,10 +22,10 @@ import os
 import threading
 from typing import Protocol
 
-from ...chunk_messages import ChunkKept, ChunkKey, ChunkPiece
-from ...messages import LinkMessage
-from ...snapshot_format import part_spans, write_all_at
-from ..local.commit_files import copy_range
+from ...training.snapshot_format import part_spans, write_all_at
+from ...wire.chunk_messages import ChunkKept, ChunkKey, ChunkPiece
+from ...wire.messages import LinkMessage
+from ..node.commit_files import copy_range
 
 PIECE = 4 << 20  # bytes a frame: what a chunk in flight costs a heap
 

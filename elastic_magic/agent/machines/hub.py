@@ -32,9 +32,9 @@ import struct
 import threading
 from datetime import timedelta
 
-from ...chunk_messages import ChunkPiece
-from ...messages import Heartbeat, JobOffer, LinkMessage
-from ...protocol import Channel
+from ...wire.chunk_messages import ChunkPiece
+from ...wire.messages import Heartbeat, JobOffer, LinkMessage
+from ...wire.protocol import Channel
 from ..inbox import FromLink, Inbox
 from .chunks import ChunkSink
 

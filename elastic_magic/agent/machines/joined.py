@@ -9,8 +9,10 @@ import dataclasses
 import threading
 import time
 
-from ...events import EventSink
-from ...messages import (
+from ...result import JobState, RankFailure
+from ...spec import JobSpec
+from ...wire.events import EventSink
+from ...wire.messages import (
     Action,
     ChunkKept,
     Commit,
@@ -29,15 +31,13 @@ from ...messages import (
     StateGet,
     StateRequest,
 )
-from ...result import JobState, RankFailure
-from ...spec import JobSpec
 from ..inbox import FromLink, Inbox
-from ..local.group import WorkerGroup
-from ..local.network import choose
-from ..local.snapshots import StateServer
-from ..local.workers import Worker, take_memory_file
+from ..node.group import WorkerGroup
+from ..node.network import choose
+from ..node.snapshots import StateServer
+from ..node.workers import Worker, take_memory_file
 from ..policy import GroupOutcome
-from ..rounds import RoundInfo
+from ..round_info import RoundInfo
 from .chunks import ChunkSink
 from .hub import Link, read_into
 from .remote_state import NodeChunks

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ...events import EventSink, MachinesChanged
 from ...spec import JobSpec
+from ...wire.events import EventSink, MachinesChanged
 
 if TYPE_CHECKING:
     from ...launchers.cluster import Cluster

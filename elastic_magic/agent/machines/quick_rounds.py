@@ -1,6 +1,6 @@
 """Rounds without idle waits: what torch's rendezvous handler sleeps that a job here does
 not need. Imported by ``rendezvous.py``, before any handler runs; the hooks into torch are
-in ``torch_internals/rounds.py``.
+in ``torch_internals/rendezvous_hooks.py``.
 
 - torch sleeps a random 0-0.3 s before a run id's first round (``_delay`` with a range), to
   spread the first requests of many nodes. Every job here is a new run id on a few

@@ -9,7 +9,7 @@ import dataclasses
 import os
 import threading
 
-from ...messages import (
+from ...wire.messages import (
     ChunkKept,
     Commit,
     CommitReply,
@@ -21,9 +21,9 @@ from ...messages import (
     StateReply,
     StateRequest,
 )
-from ..local.commit_files import CommitFiles, append, share
-from ..local.snapshots import StateServer
-from ..local.workers import Worker
+from ..node.commit_files import CommitFiles, append, share
+from ..node.snapshots import StateServer
+from ..node.workers import Worker
 from .chunks import (
     ChunkSink,
     HeldChunks,

@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from ... import torch_internals
-from ..rounds import RoundInfo
+from ..round_info import RoundInfo
 from . import quick_rounds  # torch's idle waits, skipped (installed on import)
 from .signed import (
     RendezvousRejected,

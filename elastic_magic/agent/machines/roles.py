@@ -10,8 +10,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ...events import AcceptingNodes, EventSink, Excluded, NetworkChosen, NodeConnected, Output
-from ...messages import (
+from ...result import JobState, RankFailure
+from ...spec import JobSpec
+from ...wire.events import AcceptingNodes, EventSink, Excluded, NetworkChosen, NodeConnected, Output
+from ...wire.messages import (
     Action,
     Commit,
     EndJob,
@@ -31,23 +33,21 @@ from ...messages import (
     StacksRequest,
     StateRequest,
 )
-from ...protocol import new_secret
-from ...result import JobState, RankFailure
-from ...spec import JobSpec
+from ...wire.protocol import new_secret
 from ..inbox import FromLink, Inbox
-from ..local.group import WorkerGroup
-from ..local.network import choose
-from ..local.snapshots import StateServer
-from ..local.workers import Worker, take_memory_file
+from ..node.group import WorkerGroup
+from ..node.network import choose
+from ..node.snapshots import StateServer
+from ..node.workers import Worker, take_memory_file
 from ..policy import GroupOutcome
-from ..rounds import RoundInfo
+from ..round_info import RoundInfo
 from .hub import HUB_KEY, Hub, join_command
 from .launched import Launched
 from .remote_state import HeadCopies, answer_node
 from .rendezvous import Rendezvous, rendezvous_key
 
 if TYPE_CHECKING:
-    from ...payload import Payload
+    from ...wire.payload import Payload
 
 # Waits for the next incoming message up to a timeout, handles it, and says what the loop
 # must do about it (None: nothing).

@@ -1,0 +1,72 @@
+"""Going on in place after a failure or a resize (survivors stay, Horovod's
+``hvd.elastic.run``):
+
+    model = Net(); optimizer = torch.optim.AdamW(model.parameters())
+    state = elastic_magic.State(model=model, optimizer=optimizer, loader=loader, step=0)
+
+    @elastic_magic.run
+    def train(state):
+        ddp = DDP(model)          # tied to the process group: made in the function
+        for x, y in loader: ...   # the loader (elastic) splits batches at each epoch's start
+    train(state)
+
+With ``--survivors``, a rank whose peer failed, or that leaves at a commit for a resize,
+stays in ``train``'s caller: it waits there for the next group, rolls ``state`` back to
+the last commit and calls ``train(state)`` again; what the cell made before the call (the
+model, the optimizer, imports, compiled code) is kept. New ranks run the cell from the
+top. The rollback takes the commit from this rank's own memory when the objects holding
+tensors have not changed since (``training/kept.py``), else from the agent's copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from ..worker.in_place import rejoin
+from .state import State
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def run(function: Callable[P, R]) -> Callable[P, R]:
+    """Call ``function(state, ...)``; with ``--survivors``, go on in place after a peer's
+    failure or a resize (see the module's text). Without a job, or without the flag, it
+    is a plain call.
+
+    Going on in place, a rank waits for the next group, rolls ``state`` back to its last
+    commit, runs the ``State.on_reset`` callbacks and calls ``function`` again.
+
+    Args:
+        function: The training function; its first argument is the elastic State.
+
+    Returns:
+        A wrapper with ``function``'s signature, returning what ``function`` returns.
+        Called with anything but a State first, it raises TypeError; whatever
+        ``function`` raises that it does not go on after is raised again.
+
+    Example:
+        >>> @elastic_magic.run
+        ... def train(state): ...
+        >>> train(state)
+    """
+
+    @functools.wraps(function)
+    def in_place(*args: P.args, **kwargs: P.kwargs) -> R:
+        state = args[0] if args else None
+        if not isinstance(state, State):
+            raise TypeError(f"@elastic_magic.run: call {function.__name__}(state, ...) with "
+                            f"the elastic_magic.State first, not {type(state).__name__}")
+        while True:
+            try:
+                return function(*args, **kwargs)
+            except BaseException as exc:
+                if not rejoin(exc, in_place=not state._sharded):
+                    raise
+            state.restore()  # the last commit, from our memory where it is still whole
+            for callback in state._on_reset:
+                callback()
+
+    return in_place

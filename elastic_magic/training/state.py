@@ -1,0 +1,392 @@
+"""Elastic state: what a training must carry across restarts and resizes.
+
+    state = elastic_magic.State(model=model, optimizer=opt, loader=loader, step=0)
+    for batch in loader:             # resumes where the last commit left off
+        ...one training step...
+        state.step += 1
+        state.commit(every=5)        # a snapshot every 5th call; a pending resize applies then
+
+Snapshots live in the agent (kernel memory, and with ``--checkpoint-dir`` on disk), so a
+restarted or resized group starts from the last commit, whatever its new world size. Rank 0
+builds the snapshot after every rank has finished the step; model and optimizer states are
+identical across ranks under DDP, the sampler's position is global, and the RNG states are
+gathered from every rank. Sharded tensors (FSDP2, DTensor) are the exception: each rank
+commits its own chunks as its part of the snapshot (``training/sharded.py``).
+
+A commit blocks training only while it copies the state in memory (from a GPU: to the
+host); the worker writes and sends the copy on a thread, and the next commit, a restore or
+the end of the cell waits for it. A crash meanwhile leaves the commit before whole.
+
+The one rule: an argument with ``state_dict`` and ``load_state_dict`` (a module, optimizer,
+scheduler, GradScaler, AveragedModel, sampler, loader, your own class) or a
+``torch.Generator`` is an *object*, restored in place, so your variables see the restored
+state. Anything else is a *value* (``state.step``), read and written through the State and
+replaced by the restored one. What can be neither (a generator, an iterator, an open file,
+a socket) is refused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import io
+import os
+import secrets
+import socket
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+from ..wire.messages import (
+    Commit,
+    CommitIntent,
+    CommitReply,
+    CommitTarget,
+    Handoff,
+    StateGet,
+    StateReply,
+)
+from ..worker.client import AgentClient, ResizeExit, current
+from ..worker.leave import word_deferred
+from . import rng, sharded, snapshot_format
+from .collectives import broadcast_flag, gather_int, gather_ints
+from .data import DataLoader, ElasticSampler, _dist, rank_and_world
+from .file_locks import ofd_lock
+from .kept import Kept
+
+__all__ = ["DataLoader", "ElasticSampler", "State"]
+
+_OWN = ("restored_step",)  # attributes of the State itself, not values
+
+
+def _unwrap(obj: Any) -> Any:
+    """The model inside a DDP or DataParallel wrapper (its state_dict has no prefix)."""
+    from torch.nn import DataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    return obj.module if isinstance(obj, (DistributedDataParallel, DataParallel)) else obj
+
+
+class _GeneratorState:
+    """A torch.Generator as a stateful object."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> Any:
+        return self.generator.get_state()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.generator.set_state(state)
+
+
+def _stateful(name: str, value: Any) -> Any:
+    """What restores ``value`` in place, or None for a plain value; refuses what cannot
+    be restored at all."""
+    import torch
+
+    if isinstance(value, torch.Generator):
+        return _GeneratorState(value)
+    if type(value).__name__ == "StatefulDataLoader":
+        raise TypeError(
+            f"State cannot restore {name}=StatefulDataLoader exactly: torchdata keeps each "
+            "rank's own position, which does not carry over to another world size (a resize "
+            "would skip or repeat samples). Use elastic_magic.DataLoader (same arguments)")
+    if callable(getattr(value, "state_dict", None)) and callable(
+            getattr(value, "load_state_dict", None)):
+        return _unwrap(value)
+    if isinstance(value, (types.GeneratorType, io.IOBase, socket.socket)) or (
+            hasattr(value, "__next__") and hasattr(value, "__iter__")):
+        raise TypeError(
+            f"State cannot restore {name}={type(value).__name__}: it has no state to save. "
+            "Pass objects with state_dict()/load_state_dict() (restored in place) or plain "
+            "values (numbers, strings, tensors, lists and dicts of them); make iterators "
+            "and open files again after State(...) from what it restored")
+    return None
+
+
+class State:
+    """Stateful objects (restored in place), plain values, RNG states and commits.
+
+    ``on_resize(old_world_size, new_world_size)`` runs after a restore from a commit made
+    at another world size (Horovod's reset callbacks), e.g. to scale the learning rate."""
+
+    def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
+                 sampler: Any = None, *, on_resize: Callable[[int, int], Any] | None = None,
+                 **values: Any) -> None:
+        object.__setattr__(self, "_objects", {})
+        object.__setattr__(self, "_values", {})
+        object.__setattr__(self, "_commits", 0)  # commit() calls: the step, if none is given
+        object.__setattr__(self, "_since_commit", 0)
+        object.__setattr__(self, "_last_commit", time.monotonic())
+        object.__setattr__(self, "_on_resize", on_resize)
+        object.__setattr__(self, "_staged", None)  # the last commit's copy, once sent
+        object.__setattr__(self, "restored_step", None)
+        object.__setattr__(self, "_kept", None)  # our own record of the last commit
+        object.__setattr__(self, "_sharded", False)  # holds DTensors: cannot go on in place
+        object.__setattr__(self, "_on_reset", [])
+        named = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                 "sampler": sampler}
+        for name, value in {**named, **values}.items():
+            if value is not None or name in values:
+                setattr(self, name, value)
+        self.restore()
+
+    # state.step, state.epoch, state.model: values and objects read and set as attributes
+    def __getattr__(self, name: str) -> Any:
+        if name in self._objects:
+            obj = self._objects[name]
+            return obj.generator if isinstance(obj, _GeneratorState) else obj
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"State has no value {name!r}; pass it as State({name}=...)"
+                                 ) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or name in _OWN:
+            object.__setattr__(self, name, value)
+            return
+        stateful = _stateful(name, value)
+        if stateful is None:
+            self._objects.pop(name, None)
+            self._values[name] = value
+        else:
+            # refuses a layout it cannot restore, now
+            if sharded.check(name, stateful):
+                object.__setattr__(self, "_sharded", True)
+            self._values.pop(name, None)
+            self._objects[name] = stateful
+
+    @property
+    def step(self) -> Any:
+        return self._values.get("step", self._commits)
+
+    @step.setter
+    def step(self, value: Any) -> None:
+        self._values["step"] = value
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        buffer = io.BytesIO()
+        tree, split = self._tree([rng.current()], 0)
+        snapshot_format.save({**tree, "chunks": split.chunks} if split.sharded else tree,
+                             buffer)
+        return buffer.getvalue()
+
+    def on_reset(self, callback: Callable[[], Any]) -> Callable[[], Any]:
+        """Run ``callback()`` each time ``elastic_magic.run`` goes on in place in a new
+        group, after the rollback (Horovod's reset callbacks); usable as a decorator."""
+        self._on_reset.append(callback)
+        return callback
+
+    def _tree(self, rngs: list[dict[str, Any]], rank: int,
+              dicts: dict[str, Any] | None = None) -> tuple[dict[str, Any], sharded.Split]:
+        """What a commit saves, DTensors replaced by where they were (rank 0's part), and
+        this rank's chunks of them."""
+        split = sharded.Split({})
+        dicts = dicts or {name: obj.state_dict() for name, obj in self._objects.items()}
+        objects = {name: sharded.split(tree, rank, (name,), split)
+                   for name, tree in dicts.items()}
+        values = sharded.split(dict(self._values), rank, ("values",), split)
+        object.__setattr__(self, "_sharded", self._sharded or split.sharded)
+        return {"values": values, "commits": self._commits, "objects": objects,
+                "rngs": rngs, "world_size": len(rngs)}, split
+
+    def load(self, blob: bytes | Any) -> None:
+        """Restore from a snapshot: bytes, or a binary file positioned at its start."""
+        source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
+        parts = snapshot_format.SnapshotReader(source)
+        data = parts.part(0)
+        chunks = sharded.Chunks(parts.part, parts.count)
+        self._values.update(sharded.resolve(data["values"], chunks, None, "values"))
+        object.__setattr__(self, "_commits", data["commits"])
+        saved = data.get("objects") or {n: data[n] for n in
+                                        ("model", "optimizer", "scheduler", "sampler")
+                                        if n in data}  # snapshots before objects were general
+        for name, obj in self._objects.items():
+            if name in saved:
+                obj.load_state_dict(sharded.resolve(saved[name], chunks, obj, name))
+        rank, world = rank_and_world()
+        rngs = data.get("rngs") or [data["rng"]]
+        rng.apply(rngs[rank % len(rngs)])  # a new rank of a larger group: an old one's
+        old_world = data.get("world_size", world)
+        if old_world != world and self._on_resize is not None:
+            self._on_resize(old_world, world)
+
+    def restore(self) -> bool:
+        """Load the agent's latest snapshot on every rank; True when there was one."""
+        client = current()
+        if client is None:
+            return False
+        client.drain()  # a commit still being sent is the latest
+        # A survivor going on in place (elastic_magic.run) rolls back from its memory when
+        # what it holds is the agent's latest commit: the agent then sends no snapshot.
+        kept = self._kept if self._kept and self._kept.holds(self._kept.token, self._objects) \
+            else None
+        reply: StateReply = client.request(
+            lambda request_id: StateGet(request_id, held=kept.token if kept else 0))
+        if kept and reply.token != kept.token:
+            kept = None  # a later commit than ours (its copy came with the reply)
+        memory_file = None if kept else _open_handoff(reply.handoff)
+        if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
+            reply = client.request(lambda request_id: StateGet(request_id, inline=True))
+        dist = _dist()
+        if dist is not None:  # every rank must start from the same commit
+            ids = gather_int(dist, reply.commit_id)
+            if len(set(ids)) != 1:
+                raise RuntimeError(f"ranks received different snapshots: {ids}")
+        if kept:
+            kept.roll_back(self, dist.get_world_size() if dist is not None else 1)
+        elif memory_file is not None:
+            with memory_file:
+                self.load(memory_file)
+        elif reply.snapshot is None:
+            return False
+        else:
+            self.load(reply.snapshot)
+        object.__setattr__(self, "restored_step", self.step)
+        object.__setattr__(self, "_kept", kept)  # after a load, the objects have changed
+        return True
+
+    def commit(self, *, every: int = 1, seconds: float | None = None) -> bool:
+        """Call it on every rank after each (optimizer) step. It snapshots this step in the
+        agent on every ``every``-th call, or once ``seconds`` have passed since the last
+        commit (rank 0's clock decides, one small broadcast per call); True when it did.
+        After a failure the steps since the last commit run again, from the same data and
+        random numbers. If a resize is pending, every rank leaves at a commit."""
+        if every < 1:
+            raise ValueError(f"commit(every={every}): give a number of calls, 1 or more")
+        object.__setattr__(self, "_commits", self._commits + 1)
+        object.__setattr__(self, "_since_commit", self._since_commit + 1)
+        client, dist = current(), _dist()
+        due = self._since_commit >= every
+        if seconds is not None and not due:
+            due = time.monotonic() - self._last_commit >= seconds
+            if dist is not None:  # every rank must agree, or the collectives below hang
+                due = broadcast_flag(dist, due)
+        if not due:
+            return False
+        object.__setattr__(self, "_since_commit", 0)
+        object.__setattr__(self, "_last_commit", time.monotonic())
+        if client is not None:
+            client.drain()  # the commit before is in the agent (or raises why not)
+        # every rank's random streams; waits until all finished the step
+        rngs = rng.gather(dist) if dist is not None else [rng.current()]
+        rank = dist.get_rank() if dist is not None else 0
+        dicts = {name: obj.state_dict() for name, obj in self._objects.items()}
+        tree, split = self._tree(rngs, rank, dicts)
+        # Replicated (DDP) or one rank: rank 0 has it all. Sharded: a part from each rank.
+        part: dict[str, Any] | None = tree if rank == 0 else None
+        if split.sharded:
+            part = {**(part or {}), "chunks": split.chunks}
+        # What blocks training: a copy in memory (from a GPU, to the host); the rest is
+        # sent behind it, and the next commit waits for it.
+        prepared = snapshot_format.prepare(part, reuse=self._staged) \
+            if client is not None and part else None
+        object.__setattr__(self, "_staged", prepared)  # its memory serves the next commit
+        leave, token, size = False, 0, prepared.nbytes if prepared is not None else 0
+        if client is not None and rank == 0:
+            leave = client.request(CommitIntent).resize
+            token = secrets.randbits(62)
+        sizes: tuple[int, ...] = (size,)
+        # Once every rank agreed, the agent's word waits until the send has started: a
+        # survivor must not hold in memory a commit that the agent never gets.
+        with word_deferred():
+            if dist is not None:  # every rank leaves, or none; the parts of a commit match
+                rows = gather_ints(dist, [int(leave), token, size])
+                leave, token = bool(rows[0][0]), rows[0][1]
+                sizes = tuple(row[2] for row in rows) if split.sharded else (rows[0][2],)
+            if client is not None and not split.sharded:  # to roll back to in place
+                object.__setattr__(self, "_kept", Kept.of(token, dicts, self._values,
+                                                          self._commits, rngs, rank))
+            if client is not None and prepared is not None:
+                commit = functools.partial(Commit, step=self.step, time=time.time(),
+                                           part=rank, parts=len(sizes), token=token,
+                                           sizes=sizes)
+                client.behind(functools.partial(_send, client, prepared, commit))
+        if leave:  # the commit must be whole in the agent before any rank leaves
+            if client is not None:
+                client.drain()
+            if dist is not None:
+                gather_int(dist, 0)
+            raise ResizeExit(self.step)
+        return True
+
+
+def _send(client: AgentClient, prepared: snapshot_format.Prepared,
+          commit: functools.partial[Commit]) -> None:
+    """Commit a snapshot (or a rank's part of one) in the agent. A large snapshot is
+    dominated by copies, so it is written once: into the agent's memory file for this
+    commit, opened through /proc (its pages are reused from commit to commit); where the
+    agent keeps none (a joined machine keeps its ranks' own), into one of ours that it
+    reads; where neither can be opened, it goes down the pipe."""
+    global _HANDOFF, _TARGET
+    reply: CommitReply
+    if _TARGET:
+        token, sizes, part = (commit.keywords[k] for k in ("token", "sizes", "part"))
+        reply = client.request(lambda request_id: CommitTarget(request_id, token, sizes))
+        if reply.target is not None and _write_into(reply.target, prepared,
+                                                    snapshot_format.layout(sizes), part):
+            return _check(client.request(lambda request_id: commit(request_id,
+                                                                   written=True)))
+        _TARGET = False  # the agent keeps none here, or its files cannot be opened
+    if _HANDOFF:
+        fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as file:
+                prepared.write(file)
+            offer = Handoff.of(fd)
+            reply = client.request(lambda request_id: commit(request_id, handoff=offer))
+        finally:
+            os.close(fd)
+        if not reply.handoff_failed:
+            return _check(reply)
+        _HANDOFF = False  # the agent cannot read our memory files: use the pipe
+    buffer = io.BytesIO()
+    prepared.write(buffer)
+    blob = buffer.getvalue()
+    _check(client.request(lambda request_id: commit(request_id, snapshot=blob)))
+
+
+def _check(reply: CommitReply) -> None:
+    if reply.error:
+        raise RuntimeError(reply.error)
+
+
+_HANDOFF = hasattr(os, "memfd_create")
+_TARGET = _HANDOFF
+
+
+def _write_into(target: Handoff, prepared: snapshot_format.Prepared,
+                layout: tuple[bytes, list[int], int], part: int) -> bool:
+    """Write our part into the agent's file for the commit; False where it cannot be
+    opened (or is not the size the commit's parts add up to)."""
+    try:
+        fd = os.open(target.path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        # held while writing: the agent does not give the file to another commit meanwhile
+        ofd_lock(fd, fcntl.F_RDLCK)
+        if os.fstat(fd).st_size != layout[2]:
+            return False
+        prepared.write_at(fd, layout[1][part])
+        return True
+    finally:
+        os.close(fd)
+
+
+def _open_handoff(offer: Handoff | None) -> Any:
+    """The agent's memory file holding the snapshot, opened through /proc; None if there
+    is none or it cannot be opened."""
+    if offer is None:
+        return None
+    try:
+        file = open(offer.path, "rb")  # noqa: SIM115 (the caller's)
+    except OSError:
+        return None
+    ofd_lock(file.fileno(), fcntl.F_RDLCK)  # read while locked: the agent reuses it after
+    return file

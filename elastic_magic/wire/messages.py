@@ -1,0 +1,392 @@
+"""Every message that crosses a process or machine boundary, as frozen dataclasses.
+
+Three conversations share this vocabulary, each over signed frames (``wire/protocol.py``):
+
+- agent -> worker (control pipe): :class:`Run`, :class:`Reply`, :class:`Exit`,
+  :class:`DumpStacks`, :class:`Interrupt`;
+- worker -> agent (report pipe): :class:`Running`, :class:`Result`, :class:`Failed`,
+  :class:`Resized`, :class:`Imported` (what the warm pool should preload), the State
+  requests :class:`StateGet`, :class:`CommitIntent` and :class:`Commit`, and
+  :class:`Progress` and :class:`Stacks` for hang diagnosis;
+- head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
+  :class:`RankEvents`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
+  :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`,
+  :class:`StacksRequest`, :class:`NodeStacks`, :class:`Heartbeat`, ``chunk_messages``; a
+  session's :class:`SessionCell`, :class:`InterruptCell` and :class:`CellReport`.
+
+Receivers dispatch with ``match``. Workers import this module, so it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from ..result import JobState, RankFailure
+from ..stacks import ThreadStack
+from .chunk_messages import ChunkKept, ChunkPiece, CommitTarget, Handoff
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from ..spec import JobSpec
+    from .payload import Payload
+
+
+# -- agent -> worker ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    payload: Payload
+    stay: bool = False  # survivors stay: park after a failure or a resize, not exit
+    env: dict[str, str] | None = None  # a survivor's variables for its new group
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a worker's request (``StateGet`` or ``Commit``)."""
+
+    request_id: int
+    value: StateReply | CommitReply
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Leave the worker loop (after the last payload)."""
+
+
+@dataclass(frozen=True)
+class DumpStacks:
+    """Report every thread's stack (answered by the control listener: the main thread
+    keeps running)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """KeyboardInterrupt in the rank's running code (none when it is idle): a session's
+    cell, or a survivor's payload (it parks: the group re-forms); the worker lives on."""
+
+
+# -- worker -> agent ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Running:
+    """The worker is set up (device, process group, globals) and runs user code."""
+
+    time: float
+
+
+@dataclass(frozen=True)
+class Result:
+    """A rank's outcome: its value and pulled variables, cloudpickled."""
+
+    value: bytes
+    pulled: dict[str, bytes] = field(default_factory=dict)
+    missing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """What a worker knows about the exception that ended it."""
+
+    exc_type: str
+    message: str
+    traceback: str
+    time: float
+    exit_code: int
+    cell_line: int | None = None
+    source_line: str | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ErrorInfo
+
+
+@dataclass(frozen=True)
+class Resized:
+    """The worker left at a commit that applied a resize."""
+
+    step: Any
+    time: float
+
+
+@dataclass(frozen=True)
+class Parked:
+    """Survivors stay: the rank left its payload and group, and waits for the next Run."""
+
+    why: str  # the error it reported, a resize, the agent's Interrupt
+    time: float
+
+
+@dataclass(frozen=True)
+class Imported:
+    """Modules a pooled worker imported beyond its zygote, as (name, file): the pool
+    preloads them for the next cells (``worker/imports.py``)."""
+
+    modules: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class StateGet:
+    """Ask for the latest snapshot; ``inline`` asks for bytes rather than a memory file.
+    ``held``: the token of the commit the rank holds in its own memory (a survivor going
+    on in place): if it is the latest, the answer carries no snapshot."""
+
+    request_id: int
+    inline: bool = False
+    held: int = 0
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A new snapshot: in ``snapshot`` (bytes), in a memory file the worker offers, or
+    ``written`` into the agent's file for it (``CommitTarget``). A sharded State's snapshot
+    comes in ``parts`` parts of ``sizes`` bytes, one per rank, in any order: the last of
+    the parts with the same ``token`` (rank 0's random number for this commit) completes
+    the commit."""
+
+    request_id: int
+    step: Any
+    time: float
+    snapshot: bytes | None = None
+    handoff: Handoff | None = None
+    part: int = 0
+    parts: int = 1
+    token: int = 0
+    sizes: tuple[int, ...] = ()
+    written: bool = False
+
+
+@dataclass(frozen=True)
+class CommitIntent:
+    """Rank 0 is about to commit: whether every rank must leave at this commit (a resize,
+    machines waiting); the answer is a CommitReply."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The rank's main thread has moved since its last report (sampled; at most one a
+    second)."""
+
+    time: float
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """The answer to :class:`DumpStacks`."""
+
+    request_id: int
+    threads: tuple[ThreadStack, ...]
+
+
+StateRequest = StateGet | Commit | CommitIntent | CommitTarget
+WorkerMessage = (Running | Result | Failed | Resized | Parked | StateGet | Commit
+                 | CommitIntent | CommitTarget | Progress | Stacks | Imported)
+
+
+@dataclass(frozen=True)
+class StateReply:
+    commit_id: int
+    snapshot: bytes | None = None
+    handoff: Handoff | None = None
+    token: int = 0  # the commit's: a survivor holding the same rolls back from its memory
+
+
+@dataclass(frozen=True)
+class CommitReply:
+    resize: bool = False  # every rank leaves at this commit
+    handoff_failed: bool = False  # the agent cannot read the memory file: use the pipe
+    target: Handoff | None = None  # where to write the part (CommitTarget)
+    error: str | None = None  # the commit was not kept: why
+
+
+# -- commands into an agent (from any kernel thread) ----------------------------------
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    reason: str = "stopped"
+
+
+@dataclass(frozen=True)
+class ScaleCommand:
+    nproc: int
+    immediate: bool = False
+    include: tuple[int, ...] = ()  # excluded worker slots named back
+
+
+@dataclass(frozen=True)
+class StacksCommand:
+    """Gather every rank's stacks; the agent sets ``answer`` to {rank: formatted text}."""
+
+    answer: Future[dict[int, str]]
+
+
+class Action(Enum):
+    """What an incoming message asks the agent's loop to do."""
+
+    STOP = "stop"  # end the job
+    REGROUP = "regroup"  # leave the group now; the next round re-forms it
+    NODE_FAILED = "node_failed"  # another machine failed for good: end here too
+
+
+# -- head <-> joined machines ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobOffer:
+    """The head's first frame to a machine that proved the token."""
+
+    run_id: str
+    spec: JobSpec
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class Hello:
+    host: str
+    nproc: int
+    pid: int = 0  # its agent's: with ``host``, how torch's rendezvous names the machine
+    allocation: str = ""  # the launcher's allocation it runs in (SLURM_JOB_ID, say)
+
+
+@dataclass(frozen=True)
+class RankEvents:
+    """An event of the machine's ranks (output, failures) for the notebook to show."""
+
+    event: Any
+
+
+@dataclass(frozen=True)
+class NodeRequest:
+    """A joined machine's worker asks for State (``agent/machines/remote_state.py``)."""
+
+    attempt: int
+    local_rank: int
+    request: StateRequest
+    streamed: int | None = None  # the size of the commit's chunk, sent before in pieces
+    have: tuple[tuple[int, int], ...] = ()  # (part, token): chunks held there
+
+
+@dataclass(frozen=True)
+class NodeReply:
+    attempt: int
+    local_rank: int
+    reply: Reply
+    streamed: int | None = None  # the size of the restore, sent before in pieces
+    local: tuple[tuple[int, int, int], ...] = ()  # (part, token, offset): filled in there
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """A joined machine's group succeeded in round ``round_id``."""
+
+    round_id: str
+    node_rank: int
+    results: dict[int, Result]
+    tails: dict[int, list[str]]
+
+
+@dataclass(frozen=True)
+class NodeFinished:
+    state: JobState
+    failures: list[RankFailure]
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """A joined machine is about to stop its ranks: regroup without it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class LeaveAtCommit:
+    """A joined machine asks to go at the next commit (its scheduler's SIGTERM: preempted
+    or cancelled, with a grace time)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReleaseAtCommit:
+    """The head: leave the job once the group has left at its next commit (or at the end
+    of the group, whatever ends it); do not join another round."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """The head: leave the group now and re-rendezvous."""
+
+
+@dataclass(frozen=True)
+class EndJob:
+    """The head: the job is over."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Either side, every ``--link-timeout``/4 seconds: the link is alive."""
+
+
+@dataclass(frozen=True)
+class StacksRequest:
+    """The head: send me your ranks' stacks."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class NodeStacks:
+    """A joined machine's answer to :class:`StacksRequest`: {global rank: text}."""
+
+    request_id: int
+    stacks: dict[int, str]
+
+
+@dataclass(frozen=True)
+class SessionCell:
+    """The head of a session: run ``payload`` on your group, cell ``seq`` of this round
+    (a session's cell, or a setup cell replayed). Seq 0 is the group starting."""
+
+    round_id: str
+    seq: int
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class InterruptCell:
+    """The head of a session: KeyboardInterrupt in your ranks' running cell."""
+
+    round_id: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class CellReport:
+    """A joined machine's answer to :class:`SessionCell` (seq 0: its group is up; seq -1: a
+    rank died between cells). ``broken``: its group is gone."""
+
+    round_id: str
+    seq: int
+    node_rank: int
+    results: dict[int, Result]
+    failures: list[RankFailure]
+    broken: bool = False
+
+
+LinkMessage = (JobOffer | Hello | RankEvents | NodeRequest | NodeReply | GroupResult
+               | NodeFinished | Leaving | LeaveAtCommit | ReleaseAtCommit | Regroup | EndJob
+               | StacksRequest | NodeStacks | ChunkPiece | ChunkKept
+               | Heartbeat | SessionCell | InterruptCell | CellReport)
