@@ -30,6 +30,9 @@ _TORCH_PATH = "/torch/"
 
 @dataclass(frozen=True)
 class Frame:
+    """One call in a captured stack: its file, line, function and source text (a cell's
+    lines under ``<cell>``)."""
+
     file: str
     line: int
     function: str
@@ -48,6 +51,8 @@ class Frame:
 
 @dataclass(frozen=True)
 class ThreadStack:
+    """One thread of a rank, as captured: its name, whether it is the main thread, its calls."""
+
     name: str
     main: bool
     frames: tuple[Frame, ...]  # outermost first, as in a traceback
@@ -132,6 +137,9 @@ def position(frame: FrameType | None) -> tuple[tuple[int, int], ...]:
 
 
 class RankActivity(Enum):
+    """What a rank's main thread was doing when its stacks were asked for, as far as they
+    tell: waiting on the other ranks or not."""
+
     COLLECTIVE = "collective"  # the main thread waits inside torch.distributed
     OUTSIDE = "outside"  # somewhere of its own (user code, a sleep, a data loader)
     SILENT = "silent"  # no answer: stuck in C code that holds the GIL, or gone
@@ -139,6 +147,9 @@ class RankActivity(Enum):
 
 @dataclass(frozen=True)
 class RankPosition:
+    """Where a rank's stacks put it, read from its main thread: what it was doing, the
+    collective it waits in and the cell line it was on."""
+
     where: RankActivity
     operation: str = ""  # the collective, e.g. "all_reduce"
     cell_line: int | None = None  # the innermost cell line on the main thread

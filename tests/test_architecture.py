@@ -134,6 +134,15 @@ def test_no_module_over_400_lines():
     assert long == []
 
 
+@pytest.mark.unit
+def test_every_class_says_what_it_is():
+    # private and nested classes too: a newcomer reads those first when a name says little
+    silent = [f"{name}.{node.name} (line {node.lineno})" for name, path in _modules().items()
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.ClassDef) and not ast.get_docstring(node)]
+    assert silent == []
+
+
 # agent/'s subpackages, from the top: each imports only those below it, and agent/'s own
 # modules (the vocabulary: inbox, policy, status, round_info). machines and diagnosis are peers.
 AGENT_LAYERS = {

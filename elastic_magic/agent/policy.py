@@ -118,6 +118,9 @@ def final_state(step: GroupOutcome) -> JobState:
 
 
 class Resize(Enum):
+    """When a requested worker count takes effect: never (no change), at the next commit, or
+    at once, losing the steps since the last one."""
+
     NONE = "none"  # already that size
     AT_COMMIT = "at_commit"  # every rank leaves at the next commit
     NOW = "now"  # stop the group; the next round resumes from the last commit

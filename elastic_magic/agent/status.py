@@ -20,6 +20,9 @@ def _no_pids() -> Mapping[int, int]:
 
 @dataclass(frozen=True)
 class JobStatus:
+    """A running job at one moment, for the threads that are not the agent's (the kernel's,
+    the dashboard's): replaced whole when anything changes, so read without a lock."""
+
     state: JobState = JobState.RENDEZVOUS
     world_size: int = 0
     nnodes: int = 0

@@ -20,6 +20,9 @@ OPTIONS = {
 
 
 class LocalLauncher(SshLauncher):
+    """The SSH launcher with join processes on this computer for hosts: a launcher job
+    rehearsed without a cluster."""
+
     name = "local"
 
     def __init__(self, options: Mapping[str, str]) -> None:

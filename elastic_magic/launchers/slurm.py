@@ -81,6 +81,9 @@ def _private_folder(path: Path) -> None:
 
 
 class SlurmLauncher:
+    """The launcher that asks Slurm for machines: each allocation is a one-node batch job
+    that joins, watched with ``squeue`` and ended with ``scancel``."""
+
     name = "slurm"
 
     def __init__(self, options: Mapping[str, str]) -> None:

@@ -78,6 +78,9 @@ class _Remote:
 
 
 class SshLauncher:
+    """The launcher that runs a join on each of a fixed list of hosts: one allocation is one
+    ``ssh`` session, ended by closing its stdin."""
+
     name = "ssh"
 
     def __init__(self, options: Mapping[str, str]) -> None:

@@ -63,6 +63,9 @@ def _with_flags(magic: Callable[..., Any]) -> Callable[..., Any]:
 
 @magics_class
 class ElasticMagics(Magics):
+    """The ``%%elastic`` and ``%elastic`` magics, one per kernel (registered when the
+    extension loads): the jobs and sessions its cells started, and the lab panel's channel."""
+
     shell: Any  # set once registered (IPython types it Optional)
 
     def __init__(self, shell: Any) -> None:

@@ -216,6 +216,9 @@ def _round_store_handler() -> type[DynamicRendezvousHandler]:
     )
 
     class RoundStoreHandler(DynamicRendezvousHandler):
+        """torch's handler, hosting a fresh worker store every round where it would reuse
+        the first round's (see :func:`rendezvous_handler`)."""
+
         host_store: Callable[[str, int], TCPStore]
         worker_store: TCPStore | None = None
 

@@ -23,6 +23,9 @@ SYNC_INTERVAL = 0.25
 
 
 class Dashboard(anywidget.AnyWidget):
+    """The dashboard widget itself: the traits a LiveView sets from a DashboardState, drawn
+    by ``dashboard.js``; its buttons come back as comm messages."""
+
     # Text, not paths: anywidget connects every widget made from a path to that file's
     # change signal (for hot reload), which would keep every dashboard (and its job's
     # result) alive for the kernel's life.

@@ -43,6 +43,9 @@ TRACEBACK_SHOWN = "(its traceback is in the root cause above)"
 
 @dataclass
 class DashboardState:
+    """Everything a job's dashboard shows, kept up to date from its events: what the live
+    widget syncs and the static record the cell keeps are both drawn from it."""
+
     run_id: str
     log_dir: str
     max_restarts: int

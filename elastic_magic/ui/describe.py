@@ -29,6 +29,8 @@ from ..wire.events import (
 
 @dataclass(frozen=True)
 class Headline:
+    """An event told to a person: one line of the dashboard's timeline or of the text output."""
+
     kind: str  # what happened, in a word: "rendezvous", "failure", "succeeded", ...
     text: str  # a sentence that reads on its own
 

@@ -19,12 +19,17 @@ def _now() -> float:
 
 @dataclass(frozen=True)
 class StateChanged:
+    """The job moved to another state (running, resizing, stopping...)."""
+
     state: JobState
     time: float = field(default_factory=_now)
 
 
 @dataclass(frozen=True)
 class RendezvousCompleted:
+    """A rendezvous round closed: the new group's size, this machine's node rank in it, and
+    where its process group meets (``master_addr``)."""
+
     round: int
     node_rank: int
     nnodes: int
@@ -36,6 +41,8 @@ class RendezvousCompleted:
 
 @dataclass(frozen=True)
 class WorkersStarted:
+    """This machine's ranks of a new group run: in new processes, or in those they stayed in."""
+
     attempt: int
     restart_count: int
     ranks: tuple[int, ...]
@@ -64,6 +71,9 @@ class Output:
 
 @dataclass(frozen=True)
 class WorkerFailed:
+    """A rank failed (it raised, died, stalled...) or stopped because another did
+    (``failure.consequence``); a group's failures come root cause first."""
+
     failure: RankFailure
     time: float = field(default_factory=_now)
 
@@ -80,6 +90,8 @@ class RanksFinished:
 
 @dataclass(frozen=True)
 class Restarting:
+    """The group starts again after a failure, with restarts left; ``root_cause`` is why."""
+
     restart_count: int  # the restart about to begin (1 for the first)
     max_restarts: int
     root_cause: RankFailure
@@ -99,6 +111,9 @@ class Committed:
 
 @dataclass(frozen=True)
 class ResizeRequested:
+    """A new worker count for this machine was asked for and will apply: at the next commit
+    (``graceful``) or at once."""
+
     target: int  # workers on this machine
     graceful: bool  # applied at the next commit, else at once
     time: float = field(default_factory=_now)
@@ -222,6 +237,8 @@ class NetworkChosen:
 
 @dataclass(frozen=True)
 class JobFinished:
+    """The job (or a session's cell) ended: its result, the last event its view gets."""
+
     result: JobResult
     time: float = field(default_factory=_now)
 

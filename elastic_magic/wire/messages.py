@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Run:
+    """The agent to a worker: run ``payload`` (a job's cell, or a session's next cell)."""
+
     payload: Payload
     stay: bool = False  # survivors stay: park after a failure or a resize, not exit
     env: dict[str, str] | None = None  # a survivor's variables for its new group
@@ -58,8 +60,7 @@ class Exit:
 
 @dataclass(frozen=True)
 class DumpStacks:
-    """Report every thread's stack (answered by the control listener: the main thread
-    keeps running)."""
+    """Report every thread's stack: the control listener answers, the main thread runs on."""
 
     request_id: int
 
@@ -71,7 +72,6 @@ class Interrupt:
 
 
 # -- worker -> agent ------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class Running:
@@ -104,6 +104,8 @@ class ErrorInfo:
 
 @dataclass(frozen=True)
 class Failed:
+    """A worker to its agent: the rank's code raised (``error`` says what and where)."""
+
     error: ErrorInfo
 
 
@@ -125,17 +127,15 @@ class Parked:
 
 @dataclass(frozen=True)
 class Imported:
-    """Modules a pooled worker imported beyond its zygote, as (name, file): the pool
-    preloads them for the next cells (``worker/imports.py``)."""
+    """Modules (name, file) a pooled worker imported beyond its zygote: the pool preloads them."""
 
     modules: tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
 class StateGet:
-    """Ask for the latest snapshot; ``inline`` asks for bytes rather than a memory file.
-    ``held``: the token of the commit the rank holds in its own memory (a survivor going
-    on in place): if it is the latest, the answer carries no snapshot."""
+    """Ask for the latest snapshot (``inline``: as bytes, not a memory file); ``held``: the token
+    of the commit a survivor holds in its own memory, so that the latest is not sent again."""
 
     request_id: int
     inline: bool = False
@@ -144,11 +144,10 @@ class StateGet:
 
 @dataclass(frozen=True)
 class Commit:
-    """A new snapshot: in ``snapshot`` (bytes), in a memory file the worker offers, or
-    ``written`` into the agent's file for it (``CommitTarget``). A sharded State's snapshot
-    comes in ``parts`` parts of ``sizes`` bytes, one per rank, in any order: the last of
-    the parts with the same ``token`` (rank 0's random number for this commit) completes
-    the commit."""
+    """A new snapshot: in ``snapshot`` (bytes), in a memory file the worker offers, or ``written``
+    into the agent's file for it (``CommitTarget``). A sharded State's snapshot comes in ``parts``
+    parts of ``sizes`` bytes, one per rank, in any order: the last of the parts with the same
+    ``token`` (rank 0's random number for this commit) completes the commit."""
 
     request_id: int
     step: Any
@@ -164,16 +163,14 @@ class Commit:
 
 @dataclass(frozen=True)
 class CommitIntent:
-    """Rank 0 is about to commit: whether every rank must leave at this commit (a resize,
-    machines waiting); the answer is a CommitReply."""
+    """Rank 0 is about to commit: must every rank leave at it (a resize, machines waiting)?"""
 
     request_id: int
 
 
 @dataclass(frozen=True)
 class Progress:
-    """The rank's main thread has moved since its last report (sampled; at most one a
-    second)."""
+    """The rank's main thread has moved since its last report (sampled; at most one a second)."""
 
     time: float
 
@@ -193,6 +190,8 @@ WorkerMessage = (Running | Result | Failed | Resized | Parked | StateGet | Commi
 
 @dataclass(frozen=True)
 class StateReply:
+    """The agent's answer to a StateGet (in a Reply): the latest commit, and its snapshot."""
+
     commit_id: int
     snapshot: bytes | None = None
     handoff: Handoff | None = None
@@ -201,6 +200,8 @@ class StateReply:
 
 @dataclass(frozen=True)
 class CommitReply:
+    """The agent's answer to a Commit or a CommitIntent (in a Reply)."""
+
     resize: bool = False  # every rank leaves at this commit
     handoff_failed: bool = False  # the agent cannot read the memory file: use the pipe
     target: Handoff | None = None  # where to write the part (CommitTarget)
@@ -209,14 +210,17 @@ class CommitReply:
 
 # -- commands into an agent (from any kernel thread) ----------------------------------
 
-
 @dataclass(frozen=True)
 class StopCommand:
+    """A kernel thread to its agent: end the job, for ``reason``."""
+
     reason: str = "stopped"
 
 
 @dataclass(frozen=True)
 class ScaleCommand:
+    """A kernel thread to its agent: ``nproc`` workers here, at once or at the next commit."""
+
     nproc: int
     immediate: bool = False
     include: tuple[int, ...] = ()  # excluded worker slots named back
@@ -239,7 +243,6 @@ class Action(Enum):
 
 # -- head <-> joined machines ---------------------------------------------------------
 
-
 @dataclass(frozen=True)
 class JobOffer:
     """The head's first frame to a machine that proved the token."""
@@ -251,6 +254,8 @@ class JobOffer:
 
 @dataclass(frozen=True)
 class Hello:
+    """A joined machine to the head, once it has the JobOffer: its host, workers and allocation."""
+
     host: str
     nproc: int
     pid: int = 0  # its agent's: with ``host``, how torch's rendezvous names the machine
@@ -277,6 +282,8 @@ class NodeRequest:
 
 @dataclass(frozen=True)
 class NodeReply:
+    """The head's answer to a NodeRequest: the Reply for that machine's worker."""
+
     attempt: int
     local_rank: int
     reply: Reply
@@ -296,6 +303,8 @@ class GroupResult:
 
 @dataclass(frozen=True)
 class NodeFinished:
+    """A joined machine to the head as its job ends there: how, and its ranks' failures."""
+
     state: JobState
     failures: list[RankFailure]
 
@@ -309,8 +318,7 @@ class Leaving:
 
 @dataclass(frozen=True)
 class LeaveAtCommit:
-    """A joined machine asks to go at the next commit (its scheduler's SIGTERM: preempted
-    or cancelled, with a grace time)."""
+    """A joined machine got its scheduler's SIGTERM: it asks to go at the next commit."""
 
     reason: str
 

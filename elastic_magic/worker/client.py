@@ -29,6 +29,9 @@ class ResizeExit(BaseException):
 
 
 class AgentClient:
+    """A worker's report pipe to its agent, shared by its threads: reports, requests matched
+    to their replies, and the commit being sent behind the training."""
+
     def __init__(self, report: Channel) -> None:
         self._report = report
         self._lock = threading.Lock()  # user code may commit from any thread

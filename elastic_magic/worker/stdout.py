@@ -81,6 +81,9 @@ class _Turns:
 
 
 class _Ordered(io.TextIOWrapper):
+    """A rank's stdout or stderr that puts an order mark before its text when the rank turns
+    to it from the other stream."""
+
     turns: _Turns
 
     def write(self, text: str) -> int:
@@ -92,6 +95,9 @@ class _Ordered(io.TextIOWrapper):
 
 
 class _TimedFlush(_Ordered):
+    """The buffered stdout: a line after a quiet spell goes out at once, a flood within
+    ``FLUSH_DELAY`` (its thread waits on ``pending``)."""
+
     pending: threading.Event
     flushed_at = 0.0
 

@@ -23,6 +23,9 @@ STILL_BUSY = 2.0
 
 @dataclass(frozen=True)
 class RankView:
+    """One rank as the hang watchdog sees it: how long it has been quiet, whether its cell
+    returned, and where its stacks put it."""
+
     rank: int
     quiet_for: float  # seconds since its last progress
     finished: bool = False  # it has reported its result (its cell returned)
@@ -30,6 +33,8 @@ class RankView:
 
 
 class HangKind(Enum):
+    """Which kind of hang a verdict names: it decides who is a cause and how that is worded."""
+
     NONE = "none"  # nothing to name: keep waiting, or nothing explains the failure
     STALLED = "stalled"  # ranks stuck (or still busy) outside any collective
     LEFT_EARLY = "left_early"  # ranks returned while others waited in a collective
@@ -38,6 +43,8 @@ class HangKind(Enum):
 
 @dataclass(frozen=True)
 class HangDiagnosis:
+    """A verdict on a hang: its kind, the ranks that caused it and the ranks that only waited."""
+
     kind: HangKind
     causes: tuple[int, ...] = ()  # the root cause first
     waiting: tuple[int, ...] = ()  # ranks waiting in a collective: consequences

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 
 class Launched:
+    """The head's side of its launcher: the Cluster of allocations it starts, which hub
+    connection runs in which allocation, and the machines given back at the next commit."""
+
     def __init__(self, spec: JobSpec, run_id: str, emit: EventSink,
                  give_back: Callable[[str], None]) -> None:
         self.spec = spec

@@ -121,11 +121,14 @@ def interface_of(address: str) -> str | None:
 # -- getifaddrs(3), the one list of every interface's addresses (Linux layout) ---------------
 
 class _SockAddr(ctypes.Structure):
+    """C's struct sockaddr: an address family, then the family's bytes (port, address...)."""
+
     _fields_ = [("family", ctypes.c_ushort), ("data", ctypes.c_ubyte * 26)]
 
 
 class _IfAddrs(ctypes.Structure):
-    pass
+    """C's struct ifaddrs, one entry of getifaddrs' linked list (fields set below: it
+    points to itself)."""
 
 
 _IfAddrs._fields_ = [

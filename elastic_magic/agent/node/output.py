@@ -111,6 +111,9 @@ def _cut_mark(data: bytes, start: int, mark: bytes) -> int:
 
 @dataclass
 class _Stream:
+    """A rank's stdout or stderr as its pump reads it: the pipe, its log, the marks read on
+    it, and how far its pieces' place in the order is known."""
+
     name: str
     fd: int
     log: BinaryIO

@@ -68,6 +68,9 @@ split_checkpoint = checkpoint_file.split
 
 @dataclass
 class SnapshotStore:
+    """The agent's latest committed snapshot, with its metadata: kept in memory, loaded from
+    and written behind to the checkpoint folder when there is one."""
+
     directory: Path | None = None
     commit_id: int = 0
     meta: dict[str, Any] | None = None

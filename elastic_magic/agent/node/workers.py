@@ -70,6 +70,9 @@ class WorkerState(str, Enum):
 
 @dataclass
 class Worker:
+    """One rank's worker process, as the agent sees it: its pipes, its reports and the
+    notice of its end."""
+
     local_rank: int
     global_rank: int
     attempt: int
