@@ -116,16 +116,16 @@ def test_a_rank_that_dies_mid_commit_leaves_the_previous_commit_whole(tmp_path, 
 AFTER_COMMIT = textwrap.dedent("""
     import os, signal, time, torch.distributed as dist
     import elastic_magic
-    from elastic_magic import state as state_module
+    from elastic_magic.training import handoff
 
-    send = state_module._send
+    send = handoff.send
 
     def slow_send(client, prepared, commit):  # a large snapshot: it takes a while to send
         if commit.keywords["step"] == 2:
             time.sleep(0.5)
         send(client, prepared, commit)
 
-    state_module._send = slow_send
+    handoff.send = slow_send
     state = elastic_magic.State(step=0)
     print("start", state.step)
     while state.step < 3:

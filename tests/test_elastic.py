@@ -240,7 +240,7 @@ def test_snapshots_reach_the_agent_through_memory_files_or_the_pipe(log_dir, rec
     worker keeps to the route that worked."""
     cell = textwrap.dedent("""
         import os, torch, elastic_magic
-        import elastic_magic.training.state as state_module
+        import elastic_magic.training.handoff as state_module
         if REFUSE != "never":  # as if the agent's file could not be opened here
             state_module._write_into = lambda *args: False
         if REFUSE == "agent_cannot_read":

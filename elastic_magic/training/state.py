@@ -1,10 +1,4 @@
-"""Elastic state: what a training must carry across restarts and resizes.
-
-    state = elastic_magic.State(model=model, optimizer=opt, loader=loader, step=0)
-    for batch in loader:             # resumes where the last commit left off
-        ...one training step...
-        state.step += 1
-        state.commit(every=5)        # a snapshot every 5th call; a pending resize applies then
+"""Elastic state: what a training must carry across restarts and resizes (``State``).
 
 Snapshots live in the agent (kernel memory, and with ``--checkpoint-dir`` on disk), so a
 restarted or resized group starts from the last commit, whatever its new world size. Rank 0
@@ -16,21 +10,12 @@ commits its own chunks as its part of the snapshot (``training/sharded.py``).
 A commit blocks training only while it copies the state in memory (from a GPU: to the
 host); the worker writes and sends the copy on a thread, and the next commit, a restore or
 the end of the cell waits for it. A crash meanwhile leaves the commit before whole.
-
-The one rule: an argument with ``state_dict`` and ``load_state_dict`` (a module, optimizer,
-scheduler, GradScaler, AveragedModel, sampler, loader, your own class) or a
-``torch.Generator`` is an *object*, restored in place, so your variables see the restored
-state. Anything else is a *value* (``state.step``), read and written through the State and
-replaced by the restored one. What can be neither (a generator, an iterator, an open file,
-a socket) is refused.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import io
-import os
 import secrets
 import socket
 import time
@@ -41,18 +26,14 @@ from typing import Any
 from ..wire.messages import (
     Commit,
     CommitIntent,
-    CommitReply,
-    CommitTarget,
-    Handoff,
     StateGet,
     StateReply,
 )
-from ..worker.client import AgentClient, ResizeExit, current
+from ..worker.client import ResizeExit, current
 from ..worker.leave import word_deferred
-from . import rng, sharded, snapshot_format
+from . import handoff, rng, sharded, snapshot_format
 from .collectives import broadcast_flag, gather_int, gather_ints
 from .data import DataLoader, ElasticSampler, _dist, rank_and_world
-from .file_locks import ofd_lock
 from .kept import Kept
 
 __all__ = ["DataLoader", "ElasticSampler", "State"]
@@ -109,8 +90,33 @@ def _stateful(name: str, value: Any) -> Any:
 class State:
     """Stateful objects (restored in place), plain values, RNG states and commits.
 
-    ``on_resize(old_world_size, new_world_size)`` runs after a restore from a commit made
-    at another world size (Horovod's reset callbacks), e.g. to scale the learning rate."""
+    The one rule: an argument with ``state_dict`` and ``load_state_dict`` (a module,
+    optimizer, scheduler, GradScaler, AveragedModel, sampler, loader, your own class) or a
+    ``torch.Generator`` is an *object*, restored in place, so your variables see the restored
+    state. Anything else is a *value* (``state.step``), read and written through the State
+    and replaced by the restored one. What can be neither (a generator, an iterator, an open
+    file, a socket) is refused (TypeError). In a job, it restores the last commit at once.
+
+    Args:
+        model: An object (a DDP or DataParallel wrapper: its module's state is kept).
+        optimizer: An object.
+        scheduler: An object.
+        sampler: An object: an ElasticSampler (or pass ``loader=`` a DataLoader).
+        on_resize: ``on_resize(old_world_size, new_world_size)`` runs after a restore from
+            a commit made at another world size (Horovod's reset callbacks), e.g. to scale
+            the learning rate.
+        **values: More objects and values, by name (``step=0``, ``loader=loader``).
+
+    Attributes:
+        restored_step: The step the last restore went back to (None: none yet).
+
+    Example:
+        >>> state = elastic_magic.State(model=model, optimizer=opt, loader=loader, step=0)
+        >>> for batch in loader:  # resumes where the last commit left off
+        ...     ...  # one training step
+        ...     state.step += 1
+        ...     state.commit(every=5)  # every 5th call; a pending resize applies then
+    """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
                  sampler: Any = None, *, on_resize: Callable[[int, int], Any] | None = None,
@@ -161,6 +167,7 @@ class State:
 
     @property
     def step(self) -> Any:
+        """The ``step`` value, if given; else the number of ``commit()`` calls. Settable."""
         return self._values.get("step", self._commits)
 
     @step.setter
@@ -170,54 +177,50 @@ class State:
     # -- snapshots -------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
+        """The state now, as this rank alone would commit it (nothing is sent).
+
+        Returns:
+            A snapshot that ``load`` restores.
+        """
         buffer = io.BytesIO()
-        tree, split = self._tree([rng.current()], 0)
+        tree, split = _tree(self, [rng.current()], 0)
         snapshot_format.save({**tree, "chunks": split.chunks} if split.sharded else tree,
                              buffer)
         return buffer.getvalue()
 
     def on_reset(self, callback: Callable[[], Any]) -> Callable[[], Any]:
         """Run ``callback()`` each time ``elastic_magic.run`` goes on in place in a new
-        group, after the rollback (Horovod's reset callbacks); usable as a decorator."""
+        group, after the rollback (Horovod's reset callbacks); usable as a decorator.
+
+        Args:
+            callback: Called without arguments.
+
+        Returns:
+            ``callback`` itself.
+        """
         self._on_reset.append(callback)
         return callback
 
-    def _tree(self, rngs: list[dict[str, Any]], rank: int,
-              dicts: dict[str, Any] | None = None) -> tuple[dict[str, Any], sharded.Split]:
-        """What a commit saves, DTensors replaced by where they were (rank 0's part), and
-        this rank's chunks of them."""
-        split = sharded.Split({})
-        dicts = dicts or {name: obj.state_dict() for name, obj in self._objects.items()}
-        objects = {name: sharded.split(tree, rank, (name,), split)
-                   for name, tree in dicts.items()}
-        values = sharded.split(dict(self._values), rank, ("values",), split)
-        object.__setattr__(self, "_sharded", self._sharded or split.sharded)
-        return {"values": values, "commits": self._commits, "objects": objects,
-                "rngs": rngs, "world_size": len(rngs)}, split
-
     def load(self, blob: bytes | Any) -> None:
-        """Restore from a snapshot: bytes, or a binary file positioned at its start."""
-        source = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
-        parts = snapshot_format.SnapshotReader(source)
-        data = parts.part(0)
-        chunks = sharded.Chunks(parts.part, parts.count)
-        self._values.update(sharded.resolve(data["values"], chunks, None, "values"))
-        object.__setattr__(self, "_commits", data["commits"])
-        saved = data.get("objects") or {n: data[n] for n in
-                                        ("model", "optimizer", "scheduler", "sampler")
-                                        if n in data}  # snapshots before objects were general
-        for name, obj in self._objects.items():
-            if name in saved:
-                obj.load_state_dict(sharded.resolve(saved[name], chunks, obj, name))
-        rank, world = rank_and_world()
-        rngs = data.get("rngs") or [data["rng"]]
-        rng.apply(rngs[rank % len(rngs)])  # a new rank of a larger group: an old one's
-        old_world = data.get("world_size", world)
-        if old_world != world and self._on_resize is not None:
-            self._on_resize(old_world, world)
+        """Restore from a snapshot, at any world size (``on_resize`` runs if it differs).
+
+        Args:
+            blob: Bytes (``result.snapshot``), or a binary file positioned at its start.
+
+        Raises:
+            EOFError: The snapshot is cut short.
+        """
+        _load(self, io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob)
 
     def restore(self) -> bool:
-        """Load the agent's latest snapshot on every rank; True when there was one."""
+        """Load the agent's latest snapshot on every rank.
+
+        Returns:
+            True when there was one (outside a job: False).
+
+        Raises:
+            RuntimeError: Ranks received different snapshots, or the commit before failed.
+        """
         client = current()
         if client is None:
             return False
@@ -230,7 +233,7 @@ class State:
             lambda request_id: StateGet(request_id, held=kept.token if kept else 0))
         if kept and reply.token != kept.token:
             kept = None  # a later commit than ours (its copy came with the reply)
-        memory_file = None if kept else _open_handoff(reply.handoff)
+        memory_file = None if kept else handoff.open_handoff(reply.handoff)
         if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
             reply = client.request(lambda request_id: StateGet(request_id, inline=True))
         dist = _dist()
@@ -256,7 +259,20 @@ class State:
         agent on every ``every``-th call, or once ``seconds`` have passed since the last
         commit (rank 0's clock decides, one small broadcast per call); True when it did.
         After a failure the steps since the last commit run again, from the same data and
-        random numbers. If a resize is pending, every rank leaves at a commit."""
+        random numbers. If a resize is pending, every rank leaves at a commit (by a
+        BaseException the worker handles: do not catch it).
+
+        Args:
+            every: Commit on every ``every``-th call (1 or more).
+            seconds: Also commit once this many seconds have passed since the last commit.
+
+        Returns:
+            True when this call committed.
+
+        Raises:
+            ValueError: ``every`` is below 1.
+            RuntimeError: The agent refused the commit before.
+        """
         if every < 1:
             raise ValueError(f"commit(every={every}): give a number of calls, 1 or more")
         object.__setattr__(self, "_commits", self._commits + 1)
@@ -277,7 +293,7 @@ class State:
         rngs = rng.gather(dist) if dist is not None else [rng.current()]
         rank = dist.get_rank() if dist is not None else 0
         dicts = {name: obj.state_dict() for name, obj in self._objects.items()}
-        tree, split = self._tree(rngs, rank, dicts)
+        tree, split = _tree(self, rngs, rank, dicts)
         # Replicated (DDP) or one rank: rank 0 has it all. Sharded: a part from each rank.
         part: dict[str, Any] | None = tree if rank == 0 else None
         if split.sharded:
@@ -306,7 +322,7 @@ class State:
                 commit = functools.partial(Commit, step=self.step, time=time.time(),
                                            part=rank, parts=len(sizes), token=token,
                                            sizes=sizes)
-                client.behind(functools.partial(_send, client, prepared, commit))
+                client.behind(functools.partial(handoff.send, client, prepared, commit))
         if leave:  # the commit must be whole in the agent before any rank leaves
             if client is not None:
                 client.drain()
@@ -316,77 +332,36 @@ class State:
         return True
 
 
-def _send(client: AgentClient, prepared: snapshot_format.Prepared,
-          commit: functools.partial[Commit]) -> None:
-    """Commit a snapshot (or a rank's part of one) in the agent. A large snapshot is
-    dominated by copies, so it is written once: into the agent's memory file for this
-    commit, opened through /proc (its pages are reused from commit to commit); where the
-    agent keeps none (a joined machine keeps its ranks' own), into one of ours that it
-    reads; where neither can be opened, it goes down the pipe."""
-    global _HANDOFF, _TARGET
-    reply: CommitReply
-    if _TARGET:
-        token, sizes, part = (commit.keywords[k] for k in ("token", "sizes", "part"))
-        reply = client.request(lambda request_id: CommitTarget(request_id, token, sizes))
-        if reply.target is not None and _write_into(reply.target, prepared,
-                                                    snapshot_format.layout(sizes), part):
-            return _check(client.request(lambda request_id: commit(request_id,
-                                                                   written=True)))
-        _TARGET = False  # the agent keeps none here, or its files cannot be opened
-    if _HANDOFF:
-        fd = os.memfd_create("elastic-snapshot", os.MFD_CLOEXEC)
-        try:
-            with os.fdopen(fd, "wb", closefd=False) as file:
-                prepared.write(file)
-            offer = Handoff.of(fd)
-            reply = client.request(lambda request_id: commit(request_id, handoff=offer))
-        finally:
-            os.close(fd)
-        if not reply.handoff_failed:
-            return _check(reply)
-        _HANDOFF = False  # the agent cannot read our memory files: use the pipe
-    buffer = io.BytesIO()
-    prepared.write(buffer)
-    blob = buffer.getvalue()
-    _check(client.request(lambda request_id: commit(request_id, snapshot=blob)))
+def _tree(state: State, rngs: list[dict[str, Any]], rank: int,
+          dicts: dict[str, Any] | None = None) -> tuple[dict[str, Any], sharded.Split]:
+    """What a commit of ``state`` saves, DTensors replaced by where they were (rank 0's
+    part), and this rank's chunks of them."""
+    split = sharded.Split({})
+    dicts = dicts or {name: obj.state_dict() for name, obj in state._objects.items()}
+    objects = {name: sharded.split(tree, rank, (name,), split)
+               for name, tree in dicts.items()}
+    values = sharded.split(dict(state._values), rank, ("values",), split)
+    object.__setattr__(state, "_sharded", state._sharded or split.sharded)
+    return {"values": values, "commits": state._commits, "objects": objects,
+            "rngs": rngs, "world_size": len(rngs)}, split
 
 
-def _check(reply: CommitReply) -> None:
-    if reply.error:
-        raise RuntimeError(reply.error)
-
-
-_HANDOFF = hasattr(os, "memfd_create")
-_TARGET = _HANDOFF
-
-
-def _write_into(target: Handoff, prepared: snapshot_format.Prepared,
-                layout: tuple[bytes, list[int], int], part: int) -> bool:
-    """Write our part into the agent's file for the commit; False where it cannot be
-    opened (or is not the size the commit's parts add up to)."""
-    try:
-        fd = os.open(target.path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        # held while writing: the agent does not give the file to another commit meanwhile
-        ofd_lock(fd, fcntl.F_RDLCK)
-        if os.fstat(fd).st_size != layout[2]:
-            return False
-        prepared.write_at(fd, layout[1][part])
-        return True
-    finally:
-        os.close(fd)
-
-
-def _open_handoff(offer: Handoff | None) -> Any:
-    """The agent's memory file holding the snapshot, opened through /proc; None if there
-    is none or it cannot be opened."""
-    if offer is None:
-        return None
-    try:
-        file = open(offer.path, "rb")  # noqa: SIM115 (the caller's)
-    except OSError:
-        return None
-    ofd_lock(file.fileno(), fcntl.F_RDLCK)  # read while locked: the agent reuses it after
-    return file
+def _load(state: State, source: Any) -> None:
+    """Restore ``state`` from the snapshot in the binary file ``source`` (``State.load``)."""
+    parts = snapshot_format.SnapshotReader(source)
+    data = parts.part(0)
+    chunks = sharded.Chunks(parts.part, parts.count)
+    state._values.update(sharded.resolve(data["values"], chunks, None, "values"))
+    object.__setattr__(state, "_commits", data["commits"])
+    saved = data.get("objects") or {n: data[n] for n in
+                                    ("model", "optimizer", "scheduler", "sampler")
+                                    if n in data}  # snapshots before objects were general
+    for name, obj in state._objects.items():
+        if name in saved:
+            obj.load_state_dict(sharded.resolve(saved[name], chunks, obj, name))
+    rank, world = rank_and_world()
+    rngs = data.get("rngs") or [data["rng"]]
+    rng.apply(rngs[rank % len(rngs)])  # a new rank of a larger group: an old one's
+    old_world = data.get("world_size", world)
+    if old_world != world and state._on_resize is not None:
+        state._on_resize(old_world, world)
