@@ -421,7 +421,8 @@ def test_a_worker_store_address_replayed_from_an_earlier_round_is_refused(monkey
 
 # Each writes the marker when imported: a module of these names in the folder a job was
 # started from (a shared folder, say) must never be imported by our processes.
-PLANTED = ("cloudpickle", "torch", "numpy", "elastic_magic")
+# sitecustomize: Python imports it while it starts, before any runner cleans the path.
+PLANTED = ("cloudpickle", "torch", "numpy", "elastic_magic", "sitecustomize")
 PLANT = "open({marker!r}, 'a').write(__name__ + ' imported from ' + __file__ + '\\n')\n"
 # The kernel: a script from elsewhere, run in the planted folder, with a copy of
 # elastic_magic of its own. Its own imports done, the current directory goes first on its

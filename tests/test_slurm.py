@@ -234,8 +234,8 @@ def test_a_job_on_a_node_runs_nothing_planted_in_the_start_folder_through_python
     start, marker = tmp_path / "start", tmp_path / "marker"
     for folder in (start, start / "lib"):
         (folder / "elastic_magic").mkdir(parents=True)
-        (folder / "elastic_magic" / "__init__.py").write_text(
-            f"open({str(marker)!r}, 'a').write(__file__ + '\\n')\n")
+        for planted in (folder / "elastic_magic" / "__init__.py", folder / "sitecustomize.py"):
+            planted.write_text(f"open({str(marker)!r}, 'a').write(__file__ + '\\n')\n")
     start.chmod(0o775)
     monkeypatch.setenv("PYTHONPATH", f":lib:{PACKAGE_PARENT}")  # what sbatch passes on
     (printed,) = _one_join(slurm, tmp_path, start)

@@ -49,13 +49,17 @@ OPTIONS = {
 _STATES = {"PENDING": "pending", "CONFIGURING": "pending", "RUNNING": "running",
            "COMPLETING": "ended", "COMPLETED": "ended", "CANCELLED": "ended",
            "FAILED": "ended", "TIMEOUT": "ended", "PREEMPTED": "ended",
-           "NODE_FAIL": "ended", "OUT_OF_MEMORY": "ended"}
+           "NODE_FAIL": "ended", "OUT_OF_MEMORY": "ended", "BOOT_FAIL": "ended",
+           "DEADLINE": "ended", "REVOKED": "ended", "SPECIAL_EXIT": "ended"}
 
 
 def _run(argv: list[str], stdin: str | None = None, hold: tuple[int, ...] = ()) -> str:
     """``argv``'s output. In a session of its own: the kernel's interrupt (SIGINT to its
     process group) cannot kill an ``sbatch`` after it submitted, before it said the id."""
-    env = {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"}
+    # sbatch hands its environment to the job: nothing of PYTHONPATH that names the job's
+    # folder (an empty or relative entry) goes, where Python would import sitecustomize.
+    env = interpreter.without_relative_pythonpath(
+        {k: v for k, v in os.environ.items() if k != "ELASTIC_MAGIC_TOKEN"})
     try:
         done = subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env,
                               timeout=60, start_new_session=True, pass_fds=hold)

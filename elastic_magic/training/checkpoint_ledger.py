@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import stat
 import time
 from collections.abc import Iterator
@@ -105,14 +106,18 @@ def _load(folder: int) -> dict[str, dict[str, Any]]:
 
 def _save(folder: int, folders: dict[str, dict[str, Any]]) -> None:
     name = ledger_name()
-    tmp = f".{name}.tmp"  # one name: writers take turns (the lock)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp, dir_fd=folder)
+    # A name of its own each time: in a shared sticky folder another user could make a
+    # fixed one first, and no write could then replace it.
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
     fd = new_file(folder, tmp)
     try:
         with open(fd, "wb", closefd=False) as file:
             file.write(json.dumps({"version": 1, "folders": folders}).encode())
         os.fsync(fd)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=folder)
+        raise
     finally:
         os.close(fd)
-    os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)

@@ -91,8 +91,9 @@ def word_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # the word goes to the main thread: nothing of it to hold here
         return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # the mask now, unchanged
+    try:  # a word already pending is raised by the call that blocks: the mask is restored
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)  # one that came is raised here

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .interpreter import without_relative_pythonpath
 from .network import on_loopback
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def inherited_env(nproc: int) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT,
                                                           env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the notebook as they are printed
-    return env
+    return without_relative_pythonpath(env)
 
 
 def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, run_id: str,

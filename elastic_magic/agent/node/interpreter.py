@@ -62,6 +62,18 @@ REMOTE_RUNNER = "; ".join((*_CLEAN_PATH, "import importlib", "module = sys.argv.
                            "sys.exit(importlib.import_module(module).main())"))
 
 
+def without_relative_pythonpath(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with PYTHONPATH's empty and relative entries left out (all of it, if none is
+    left). Python puts them on the path while it starts, before any runner cleans it, and
+    imports ``sitecustomize`` (and, before 3.11, ``site``) from there: a file planted in the
+    start folder would run. The cell still gets the kernel's path when it runs."""
+    entries = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(e)]
+    cleaned = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    if entries:
+        cleaned["PYTHONPATH"] = os.pathsep.join(entries)
+    return cleaned
+
+
 def command(module: str, *args: str) -> list[str]:
     """``python -m module args...``, without the current directory on the path and with
     this process's elastic_magic. ``module`` has a ``main()``."""
