@@ -27,6 +27,9 @@ from pathlib import Path
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A folder on the way, opened only to go through it (search permission: a parent such as a
+# /scratch at mode 0711 cannot be listed); fstat and the *at calls take such a descriptor.
+PASS_DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 MAX_LINKS = 40  # links followed in one path, as the kernel's own limit
@@ -130,20 +133,20 @@ def open_path(path: Path, *, create: bool = False, trust_writers: bool = False
     someone else could have made (another user's, or in such a folder), never followed,
     and for a file on the way; OSError as opening a folder does."""
     pending = list(reversed(path.parts))
-    fd = os.open("/", OPEN_DIR)
+    fd = os.open("/", PASS_DIR)
     real: list[str] = []
     links = 0
     try:
         while pending:
             name = pending.pop()
             if name.startswith("/"):  # an absolute path or link target: from the top
-                fd = _instead(fd, os.open("/", OPEN_DIR))
+                fd = _instead(fd, os.open("/", PASS_DIR))
                 real.clear()
                 continue
             if name in ("", "."):
                 continue
             if name == "..":
-                fd = _instead(fd, os.open("..", OPEN_DIR, dir_fd=fd))
+                fd = _instead(fd, os.open("..", PASS_DIR, dir_fd=fd))
                 del real[-1:]
                 continue
             here = Path("/", *real)
@@ -169,7 +172,9 @@ def open_path(path: Path, *, create: bool = False, trust_writers: bool = False
                 continue
             fd = _instead(fd, child)
             real.append(name)
-        return fd, Path("/", *real)
+        # The folder reached, opened for use (listing, locks) as the very one walked to.
+        return _instead(fd, os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY
+                                    | os.O_CLOEXEC)), Path("/", *real)
     except BaseException:
         os.close(fd)
         raise
@@ -221,13 +226,13 @@ def _instead(old: int, new: int) -> int:
 
 def _open_child(fd: int, name: str, create: bool) -> int:
     try:
-        return os.open(name, OPEN_DIR, dir_fd=fd)
+        return os.open(name, PASS_DIR, dir_fd=fd)
     except FileNotFoundError:
         if not create:
             raise
     with contextlib.suppress(FileExistsError):  # one made meanwhile is opened as any other
         os.mkdir(name, 0o700, dir_fd=fd)
-    return os.open(name, OPEN_DIR, dir_fd=fd)
+    return os.open(name, PASS_DIR, dir_fd=fd)
 
 
 def redirectable(path: Path) -> bool:

@@ -134,6 +134,30 @@ def test_a_folder_on_the_way_that_others_can_change_is_refused_unless_trusted(
 # -- an older checkpoint of the user's in the folder's place ------------------------------
 
 @root_only
+def test_a_folder_on_the_way_that_can_be_passed_but_not_listed_is_no_obstacle(shared):
+    """A parent such as a cluster's /scratch at mode 0711 lets a user reach their folder
+    in it without listing it: the walk from / opens each folder on the way only to go
+    through it (before, it asked to read each one, and refused the user's own folder)."""
+    scratch = shared / "scratch"
+    scratch.mkdir(mode=0o711)
+    os.chmod(scratch, 0o711)
+    mine = scratch / "nobody"
+    mine.mkdir(mode=0o700)
+    os.chown(mine, NOBODY, NOBODY)
+    script = ("import sys; from pathlib import Path; from elastic_magic.folders import "
+              "own_path; fd, real = own_path(Path(sys.argv[1]) / 'ckpt', create=True); "
+              "print(real)")
+    package_parent = str(Path(em.__file__).resolve().parents[1])
+    # The system's interpreter: the tests' may live in root's home, which others cannot enter.
+    done = subprocess.run(["/usr/bin/python3", "-c", script, str(mine)], user=NOBODY,
+                          group=NOBODY, extra_groups=[], cwd="/", capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": package_parent})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(mine / "ckpt")
+    assert (mine / "ckpt").stat().st_uid == NOBODY
+
+
+@root_only
 @pytest.mark.parametrize("old", ["the folder renamed", "a folder of its own"])
 def test_another_users_swap_of_two_checkpoint_folders_is_refused(shared, log_dir, old):
     team = shared / "team"  # a team's folder, trusted with --checkpoint-shared
