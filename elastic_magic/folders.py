@@ -71,6 +71,14 @@ def describe(info: os.stat_result, path: Path, *, private: bool) -> str | None:
     return None
 
 
+def private_file_problem(fd: int, path: Path) -> str | None:
+    """Why the open file ``fd`` (at ``path``) is not a regular file of the user's that no
+    one else may read or write; None when it is one."""
+    info = os.fstat(fd)
+    return describe(info, path, private=True) if stat.S_ISREG(info.st_mode) \
+        else f"{path} is not a file"
+
+
 def open_folder(path: Path | str, *, dir_fd: int | None = None) -> int:
     """A descriptor of the folder ``path`` (relative to ``dir_fd``), its last component
     not followed if it is a link. Raises NotPrivate for a link or a non-folder."""

@@ -19,16 +19,15 @@ import contextlib
 import errno
 import os
 import secrets
-import stat
 from pathlib import Path
 
 from ..folders import (
     READ_FILE,
     NotPrivate,
     absolute,
-    describe,
     new_file,
     open_path,
+    private_file_problem,
     replaceable,
 )
 
@@ -122,9 +121,7 @@ def _read(folder: int, path: Path) -> bytes:
                              f"{_FIX}") from None
         raise
     with open(fd, "rb") as file:
-        info = os.fstat(fd)
-        problem = describe(info, path, private=True) if stat.S_ISREG(info.st_mode) \
-            else f"{path} is not a file"
+        problem = private_file_problem(fd, path)
         if problem:
             raise NotPrivate(f"the checkpoint key is not used: {problem}; whoever can read "
                              f"it can forge checkpoints that run code in your jobs. {_FIX}")

@@ -16,13 +16,12 @@ import fcntl
 import json
 import os
 import secrets
-import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..folders import READ_FILE, NotPrivate, describe, new_file
+from ..folders import READ_FILE, NotPrivate, new_file, private_file_problem
 from .checkpoint_key import key_folder, key_path
 
 KEEP = 4096  # folders remembered; the ones written longest ago are forgotten first
@@ -87,9 +86,7 @@ def _load(folder: int) -> dict[str, dict[str, Any]]:
         raise NotPrivate(f"the record of your checkpoint folders {path} cannot be read "
                          f"({exc.strerror}): remove it if it is a link.") from None
     with open(fd, "rb") as file:
-        info = os.fstat(fd)
-        problem = describe(info, path, private=True) if stat.S_ISREG(info.st_mode) \
-            else f"{path} is not a file"
+        problem = private_file_problem(fd, path)
         if problem:
             raise NotPrivate(f"the record of your checkpoint folders is not used: {problem}. "
                              f"Run `chmod 600 {path}` if it is yours, or remove it.")
