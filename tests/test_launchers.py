@@ -307,6 +307,16 @@ def test_slurm_jobs_print_into_a_private_folder_of_the_users_not_the_working_one
     with pytest.raises(LauncherError, match=r"must be a folder of yours and private \(chmod 700"):
         launcher.start(JoinRequest("h:1", "t", "run"))
     assert not (tmp_path / "tokens").exists()  # refused before anything was written
+    # A private folder in a team's folder that others can write: one of them could rename
+    # it and put an open one at its name before Slurm writes there.
+    team = tmp_path / "team"
+    team.mkdir()
+    team.chmod(0o777)
+    launcher = make_launcher("slurm", {"output_dir": str(team / "output"),
+                                       "token_dir": str(tmp_path / "tokens")})
+    with pytest.raises(LauncherError, match=r"whoever can write it can put another folder"):
+        launcher.start(JoinRequest("h:1", "t", "run"))
+    assert not (team / "output").exists() and not (tmp_path / "tokens").exists()
 
 
 # -- SSH, against real servers in network namespaces ------------------------------------

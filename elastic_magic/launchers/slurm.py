@@ -19,13 +19,13 @@ import itertools
 import os
 import secrets
 import shlex
-import stat
 import subprocess
 import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from .. import folders
 from ..agent.node import interpreter
 from ..checks import SpecError
 from . import Allocation, JoinRequest, LauncherError, known_options
@@ -70,18 +70,23 @@ def _run(argv: list[str], stdin: str | None = None, hold: tuple[int, ...] = ()) 
     return done.stdout
 
 
-def _private_folder(path: Path) -> None:
-    """The folder of the jobs' output, made 0700 if missing, checked as the token's is:
-    its files hold what the ranks print."""
+def _private_folder(path: Path, holds: str, option: str) -> None:
+    """``path``, made 0700 where missing, reached from / as a checkpoint folder is (no
+    folder on the way that others could change, no link another user made: Slurm opens its
+    files by name later, and someone who could rename a folder on the way could put an
+    open one there), and private: it holds ``holds``."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = path.stat()
-    except OSError as exc:
-        raise LauncherError(f"{path} cannot be made to hold what the jobs print: {exc}; "
-                            "name another with --launch output_dir=DIR.") from None
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        fd, real = folders.open_path(folders.absolute(path), create=True)
+    except (folders.NotPrivate, OSError) as exc:
+        raise LauncherError(f"{path} cannot hold {holds}: {exc}. Name a folder of yours "
+                            f"with --launch {option}=DIR.") from None
+    try:
+        problem = folders.describe(os.fstat(fd), real, private=True)
+    finally:
+        os.close(fd)
+    if problem:
         raise LauncherError(f"{path} must be a folder of yours and private (chmod 700) to "
-                            "hold what the jobs print.")
+                            f"hold {holds}: {problem}")
 
 
 class SlurmLauncher:
@@ -127,13 +132,9 @@ class SlurmLauncher:
     def _write_token(self, request: JoinRequest) -> Path:
         """The token in a 0600 file of a 0700 folder, made without following links; the
         folder of the jobs' output made or checked (before each start: it may be gone)."""
-        _private_folder(self.output_dir)
+        _private_folder(self.output_dir, "what the jobs print", "output_dir")
         if self._token_file is None:
-            self.token_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if self.token_dir.stat().st_uid != os.getuid() or \
-                    self.token_dir.stat().st_mode & 0o077:
-                raise LauncherError(f"{self.token_dir} must be yours and private (chmod "
-                                    "700) to hold the job's token.")
+            _private_folder(self.token_dir, "the job's token", "token_dir")
             path = self._token_path_for(request)
             try:  # O_EXCL: whatever is there already (a link) is refused, not followed
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
