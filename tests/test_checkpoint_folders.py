@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from test_signed_checkpoints import CELL  # resumes at its last commit, commits two steps
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import AgentError
@@ -23,14 +24,6 @@ from elastic_magic.training import snapshot_format
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 
-CELL = """
-import elastic_magic
-state = elastic_magic.State(step=0, resumed_at=-1)
-state.resumed_at = state.step
-for step in range(state.step + 1, state.step + 3):
-    state.step = step
-    state.commit()
-"""
 
 
 @pytest.fixture
