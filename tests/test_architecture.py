@@ -158,7 +158,7 @@ AGENT_LAYERS = {
 # them never reach the kernel's agent or the launchers. The vocabulary (the wire and the
 # job's terms) is used by every side and uses none.
 NOTEBOOK = {"notebook", "ui"}
-RANK_SIDE = {"worker", "training"}
+RANK_SIDE = {"worker", "training", "integrations"}
 VOCABULARY = {"wire", "spec", "checks", "result", "result_parts", "stacks", "logs", "folders",
               "torch_internals"}
 SIDES = {"agent", "launchers", "cli", *NOTEBOOK, *RANK_SIDE}
