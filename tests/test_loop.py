@@ -324,6 +324,28 @@ def test_a_slot_that_fails_again_is_left_out_and_stays_out_when_the_job_grows(tm
     assert engine.board.current.excluded == (result.excluded[0],)
 
 
+def test_the_cells_own_error_at_a_new_size_fails_the_job_and_leaves_out_no_slot(tmp_path):
+    """Lightning's "devices=2 does not match the world size (3)" after a scale to 3: an
+    exception of the cell's code on every attempt is no evidence against a slot. It used
+    to leave slot 0 out ("failed again after a restart") and report success at 2 ranks."""
+
+    def scale(inbox: Inbox) -> None:
+        inbox.put(ScaleCommand(3))
+
+    def script(attempt: int, slot: int, _: Payload) -> Do:
+        if attempt == 0:
+            return Do(hang=True, then=scale if slot == 0 else None)
+        return Do(raises="MisconfigurationException") if slot == 0 else Do(hang=True)
+
+    world = World(script)
+    result, _ = run_job(world, spec(tmp_path, min_nproc=1, max_nproc=3, max_restarts=2))
+    assert result.state is JobState.FAILED and result.world_size == 3
+    assert result.failure is not None
+    assert result.failure.exc_type == "MisconfigurationException"
+    assert result.restarts == 2 and result.excluded == [] and not world.of(Excluded)
+    assert world.slots == [[0, 1], [0, 1, 2], [0, 1, 2], [0, 1, 2]]
+
+
 def test_a_slot_left_out_comes_back_when_the_user_names_it(tmp_path):
     world = World(_slot_1_fails_twice([ScaleCommand(3, include=(1,))]))
     result, _ = run_job(world, spec(tmp_path, 3, min_nproc=2, max_restarts=3))

@@ -21,6 +21,7 @@ from elastic_magic.agent.policy import (
     RegroupClock,
     Resize,
     after_group,
+    blames_the_slot,
     cell_state,
     during_cell,
     during_group,
@@ -115,6 +116,24 @@ def test_a_slot_that_fails_again_is_excluded_while_the_bounds_allow(
     # only a failure of this machine's own group excludes one of its slots
     assert after_group(GroupOutcome.NODE_FAILED, used, allowed, failed_before=failed_before,
                        can_shrink=can_shrink) is FollowUp.END
+
+
+@pytest.mark.parametrize(("failure", "blamed"), [
+    (RankFailure(0, 0, 1, 9, 0.0, exit_code=-9, signal="SIGKILL"), True),
+    (RankFailure(0, 0, 1, 9, 0.0, exit_code=3), True),
+    (RankFailure(0, 0, 1, 9, 0.0, "AcceleratorError", "CUDA error: an illegal memory "
+                 "access was encountered"), True),
+    (RankFailure(0, 0, 1, 9, 0.0, "DistBackendError", "NCCL error in: ... unhandled "
+                 "system error"), True),
+    # the cell's own code: it would raise on any slot
+    (RankFailure(0, 0, 1, 9, 0.0, "NameError", "name 'train' is not defined"), False),
+    (RankFailure(0, 0, 1, 9, 0.0, "MisconfigurationException",
+                 "`devices=2` does not match the world size (3)"), False),
+    (RankFailure(0, 0, 1, 9, 0.0, "OutOfMemoryError", "CUDA out of memory."), False),
+    (RankFailure(0, 0, 1, 9, 0.0, reason="stalled for 60s"), False),
+])
+def test_only_a_death_or_a_device_error_blames_a_slot(failure, blamed):
+    assert blames_the_slot(failure) is blamed
 
 
 def test_slots_keep_their_identity_when_ranks_are_renumbered():

@@ -67,6 +67,28 @@ def own_failure(failures: list[RankFailure]) -> RankFailure | None:
     return next(own, failures[0] if failures else None)
 
 
+# What a device says when it, not the cell's code, is at fault: torch raises CUDA's errors as
+# AcceleratorError (older torch: RuntimeError) and NCCL's as errors whose message names them.
+# Running out of memory is the batch's size, not the GPU's fault.
+_DEVICE_ERROR_MARKERS = ("CUDA error", "NCCL error", "ECC error", "cudaError",
+                         "device-side assert", "unhandled system error")
+
+
+def blames_the_slot(failure: RankFailure) -> bool:
+    """Whether ``failure`` is evidence against the worker slot (its GPU) rather than against
+    the cell: the process died (a signal, an exit code) or its device reported an error.
+    An exception of the cell's own code (a NameError, a framework's configuration error),
+    or what the agent found it doing (stalled, returned while others waited), would follow
+    the cell to any slot: leaving a slot out for it would only shrink the job and hide the
+    error."""
+    if failure.reason is not None:
+        return False
+    if failure.exc_type is None:
+        return True
+    return failure.exc_type == "AcceleratorError" or any(
+        m in failure.message for m in _DEVICE_ERROR_MARKERS)
+
+
 class FollowUp(Enum):
     """What follows a group that has ended."""
 

@@ -9,7 +9,14 @@ from ...result import RankFailure
 from ...spec import JobSpec
 from ...wire.events import EventSink, Excluded, MembershipChanged
 from ..machines.roles import SingleMachine
-from ..policy import FollowUp, GroupOutcome, Membership, after_group, own_failure
+from ..policy import (
+    FollowUp,
+    GroupOutcome,
+    Membership,
+    after_group,
+    blames_the_slot,
+    own_failure,
+)
 from ..status import StatusBoard
 
 
@@ -33,7 +40,9 @@ class Recovery:
         mine = [f for f in failures if f.rank in ranks] if step is GroupOutcome.FAILED else []
         cause = own_failure(mine)
         membership = self.membership
-        slot = membership.slots[cause.local_rank] if cause else None
+        # the cell's own error would fail on any slot: it restarts or ends the job
+        slot = membership.slots[cause.local_rank] if cause and blames_the_slot(cause) \
+            else None
         next_ = after_group(
             step, self.restarts, self.spec.max_restarts,
             failed_before=slot is not None and membership.failed_before(slot),
