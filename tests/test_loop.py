@@ -26,6 +26,7 @@ from elastic_magic.agent.round_info import RoundInfo
 from elastic_magic.agent.status import StatusBoard
 from elastic_magic.result import JobFailedError, JobState
 from elastic_magic.spec import JobSpec
+from elastic_magic.ui.describe import describe
 from elastic_magic.wire.events import (
     Excluded,
     Output,
@@ -259,6 +260,14 @@ def test_a_failure_restarts_the_group_and_is_counted(tmp_path):
     assert result.restarts == 1 and len(world.of(Restarting)) == 1
     assert world.slots == [[0, 1], [0, 1]]
     assert engine.rendezvous is None and engine.group is None  # released
+    # Its ranks never used State: the timeline says why the cell runs from its start again.
+    (restart,) = world.of(Restarting)
+    assert restart.no_state
+    headline = describe(restart)
+    assert headline is not None and headline.text.endswith(
+        "after rank 1: ValueError: ValueError in the script; the cell keeps no "
+        "elastic_magic.State (nor a trainer's integration): every rank runs it again from "
+        "its start")
 
 
 def test_restarts_run_out(tmp_path):

@@ -107,6 +107,7 @@ def test_a_rank_that_raised_is_replaced_and_its_peer_stays(log_dir, recorder):
     run(log_dir, recorder, raise_error)
     assert_stayed(recorder, [(0,)])  # rank 0 only lost its peer: it stayed
     assert recorder.of(Restarting)[0].root_cause.exc_type == "ValueError"
+    assert not recorder.of(Restarting)[0].no_state  # its ranks use State
     notes = [n.text for e in recorder.events if (n := describe(e)) and n.kind == "start"]
     assert notes[-1].startswith("started ranks 1 after restart 1 (pids ")
     assert notes[-1].endswith("; ranks 0 stayed in their processes")

@@ -57,9 +57,12 @@ def describe(event: Event) -> Headline | None:
         case RanksFinished(ranks=ranks, running=running):
             return Headline("finished", f"{_rank_list(ranks)} finished; {_rank_list(running)} "
                                     "still running")
-        case Restarting(restart_count=count, max_restarts=most, root_cause=cause):
+        case Restarting(restart_count=count, max_restarts=most, root_cause=cause,
+                        no_state=no_state):
+            why = ("; the cell keeps no elastic_magic.State (nor a trainer's integration): "
+                   "every rank runs it again from its start") if no_state else ""
             return Headline("restart", f"restarting the group ({count}/{most}) after rank "
-                                   f"{cause.rank}: {cause.headline}")
+                                   f"{cause.rank}: {cause.headline}{why}")
         case Committed(origin="checkpoint", step=step):
             return Headline("checkpoint", f"resuming from the checkpoint of step {step}")
         case ResizeRequested(target=target, graceful=graceful):

@@ -95,6 +95,8 @@ class Restarting:
     restart_count: int  # the restart about to begin (1 for the first)
     max_restarts: int
     root_cause: RankFailure
+    # the first restart of a job whose ranks never used State: the cell runs from its start
+    no_state: bool = False
     time: float = field(default_factory=_now)
 
 

@@ -59,8 +59,9 @@ class JobLoop:
                 if next_ is FollowUp.RESTART:
                     engine.recovery.count_restart()
                     engine.set_state(JobState.RESTARTING)
+                    no_state = not engine.elastic_state.used and engine.restarts == 1
                     engine.emit(Restarting(engine.restarts, engine.spec.max_restarts,
-                                           engine.failures[0]))
+                                           engine.failures[0], no_state=no_state))
                 engine.set_state(JobState.RENDEZVOUS)
         except BaseException:
             final = JobState.FAILED
