@@ -307,6 +307,25 @@ def test_data_loader_records_what_the_loop_consumed_and_refuses_what_it_cannot()
         em.ElasticSampler(24, 6, batch_size=3)
 
 
+@pytest.mark.unit
+def test_a_global_batch_size_alone_makes_a_shuffled_elastic_loader():
+    """As the README's examples write it: DataLoader(data, global_batch_size=...)."""
+    dataset = TensorDataset(torch.arange(20))
+    loader = em.DataLoader(dataset, global_batch_size=6)
+    sampler = loader.elastic_sampler
+    assert (sampler.global_batch_size, sampler.shuffle, sampler.drop_last) == (6, True, True)
+    batches = [b[0].tolist() for b in loader]
+    assert [len(b) for b in batches] == [6, 6, 6]  # full global batches only
+    # 18 different samples, shuffled
+    assert len({i for batch in batches for i in batch}) == 18
+    assert batches != [list(range(i, i + 6)) for i in (0, 6, 12)]
+    plain = em.DataLoader(dataset, global_batch_size=6, shuffle=False, drop_last=False)
+    assert [b[0].tolist() for b in plain][:3] == [list(range(i, i + 6)) for i in (0, 6, 12)]
+    assert plain.elastic_sampler.drop_last is False
+    with pytest.raises(TypeError, match="needs global_batch_size="):
+        em.DataLoader(dataset)
+
+
 def test_snapshot_layout_of_earlier_versions_still_loads():
     model = torch.nn.Linear(2, 1)
     old = io.BytesIO()

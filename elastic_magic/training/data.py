@@ -278,6 +278,9 @@ class DataLoader(tud.DataLoader):
 
     Takes the DataLoader's arguments, with one of
 
+    - ``global_batch_size=G`` alone: a fixed global batch, shuffled unless
+      ``shuffle=False``, the last incomplete batch of an epoch dropped unless
+      ``drop_last=False``;
     - ``batch_sampler=ElasticSampler(...)``;
     - ``sampler=torch.utils.data.DistributedSampler(dataset, shuffle=..., seed=...)`` and
       ``batch_size=b`` (a fixed per-rank batch, as torchrun code has it) or
@@ -294,10 +297,11 @@ class DataLoader(tud.DataLoader):
     Args:
         dataset: A map-style dataset (``__getitem__`` and ``__len__``).
         batch_size: With a DistributedSampler: a fixed per-rank batch.
-        shuffle: Not taken: the sampler's ``shuffle`` decides (ValueError if given).
+        shuffle: With ``global_batch_size`` alone (default True); beside a sampler, the
+            sampler's ``shuffle`` decides (ValueError if given).
         sampler: A ``torch.utils.data.DistributedSampler``.
         batch_sampler: An ``ElasticSampler``.
-        global_batch_size: With a DistributedSampler: a fixed global batch.
+        global_batch_size: A fixed global batch (alone, or with a DistributedSampler).
         **options: torch's DataLoader's other arguments (``in_order=False`` is refused).
 
     Attributes:
@@ -305,7 +309,8 @@ class DataLoader(tud.DataLoader):
             DistributedSampler's settings when given one).
 
     Raises:
-        TypeError: An iterable-style dataset, or neither sampler.
+        TypeError: An iterable-style dataset, or no global batch size and neither
+            sampler.
         ValueError: ``shuffle``, ``in_order=False``, or a sampler or batch size beside an
             ElasticSampler.
     """
@@ -324,10 +329,16 @@ class DataLoader(tud.DataLoader):
             raise ValueError("elastic_magic.DataLoader needs in_order=True: the position "
                              "counts batches in the order the sampler handed them out")
         self.distributed_sampler = None
-        if shuffle is not None:
+        if shuffle is not None and (sampler is not None or batch_sampler is not None):
             raise ValueError("elastic_magic.DataLoader takes shuffle from its sampler: "
                              "ElasticSampler(shuffle=...) or DistributedSampler(shuffle=...)")
-        if isinstance(batch_sampler, ElasticSampler):
+        if sampler is None and batch_sampler is None and global_batch_size is not None:
+            # the short form: shuffled (as DistributedSampler and ElasticSampler are), full
+            # batches only, so that every step sees the same global batch
+            elastic = ElasticSampler(len(dataset), global_batch_size,
+                                     shuffle=True if shuffle is None else shuffle,
+                                     drop_last=options.get("drop_last", True))
+        elif isinstance(batch_sampler, ElasticSampler):
             if sampler is not None or batch_size not in (1, None) or global_batch_size:
                 raise ValueError("batch_sampler=ElasticSampler(...) sets the batches: give "
                                  "its sizes to the ElasticSampler, and no sampler")
@@ -340,8 +351,9 @@ class DataLoader(tud.DataLoader):
                                      drop_last=options.get("drop_last", False))
         else:
             raise TypeError(
-                "elastic_magic.DataLoader needs batch_sampler=elastic_magic.ElasticSampler"
-                "(...), or sampler=DistributedSampler(...) with batch_size= (per rank) or "
+                "elastic_magic.DataLoader needs global_batch_size=, "
+                "batch_sampler=elastic_magic.ElasticSampler(...), or "
+                "sampler=DistributedSampler(...) with batch_size= (per rank) or "
                 "global_batch_size=")
         options.pop("drop_last", None)
         self.elastic_sampler = elastic
