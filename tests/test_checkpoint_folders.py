@@ -14,12 +14,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import Recorder
 from test_signed_checkpoints import CELL  # resumes at its last commit, commits two steps
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import AgentError
 from elastic_magic.agent.node import checkpoint_file
 from elastic_magic.training import snapshot_format
+from elastic_magic.ui.describe import describe
+from elastic_magic.wire.events import CheckpointVanished
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
@@ -42,10 +45,10 @@ def as_nobody(script: str) -> None:
                    cwd="/", check=True)
 
 
-def run(ckpt, log_dir, **options):
+def run(ckpt, log_dir, render=lambda e: None, **options):
     """Run CELL on ``ckpt``: the step it resumed at, the step it ended at."""
-    result = em.launch(CELL, nproc=1, log_dir=log_dir, checkpoint_dir=ckpt,
-                       render=lambda e: None, **options)
+    result = em.launch(CELL, nproc=1, log_dir=log_dir, checkpoint_dir=ckpt, render=render,
+                       **options)
     values = snapshot_format.load(io.BytesIO(result.snapshot))["values"]
     return values["resumed_at"], values["step"]
 
@@ -202,6 +205,20 @@ def test_a_folder_the_user_moved_resumes_with_checkpoint_moved(tmp_path, log_dir
     assert run(ckpt, log_dir) == (0, 2)
     moved.parent.mkdir()
     os.rename(ckpt, moved)
+    # Where the folder was, a job starts from scratch, saying that a checkpoint was written
+    # there: it may not be the user who moved it (an empty folder put in its place).
+    recorder = Recorder()
+    assert run(ckpt, log_dir, render=recorder) == (0, 2)
+    (vanished,) = recorder.of(CheckpointVanished)
+    assert vanished.path == str(ckpt) and vanished.counter >= 1
+    headline = describe(vanished)
+    assert headline is not None and f"--checkpoint-dir {ckpt} holds no checkpoint, but its " \
+        f"checkpoint {vanished.counter} was written there on " in headline.text
+    assert "starting from scratch. If you removed or moved it, nothing is wrong" \
+        in headline.text
+    recorder = Recorder()
+    assert run(ckpt, log_dir, render=recorder) == (2, 4)
+    assert not recorder.of(CheckpointVanished)  # it holds a checkpoint of its own now
     message = refused(moved, log_dir)
     assert f"its folder was at {ckpt} when it was written" in message, message
     assert "If you did that yourself, resume with --checkpoint-moved" in message

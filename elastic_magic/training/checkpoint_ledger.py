@@ -42,6 +42,15 @@ def lookup(folder_id: str, path: Path) -> tuple[int | None, str | None]:
     return (entry["counter"] if entry else None), at_path
 
 
+def last_written_at(path: Path) -> tuple[int, float] | None:
+    """The counter and time of the last checkpoint written at ``path`` (by whichever folder
+    it held then); None if none is recorded."""
+    with _locked() as folder:
+        folders = _load(folder)
+    entry = next((e for e in folders.values() if e.get("path") == str(path)), None)
+    return (entry["counter"], entry["time"]) if entry else None
+
+
 def record(folder_id: str, path: Path, counter: int, *, reset: bool = False) -> None:
     """Record the checkpoint ``counter`` as the latest of the folder ``folder_id``, at
     ``path`` (which no longer holds any other folder). ``reset``: even if it is older than

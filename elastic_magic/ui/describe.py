@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..wire.events import (
     AcceptingNodes,
+    CheckpointVanished,
     Committed,
     Event,
     Excluded,
@@ -63,6 +64,13 @@ def describe(event: Event) -> Headline | None:
                    "every rank runs it again from its start") if no_state else ""
             return Headline("restart", f"restarting the group ({count}/{most}) after rank "
                                    f"{cause.rank}: {cause.headline}{why}")
+        case CheckpointVanished(path=path, counter=counter, written=written):
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(written))
+            return Headline("checkpoint", f"--checkpoint-dir {path} holds no checkpoint, but "
+                            f"its checkpoint {counter} was written there on {when}: starting "
+                            "from scratch. If you removed or moved it, nothing is wrong; if "
+                            "not, someone who can write a folder on the way may have put an "
+                            "empty folder in its place: stop the job and find yours")
         case Committed(origin="checkpoint", step=step):
             return Headline("checkpoint", f"resuming from the checkpoint of step {step}")
         case ResizeRequested(target=target, graceful=graceful):

@@ -112,6 +112,18 @@ class Committed:
 
 
 @dataclass(frozen=True)
+class CheckpointVanished:
+    """--checkpoint-dir holds no checkpoint, though this machine's record says that its
+    ``counter``-th was written there at ``written`` (epoch seconds): the job starts from
+    scratch, which the user may not expect."""
+
+    path: str
+    counter: int
+    written: float
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class ResizeRequested:
     """A new worker count for this machine was asked for and will apply: at the next commit
     (``graceful``) or at once."""
@@ -249,7 +261,7 @@ Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
     | JobFinished | RanksFinished | NetworkChosen | Excluded | CellStarted | SessionBroken
-    | SessionReformed | MachinesChanged
+    | SessionReformed | MachinesChanged | CheckpointVanished
 )
 EventSink = Callable[[Event], None]
 

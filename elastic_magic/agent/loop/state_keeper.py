@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from ...result import MemorySnapshot
 from ...spec import JobSpec
-from ...wire.events import Committed, EventSink
+from ...wire.events import CheckpointVanished, Committed, EventSink
 from ...wire.messages import Action, Commit, CommitIntent, StateRequest
 from ..machines.roles import SingleMachine
 from ..node.snapshots import SnapshotStore, StateServer
@@ -45,6 +45,9 @@ class StateKeeper:
         """Before the first round: the snapshot of ``--checkpoint-dir``, if there is one."""
         if self.server is not None:
             self.server.resume_from_checkpoint()
+        vanished = self.snapshots.vanished
+        if vanished is not None and self.snapshots.directory is not None:
+            self.emit(CheckpointVanished(str(self.snapshots.directory), *vanished))
 
     def serve(self, worker: Worker, request: StateRequest, world_size: int) -> None:
         self.used = True

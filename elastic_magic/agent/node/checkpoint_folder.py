@@ -103,6 +103,13 @@ class CheckpointFolder:
                 "README, Security.")
         checkpoint_ledger.record(self.id, self.path, _counter(seal), reset=True)
 
+    def vanished(self) -> tuple[int, float] | None:
+        """For a folder that holds no checkpoint: the counter and time of the last one this
+        machine's record says was written here (a folder renamed away and an empty one put
+        in its place, or the checkpoint removed), to be told before the job starts from
+        scratch; None if none was."""
+        return checkpoint_ledger.last_written_at(self.path)
+
     def _problem(self, seal: Any) -> str | None:
         if _counter(seal) == 0:
             return ("it was written by an earlier version of elastic_magic, which did not tie "

@@ -84,6 +84,8 @@ class SnapshotStore:
     _key: bytes | None = None  # the user's checkpoint key (signs and checks checkpoints)
     parts: CommitFiles = field(default_factory=CommitFiles)  # the files commits go into
     token: int = 0  # the commit's (rank 0's random number): its chunks on other machines
+    # the folder held a checkpoint once, and holds none now: (its counter, when)
+    vanished: tuple[int, float] | None = None
 
     @property
     def blob(self) -> bytes | None:
@@ -119,6 +121,7 @@ class SnapshotStore:
                 with self._open(folder.fd, _LEGACY_META), self._open(folder.fd, _LEGACY_DATA):
                     pass
             except FileNotFoundError:
+                self.vanished = folder.vanished()
                 return False
             raise checkpoint_file.CheckpointRefused(
                 f"the checkpoint {folder.path / _LEGACY_DATA} was written by an earlier "
