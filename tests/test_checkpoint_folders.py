@@ -22,7 +22,7 @@ from elastic_magic.agent.handles.job import AgentError
 from elastic_magic.agent.node import checkpoint_file
 from elastic_magic.training import snapshot_format
 from elastic_magic.ui.describe import describe
-from elastic_magic.wire.events import CheckpointVanished
+from elastic_magic.wire.events import CheckpointMoved, CheckpointVanished
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
@@ -222,8 +222,17 @@ def test_a_folder_the_user_moved_resumes_with_checkpoint_moved(tmp_path, log_dir
     message = refused(moved, log_dir)
     assert f"its folder was at {ckpt} when it was written" in message, message
     assert "If you did that yourself, resume with --checkpoint-moved" in message
-    assert run(moved, log_dir, checkpoint_moved=True) == (2, 4)
+    recorder = Recorder()
+    assert run(moved, log_dir, render=recorder, checkpoint_moved=True) == (2, 4)
+    (taken,) = recorder.of(CheckpointMoved)  # it says what it let through
+    assert taken.overlooked and f"its folder was at {ckpt}" in taken.overlooked
+    assert "Take the flag off the cell" in describe(taken).text
     assert run(moved, log_dir) == (4, 6)
+    recorder = Recorder()  # a flag left on the cell: it says that it was not needed
+    assert run(moved, log_dir, render=recorder, checkpoint_moved=True) == (6, 8)
+    (taken,) = recorder.of(CheckpointMoved)
+    assert taken.overlooked is None
+    assert describe(taken).text.startswith("--checkpoint-moved was not needed")
     copy = tmp_path / "copy"  # the file alone, into another folder
     copy.mkdir()
     shutil.copy(moved / "checkpoint.em", copy / "checkpoint.em")

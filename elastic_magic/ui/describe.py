@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..wire.events import (
     AcceptingNodes,
+    CheckpointMoved,
     CheckpointVanished,
     Committed,
     Event,
@@ -71,6 +72,14 @@ def describe(event: Event) -> Headline | None:
                             "from scratch. If you removed or moved it, nothing is wrong; if "
                             "not, someone who can write a folder on the way may have put an "
                             "empty folder in its place: stop the job and find yours")
+        case CheckpointMoved(path=path, overlooked=None):
+            return Headline("checkpoint", f"--checkpoint-moved was not needed: the checkpoint "
+                            f"in {path} is the latest its folder held there. Take the flag "
+                            "off the cell, so that a folder put in its place is refused")
+        case CheckpointMoved(path=path, overlooked=overlooked):
+            return Headline("checkpoint", f"--checkpoint-moved: resuming from {path} although "
+                            f"{overlooked}; it is now the folder's latest. Take the flag off "
+                            "the cell, so that a folder put in its place later is refused")
         case Committed(origin="checkpoint", step=step):
             return Headline("checkpoint", f"resuming from the checkpoint of step {step}")
         case ResizeRequested(target=target, graceful=graceful):

@@ -124,6 +124,17 @@ class CheckpointVanished:
 
 
 @dataclass(frozen=True)
+class CheckpointMoved:
+    """What --checkpoint-moved did at the start: resumed from a checkpoint that would have
+    been refused for ``overlooked``, or nothing (None: the checkpoint was the folder's
+    latest, here), and the flag, still on the cell, would let a later swap through."""
+
+    path: str
+    overlooked: str | None
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class ResizeRequested:
     """A new worker count for this machine was asked for and will apply: at the next commit
     (``graceful``) or at once."""
@@ -261,7 +272,7 @@ Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
     | JobFinished | RanksFinished | NetworkChosen | Excluded | CellStarted | SessionBroken
-    | SessionReformed | MachinesChanged | CheckpointVanished
+    | SessionReformed | MachinesChanged | CheckpointVanished | CheckpointMoved
 )
 EventSink = Callable[[Event], None]
 

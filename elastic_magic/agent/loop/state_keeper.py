@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from ...result import MemorySnapshot
 from ...spec import JobSpec
-from ...wire.events import CheckpointVanished, Committed, EventSink
+from ...wire.events import CheckpointMoved, CheckpointVanished, Committed, EventSink
 from ...wire.messages import Action, Commit, CommitIntent, StateRequest
 from ..machines.roles import SingleMachine
 from ..node.snapshots import SnapshotStore, StateServer
@@ -45,9 +45,13 @@ class StateKeeper:
         """Before the first round: the snapshot of ``--checkpoint-dir``, if there is one."""
         if self.server is not None:
             self.server.resume_from_checkpoint()
-        vanished = self.snapshots.vanished
-        if vanished is not None and self.snapshots.directory is not None:
-            self.emit(CheckpointVanished(str(self.snapshots.directory), *vanished))
+        snapshots = self.snapshots
+        if snapshots.directory is None:
+            return
+        if snapshots.vanished is not None:
+            self.emit(CheckpointVanished(str(snapshots.directory), *snapshots.vanished))
+        if snapshots.moved and snapshots.meta is not None:
+            self.emit(CheckpointMoved(str(snapshots.directory), snapshots.moved_past))
 
     def serve(self, worker: Worker, request: StateRequest, world_size: int) -> None:
         self.used = True

@@ -81,13 +81,13 @@ class CheckpointFolder:
         finally:
             fcntl.flock(self._id_fd, fcntl.LOCK_UN)
 
-    def check(self, seal: Any) -> None:
+    def check(self, seal: Any) -> str | None:
         """Raise CheckpointRefused, saying what to do, unless the checkpoint sealed with
         ``seal`` is the latest this folder held, here; with --checkpoint-moved, record it
-        as the latest instead."""
+        as the latest instead and return what it overlooked."""
         problem = self._problem(seal)
         if problem is None:
-            return
+            return None
         if not self.moved:
             if _counter(seal) == 0:
                 advice = (f"If it is this folder's latest checkpoint, resume from it once with "
@@ -102,6 +102,7 @@ class CheckpointFolder:
                 f"the checkpoint {self.path / FILE} is not loaded: {problem}. {advice}. See "
                 "README, Security.")
         checkpoint_ledger.record(self.id, self.path, _counter(seal), reset=True)
+        return problem
 
     def vanished(self) -> tuple[int, float] | None:
         """For a folder that holds no checkpoint: the counter and time of the last one this

@@ -86,6 +86,7 @@ class SnapshotStore:
     token: int = 0  # the commit's (rank 0's random number): its chunks on other machines
     # the folder held a checkpoint once, and holds none now: (its counter, when)
     vanished: tuple[int, float] | None = None
+    moved_past: str | None = None  # why the checkpoint was refused but for --checkpoint-moved
 
     @property
     def blob(self) -> bytes | None:
@@ -133,8 +134,8 @@ class SnapshotStore:
             file.seek(0)
             key = self._checkpoint_key(signed=path if signed else None)
             meta, fd = checkpoint_file.load(file, path, key)
-        try:
-            folder.check(meta.pop("folder", None))  # the latest this folder held, here
+        try:  # the latest this folder held, here; or what --checkpoint-moved overlooked
+            self.moved_past = folder.check(meta.pop("folder", None))
         except BaseException:
             os.close(fd)
             raise
