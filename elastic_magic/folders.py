@@ -161,9 +161,12 @@ def open_path(path: Path, *, create: bool = False, trust_writers: bool = False
             writers = replaceable(os.fstat(fd))
             if writers and not trust_writers:
                 _refuse_link(fd, name, here, writers)  # named as such, if it is one
+                fix = f" (`chmod go-w {here}` if no one else needs to write there; if " \
+                    f"others do, `chmod +t {here}` lets them replace only what is theirs)" \
+                    if os.fstat(fd).st_uid == os.geteuid() else ""
                 raise SharedFolder(f"the folder {here} on the way {writers}: whoever can "
                                    f"write it can put another folder, or a link to one, at "
-                                   f"{here / name}")
+                                   f"{here / name}{fix}")
             try:
                 child = _open_child(fd, name, create)
             except OSError as exc:

@@ -117,6 +117,10 @@ def test_a_folder_on_the_way_that_others_can_change_is_refused_unless_trusted(
         message = spec_error(folder / "exp", log_dir)
         assert f"the folder {folder} on the way {problem}" in message, message
         assert "--checkpoint-shared" in message
+        # the exact command, where the folder is the user's to change
+        fix = f"(`chmod go-w {folder}` if no one else needs to write there; if others do, " \
+            f"`chmod +t {folder}` lets them replace only what is theirs)"
+        assert (fix in message) == (folder == team), message
         assert not (folder / "exp").exists()  # nothing made there
         assert run(folder / "exp", log_dir, checkpoint_shared=True) == (0, 2)
     # Trusted or not, a link in a folder others can write is not followed: any of them
