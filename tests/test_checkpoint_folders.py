@@ -5,12 +5,14 @@ place, nor take the key away so that a new one is made. Real jobs, real workers.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -316,3 +318,35 @@ def test_a_missing_key_where_a_checkpoint_is_signed_is_an_error_not_a_new_key(
     assert "copy its key file here" in message and not key.exists()
     os.rename(tmp_path / "moved.key", key)
     assert run(ckpt, log_dir) == (2, 4)
+
+
+@pytest.mark.unit
+def test_a_file_system_without_hard_links_still_gets_one_folder_id(tmp_path, monkeypatch):
+    """gcsfuse, s3fs and SMB mounts refuse link(2): the id is then written in place, and a
+    job that meets it half written (another job writing it) waits for the rest."""
+    from elastic_magic.agent.node import checkpoint_folder
+
+    def no_links(*args, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(checkpoint_folder.os, "link", no_links)
+    first = checkpoint_folder.CheckpointFolder(tmp_path / "ckpt")
+    second = checkpoint_folder.CheckpointFolder(tmp_path / "ckpt")
+    assert first.id == second.id and re.fullmatch("[0-9a-f]{32}", first.id)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-folder.id"]  # no leftovers
+    first.close()
+    second.close()
+
+    other = tmp_path / "other"  # the id met while another job writes it
+    other.mkdir(mode=0o700)
+    (other / "checkpoint-folder.id").write_bytes(b"0123456789abcdef")
+    os.chmod(other / "checkpoint-folder.id", 0o600)
+    timer = threading.Timer(0.2, lambda: (other / "checkpoint-folder.id").write_bytes(
+        b"0123456789abcdef" * 2))
+    timer.start()
+    try:
+        late = checkpoint_folder.CheckpointFolder(other)
+    finally:
+        timer.join()
+    assert late.id == "0123456789abcdef" * 2
+    late.close()

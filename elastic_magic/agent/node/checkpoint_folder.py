@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,21 +153,57 @@ def _counter(seal: Any) -> int:
     return seal["counter"] if ok else 0
 
 
+# Where a file system has no hard links (gcsfuse, s3fs, SMB mounts, some FUSE): the id is
+# written in place instead, and a reader that meets it half written waits for the rest.
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
+_ID_WRITE_WAIT = 2.0  # seconds: a writer of 32 bytes is done long before
+
+
+def _new_id(folder: int) -> None:
+    """Put a new id in the folder unless another job put one first: written whole under a
+    temporary name, then linked (of two jobs, one wins); written in place where the file
+    system cannot link."""
+    with temporary_file(folder, ID_FILE) as (tmp_fd, tmp):
+        os.write(tmp_fd, secrets.token_hex(16).encode())
+        os.fsync(tmp_fd)
+        try:
+            os.link(tmp, ID_FILE, src_dir_fd=folder, dst_dir_fd=folder)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            with contextlib.suppress(FileExistsError):
+                fd = new_file(folder, ID_FILE)
+                try:
+                    os.write(fd, secrets.token_hex(16).encode())
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        os.unlink(tmp, dir_fd=folder)
+
+
+def _read_id(fd: int) -> bytes:
+    """The id file's text; one written in place by another job (no hard links) may be
+    met before its 32 bytes are all there: wait for them a moment."""
+    deadline = time.monotonic() + _ID_WRITE_WAIT
+    while True:
+        text = os.pread(fd, 64, 0)
+        if len(text) >= 32 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.02)
+
+
 def _folder_id(folder: int, path: Path) -> tuple[int, str]:
-    """The folder's id file, open (writers lock it), and the id it holds: made where there
-    is none, written whole under a temporary name, then linked (of two jobs, one wins)."""
+    """The folder's id file, open (writers lock it), and the id it holds (``_new_id``
+    makes one where there is none)."""
     where = path / ID_FILE
     while True:
         try:
             fd = os.open(ID_FILE, READ_FILE | os.O_NONBLOCK, dir_fd=folder)
             break
         except FileNotFoundError:
-            with temporary_file(folder, ID_FILE) as (tmp_fd, tmp):
-                os.write(tmp_fd, secrets.token_hex(16).encode())
-                os.fsync(tmp_fd)
-                with contextlib.suppress(FileExistsError):
-                    os.link(tmp, ID_FILE, src_dir_fd=folder, dst_dir_fd=folder)
-                os.unlink(tmp, dir_fd=folder)
+            _new_id(folder)
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 raise
@@ -175,7 +212,7 @@ def _folder_id(folder: int, path: Path) -> tuple[int, str]:
     info = os.fstat(fd)
     problem = describe(info, where, private=False) if stat.S_ISREG(info.st_mode) \
         else f"{where} is not a file"
-    text = os.read(fd, 64) if not problem else b""
+    text = _read_id(fd) if not problem else b""
     if problem or not _ID.fullmatch(text):
         os.close(fd)
         raise NotPrivate(f"--checkpoint-dir {path}: {problem or f'{where} is not an id'}: "
