@@ -294,6 +294,8 @@ def test_a_killed_rank_is_replaced_setup_cells_replayed_and_state_restored(log_d
               "    state.commit()\n"
               "leftover = 'not replayed'\n")  # not a setup cell
         before = _worker_pids(s)
+        with pytest.raises(em.JobFailedError, match="NameError"):  # an error of the cell's
+            s.run("if int(os.environ['RANK']) == 1:\n    undefined_name\n")
         os.kill(before[1], signal.SIGKILL)  # between cells
         deadline = time.monotonic() + 60
         while s.status()["restarts"] != "1/1" and time.monotonic() < deadline:
@@ -315,6 +317,9 @@ def test_a_killed_rank_is_replaced_setup_cells_replayed_and_state_restored(log_d
                    if e["kind"] == "succeeded")
         reformed = watcher.of(SessionReformed)
         assert [(r.setup_cells, r.step, r.world_size) for r in reformed] == [(2, 3, 2)]
+        # Why: the kill, not the error that rank's last cell raised.
+        assert [b.reason for b in watcher.of(SessionBroken)] == [
+            "rank 1 was killed by SIGKILL while the session was idle"]
         after = _worker_pids(s)
         assert not set(after.values()) & set(before.values())
         assert not psutil.pid_exists(before[1]) or \

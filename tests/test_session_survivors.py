@@ -15,7 +15,7 @@ from conftest import tagged_workers
 from test_session import Watcher
 
 import elastic_magic as em
-from elastic_magic.wire.events import SessionReformed, WorkersStarted
+from elastic_magic.wire.events import SessionBroken, SessionReformed, WorkersStarted
 
 # Every rank's process, whether its own variables are still there, and a collective on the
 # group as it is now (its world size, summed).
@@ -56,6 +56,10 @@ def test_a_survivor_keeps_its_process_and_namespace_when_a_rank_dies_between_cel
         assert new[0] not in pids.values() and new[1:] == (None, 7, 11, 3, 2)
         assert [e.stayed for e in watcher.of(WorkersStarted)] == [(0,)]
         assert [(r.setup_cells, r.world_size) for r in watcher.of(SessionReformed)] == [(2, 2)]
+        # Why, with the rank and the signal: the killed rank was no survivor (its shepherd
+        # outlives it a moment), and its failure is the kill (not the teardown's SIGTERM).
+        assert [b.reason for b in watcher.of(SessionBroken)] == [
+            "rank 1 was killed by SIGKILL while the session was idle"]
         assert _gone(pids[1])
     assert not tagged_workers()
 

@@ -23,7 +23,7 @@ from ...wire.events import WorkerFailed
 from ...wire.messages import CellReport, Exit, Interrupt, Leaving, Run
 from ...wire.payload import Payload
 from ..inbox import FromLink, InboxItem, OutputEnded
-from ..node.workers import WorkerState, wait_for_exit
+from ..node.workers import NOTICE_GRACE, WorkerState, wait_for_exit
 from ..policy import CellStatus, CellStep, during_cell
 from .cells import OtherMachines
 from .engine import Engine
@@ -90,7 +90,7 @@ class CellRunner:
         for worker in targets:
             worker.result = worker.error = None
             worker.state = WorkerState.HEALTHY
-            worker.parked = False
+            worker.parked = worker.idle = False
             if payload is not None:
                 worker.send(Run(payload))
         if payload is not None:
@@ -126,6 +126,8 @@ class CellRunner:
                 break
         own = root_cause_order([w.failure() for w in targets if w.error is not None])
         if step is CellStep.DONE:
+            for worker in targets:  # what they reported is this cell's, told now
+                worker.idle = True
             engine.set_state(JobState.IDLE)
             self._emit_failures(own)  # other machines send their own
             return CellOutcome(step, root_cause_order([*own, *self.others.failures()]))
@@ -205,9 +207,21 @@ class CellRunner:
     def break_idle(self) -> CellOutcome:
         """A rank died while no cell ran: the group is gone (but its survivors, if kept)."""
         dead = self.dead_ranks()
+        self._hear_how_they_ended(dead)
         failures = self.tear_down(keep=True)
         return CellOutcome(CellStep.BROKEN, failures,
                            death(failures, dead, "while the session was idle"))
+
+    def _hear_how_they_ended(self, ranks: set[int]) -> None:
+        """A dead rank's shepherd tells how its worker ended just after the report pipe
+        closed: serve the inbox until it has (a moment), so that the failure names the
+        signal or code, not the teardown that stops the shepherd."""
+        group = self.engine.group
+        assert group is not None
+        deadline = time.monotonic() + NOTICE_GRACE
+        while any(w.ended_status is None and not w.exited() for w in group.workers
+                  if w.global_rank in ranks) and time.monotonic() < deadline:
+            self.engine.switchboard.next_action(0.02)
 
     def dismiss(self) -> None:
         """The session ends: idle workers leave on their own (their process group closes

@@ -97,6 +97,9 @@ class SessionLoop:
         breaks the group at once, so that its peers do not wait for it."""
         engine = self.engine
         while self.ended is None:
+            if engine.switchboard.latched() is Action.STOP:  # heard while a group broke
+                self.ended = JobState.STOPPED
+                break
             if self.pending:
                 return self.pending.popleft()
             if engine.switchboard.handle(engine.inbox.get()) is Action.STOP:

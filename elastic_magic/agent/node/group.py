@@ -190,7 +190,7 @@ class WorkerGroup:
         return code is not None and (code != 0 or (self.persistent and not worker.resized))
 
     def _has_failed(self, worker: Worker) -> bool:
-        if worker.error is not None:
+        if worker.error is not None and not worker.idle:
             return True
         if not self._exit_failed(worker) or worker.exited_at is None:
             return False
@@ -212,9 +212,9 @@ class WorkerGroup:
         self._note_exits()
         failures = [
             w.failure() for w in self.workers
-            if (w.error is not None and w.error.time <= teardown_at)
-            or (w.error is None and w.ended_at is not None and w.ended_at <= teardown_at
-                and self._exit_failed(w))
+            if (w.error is not None and not w.idle and w.error.time <= teardown_at)
+            or ((w.error is None or w.idle) and w.ended_at is not None
+                and w.ended_at <= teardown_at and self._exit_failed(w))
         ]
         for worker in self.workers:
             worker.state = WorkerState.FAILED if worker.error else WorkerState.STOPPED

@@ -50,8 +50,10 @@ def failed_of_itself(worker: Worker, session: bool = False) -> bool:
 
 
 def stays(worker: Worker, session: bool = False) -> bool:
-    """A parked rank, alive, that did not fail of itself."""
-    return worker.parked and worker.alive() and not failed_of_itself(worker, session)
+    """A parked rank, alive, that did not fail of itself. Alive is the rank itself: its
+    report pipe open (its shepherd outlives a killed worker while it ends what it left)."""
+    return worker.parked and worker.alive() and worker.ended_at is None \
+        and not failed_of_itself(worker, session)
 
 
 @dataclasses.dataclass

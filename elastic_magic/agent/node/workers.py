@@ -90,6 +90,9 @@ class Worker:
     running: bool = False
     resized: bool = False  # left at a commit that applied a resize
     parked: bool = False  # survivors stay: left its payload, waits for the next Run
+    # A session's rank that answered its cell and waits for the next: an error it reported
+    # was that cell's, not why it ends now (a kill between cells is a kill).
+    idle: bool = False
     slot: int | None = None  # see policy.Membership
 
     def renew(self, attempt: int, rank: int, emit: EventSink) -> None:
@@ -99,7 +102,7 @@ class Worker:
         self.attempt, self.global_rank = attempt, rank
         self.state = WorkerState.HEALTHY
         self.result = self.error = None
-        self.running = self.resized = self.parked = False
+        self.running = self.resized = self.parked = self.idle = False
         for thread in self.threads:
             if isinstance(thread, RankPump):
                 thread.emit, thread.attempt, thread.rank = emit, attempt, rank
@@ -160,18 +163,21 @@ class Worker:
             rank=self.global_rank, local_rank=self.local_rank, attempt=self.attempt,
             pid=self.pid, log_dir=str(self.log_dir), time=self.ended_at or time.time(),
         )
-        if self.error is not None:
+        if self.error is not None and not self.idle:
             e = self.error
             return dataclasses.replace(
                 failure, time=e.time, exc_type=e.exc_type, message=e.message,
                 traceback=e.traceback, exit_code=e.exit_code, cell_line=e.cell_line,
                 source_line=e.source_line)
-        code = self.exit_code()
+        # how the worker ended, as its shepherd told it: the shepherd may since have been
+        # stopped by a teardown, which its own exit would report instead
+        code = os.waitstatus_to_exitcode(self.ended_status) if self.ended_status is not None \
+            else self.exit_code()
         signal_name = _signal_name(-code) if code is not None and code < 0 else None
         failure = dataclasses.replace(failure, exit_code=code, signal=signal_name)
         if code == 0:  # only a session's worker fails so: it should wait for the next cell
             when = "in the middle of the cell" if self.result is None and self.error is None \
-                else "between cells"
+                and not self.idle else "between cells"
             failure = dataclasses.replace(failure, reason=f"exited with code 0 {when}")
         return failure
 
