@@ -92,13 +92,17 @@ def test_a_death_in_a_cell_fails_that_cell_and_the_next_runs_on_the_survivors(ip
                                                                              capsys):
     ip.run_line_magic("elastic", f"session start --nproc 2 --max-restarts 1 --survivors "
                                  f"--log-dir {log_dir}")
-    ip.run_cell_magic("elastic", "--setup", "import os, time\nbase = 7\n")
-    pids = ip.run_cell_magic("elastic", "", "os.getpid()").values
+    ip.run_cell_magic("elastic", "--setup", "import os, time, elastic_magic as em\n"
+                                            "base = 7\nstate = em.State(step=0)\n")
+    pids = ip.run_cell_magic("elastic", "", "state.step = 4\nstate.commit()\n"
+                                            "os.getpid()").values
     # Rank 0 waits for rank 1, which dies: the agent's word brings rank 0 back, and it
-    # stays. The barrier: rank 1 dies once both ranks have set ``only_here``.
+    # stays. The barrier: rank 1 dies once both ranks have set ``only_here`` and gone a
+    # step past the last commit (a kill between an optimizer step and its commit).
     with pytest.raises(em.JobFailedError) as err:
         ip.run_cell_magic("elastic", "", "import torch, torch.distributed as dist\n"
                                          "only_here = 'before the death'\n"
+                                         "state.step += 1\n"
                                          "dist.barrier()\n"
                                          "if int(os.environ['RANK']) == 1:\n"
                                          "    os._exit(3)\n"
@@ -108,9 +112,13 @@ def test_a_death_in_a_cell_fails_that_cell_and_the_next_runs_on_the_survivors(ip
     capsys.readouterr()
     result = ip.run_cell_magic("elastic", "", "import torch.distributed as dist\n"
                                               "(os.getpid(), globals().get('only_here'), "
-                                              "base, dist.get_world_size())")
-    assert result.values[0] == (pids[0], "before the death", 7, 2)
-    assert result.values[1][0] != pids[1] and result.values[1][1:] == (None, 7, 2)
+                                              "base, dist.get_world_size(), state.step)")
+    # Every rank at the last commit: the survivor went back from step 5, and says so (it
+    # stayed at 5 while the new rank restored 4, and the next collectives hung).
+    assert result.values[0] == (pids[0], "before the death", 7, 2, 4)
+    assert result.values[1][0] != pids[1] and result.values[1][1:] == (None, 7, 2, 4)
+    assert any("rank 0: State back at the last commit (step 4) from step 5" in line
+               for line in result.tails[0]), result.tails
     assert result.restarts == 1
     ip.run_line_magic("elastic", "session stop")
     assert not tagged_workers()

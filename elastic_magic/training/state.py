@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import secrets
 import socket
 import time
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,22 @@ from .kept import Kept
 __all__ = ["DataLoader", "ElasticSampler", "State"]
 
 _OWN = ("restored_step",)  # attributes of the State itself, not values
+_LIVE: weakref.WeakSet[State] = weakref.WeakSet()  # this process's States
+
+
+def roll_back_kept_states() -> list[tuple[Any, Any]]:
+    """A session's survivor joining a re-formed group: the States its namespace kept, each
+    back at the agent's latest commit, as the new ranks restore it (a death in the middle
+    of a cell left it at a later step than that commit). (step before, step now) of each
+    that had committed or restored."""
+    moved = []
+    for state in list(_LIVE):
+        if state._kept is None and state.restored_step is None and not state._commits:
+            continue  # never committed: nothing to go back to
+        before = state.step
+        if state._restore(together=False):
+            moved.append((before, state.step))
+    return moved
 
 
 def _unwrap(obj: Any) -> Any:
@@ -132,6 +150,7 @@ class State:
         object.__setattr__(self, "_kept", None)  # our own record of the last commit
         object.__setattr__(self, "_sharded", False)  # holds DTensors: cannot go on in place
         object.__setattr__(self, "_on_reset", [])
+        _LIVE.add(self)
         named = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                  "sampler": sampler}
         for name, value in {**named, **values}.items():
@@ -221,6 +240,11 @@ class State:
         Raises:
             RuntimeError: Ranks received different snapshots, or the commit before failed.
         """
+        return self._restore(together=True)
+
+    def _restore(self, *, together: bool) -> bool:
+        """``restore``; ``together``: every rank calls it, and checks that all received the
+        same commit (a collective); else this rank alone (a session's survivor)."""
         client = current()
         if client is None:
             return False
@@ -236,13 +260,14 @@ class State:
         memory_file = None if kept else handoff.open_handoff(reply.handoff)
         if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
             reply = client.request(lambda request_id: StateGet(request_id, inline=True))
-        dist = _dist()
+        dist = _dist() if together else None
         if dist is not None:  # every rank must start from the same commit
             ids = gather_int(dist, reply.commit_id)
             if len(set(ids)) != 1:
                 raise RuntimeError(f"ranks received different snapshots: {ids}")
         if kept:
-            kept.roll_back(self, dist.get_world_size() if dist is not None else 1)
+            kept.roll_back(self, dist.get_world_size() if dist is not None
+                           else int(os.environ.get("WORLD_SIZE", "1")))
         elif memory_file is not None:
             with memory_file:
                 self.load(memory_file)

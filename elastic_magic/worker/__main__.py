@@ -148,11 +148,26 @@ def serve_rank(control_fd: int, report_fd: int, shepherd_pid: int) -> None:
             with contextlib.suppress(Exception):  # a session's rank still holds the old one
                 shutdown_process_group()
             os.environ.update(message.env)
+            if message.payload.session:
+                roll_back_session_states()
         # exits the process itself when it fails, unless it stays (survivors stay)
         run_payload(message.payload, client, stay=message.stay)
     shutdown_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def roll_back_session_states() -> None:
+    """A session's survivor meets the new ranks at the last commit: its States go back
+    to it, and the cell's output says so where one had gone further."""
+    from elastic_magic.training.state import roll_back_kept_states
+
+    rank = os.environ.get("RANK", "?")
+    for before, now in roll_back_kept_states():
+        if before != now:
+            print(f"[elastic] rank {rank}: State back at the last commit (step {now}) from "
+                  f"step {before}, as every rank of the re-formed group", file=sys.stderr,
+                  flush=True)
 
 
 if __name__ == "__main__":
