@@ -168,6 +168,19 @@ class CellRunner:
     def died(self) -> bool:
         return bool(self.dead_ranks())
 
+    def died_before_the_cell(self) -> bool:
+        """Before a cell is sent: a rank whose process was killed a moment ago (its report
+        pipe's end still on its way) is waited for, so that the group re-forms first and
+        the cell runs on it, rather than being sent to a dead rank and failing."""
+        group = self.engine.group
+        assert group is not None
+        gone = [w for w in group.workers if w.ended_at is None and w.process_gone()]
+        deadline = time.monotonic() + NOTICE_GRACE
+        while any(w.ended_at is None for w in gone) and time.monotonic() < deadline:
+            self.engine.switchboard.next_action(0.02)
+        group.poll()  # notes exits
+        return self.died()
+
     def dead_ranks(self) -> set[int]:
         """This machine's ranks whose process has ended (but at a resize)."""
         group = self.engine.group

@@ -128,11 +128,8 @@ class SessionLoop:
     def _run_cell(self, request: CellRequest) -> JobResult:
         engine = self.engine
         engine.switchboard.drain()  # a rank's death already known breaks the group first
-        if self._intact():
-            assert engine.group is not None
-            engine.group.poll()  # notes exits
-            if self.runner.died():
-                self._break(self.runner.break_idle())
+        if self._intact() and self.runner.died_before_the_cell():
+            self._break(self.runner.break_idle())
         if self.ended is not None:
             return self._result(self.ended, engine.failures)
         if not self._intact() or engine.membership.resize_pending or engine.nodes_waiting():

@@ -142,6 +142,17 @@ class Worker:
         """Its shepherd has exited: nothing of the rank is left."""
         return self.proc is None or self.proc.poll() is not None
 
+    def process_gone(self) -> bool:
+        """The rank's worker process has died though the end of its report pipe may not
+        have reached us yet (a kill a moment ago): its shepherd has no living child. False
+        when that cannot be read (then the pipe's end tells, as always)."""
+        try:
+            with open(f"/proc/{self.pid}/task/{self.pid}/children", "rb") as file:
+                children = file.read().split()
+        except OSError:
+            return False
+        return not any(_living(int(child)) for child in children)
+
     def send(self, message: Run | Reply | Exit | Interrupt) -> bool:
         """Send on the control pipe; False when the worker has already gone."""
         if self.control is None:
@@ -300,6 +311,23 @@ def take_handoff(worker: Worker, offer: Handoff) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _living(pid: int) -> bool:
+    """The process exists, is no zombie, and has no SIGKILL pending (one sent a moment ago
+    is pending until the process is scheduled to die)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as file:
+            fields = dict(line.split(b":", 1) for line in file.read().splitlines()
+                          if b":" in line)
+        state = fields[b"State"].split()[0]
+        pending = int(fields[b"SigPnd"], 16) | int(fields[b"ShdPnd"], 16)
+    except (OSError, KeyError, IndexError, ValueError):
+        return False
+    return state not in (b"Z", b"X") and not pending & _SIGKILL_BIT
 
 
 def _parent_pid(pid: int) -> int | None:
