@@ -33,6 +33,8 @@ from elastic_magic.agent.round_info import RoundInfo
 from elastic_magic.agent.status import StatusBoard
 from elastic_magic.result import JobState, RankFailure
 from elastic_magic.spec import JobSpec
+from elastic_magic.ui.describe import describe
+from elastic_magic.wire.events import WorkerFailed
 from elastic_magic.wire.messages import Action
 
 pytestmark = pytest.mark.unit
@@ -287,3 +289,13 @@ def test_a_sessions_cell_succeeds_only_when_its_group_held():
     assert state(CellStep.BROKEN, [raised, waited], True, (1,)) is JobState.FAILED
     assert state(CellStep.STOP, [raised]) is JobState.STOPPED
 
+
+
+def test_a_rank_that_lost_its_peer_is_told_as_stopped_not_as_a_failure():
+    """A survivor reports gloo's error when its peer dies: the timeline said "rank 0
+    failed: ... Connection reset by peer", as if rank 0 were a cause."""
+    lost = RankFailure(0, 0, 1, 9, 0.0, "RuntimeError", "[gloo] Connection reset by peer")
+    own = RankFailure(1, 1, 1, 9, 0.0, "ValueError", "bad batch")
+    assert describe(WorkerFailed(lost)).text == \
+        "rank 0 stopped: RuntimeError: [gloo] Connection reset by peer"
+    assert describe(WorkerFailed(own)).text == "rank 1 failed: ValueError: bad batch"

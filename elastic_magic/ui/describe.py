@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..result import is_consequence
 from ..wire.events import (
     AcceptingNodes,
     CheckpointMoved,
@@ -52,7 +53,7 @@ def describe(event: Event) -> Headline | None:
                 else f"no rank started{after}"
             kept = f"; ranks {_ranks(stayed)} stayed in their processes" if stayed else ""
             return Headline("start", started + kept)
-        case WorkerFailed(failure=failure) if failure.consequence:
+        case WorkerFailed(failure=failure) if is_consequence(failure):  # lost its peer
             return Headline("failure", f"rank {failure.rank} stopped: {failure.headline}")
         case WorkerFailed(failure=failure):
             return Headline("failure", f"rank {failure.rank} failed: {failure.headline}")
