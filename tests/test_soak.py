@@ -13,10 +13,10 @@ from test_kernel import execute
 
 pytestmark = pytest.mark.soak
 
-# CI runs 90 cells (about 2 minutes on 2 cores); ELASTIC_MAGIC_SOAK_CELLS=500 is the
+# CI runs 60 cells (about 2.5 minutes on 2 cores); ELASTIC_MAGIC_SOAK_CELLS=500 is the
 # notebook day the closing notes report. A leak of one descriptor a cell shows either way.
-CELLS = int(os.environ.get("ELASTIC_MAGIC_SOAK_CELLS", "90"))
-WARM_UP = 30  # lazy imports, the widget machinery, thread pools: counted from here
+CELLS = int(os.environ.get("ELASTIC_MAGIC_SOAK_CELLS", "60"))
+WARM_UP = 24  # lazy imports, the widget machinery, thread pools: counted from here
 FD_LIMIT = 256  # the old registry leaked 18 descriptors a cell: dead by cell 12
 
 SETUP = f"""
