@@ -32,6 +32,7 @@ from . import (
     cells,
     cluster,
     elastic,
+    frameworks,
     join,
     launch,
     leave,
@@ -84,6 +85,12 @@ SCENARIOS = (
     Scenario("train_lightning", training.train_lightning, "s", "torchrun", "<= 0.2x torchrun"),
     Scenario("train_hf", training.train_hf, "s", "torchrun", "<= 0.2x torchrun"),
     Scenario("train_recovery", training.train_recovery, "s", "torchrun", "<= 0.2x torchrun"),
+    Scenario("lightning_recovery", frameworks.lightning_recovery, "s", "torchrun",
+             "<= 0.1x torchrun resuming from Lightning's last checkpoint; steps lost <= the "
+             "commit interval"),
+    Scenario("hf_recovery", frameworks.hf_recovery, "s", "torchrun",
+             "<= 0.1x torchrun resuming from HF's last checkpoint; steps lost <= the commit "
+             "interval"),
     Scenario("train_resize", training.train_resize, "s", None, "<= 0.5 s"),
     Scenario("train_recovery_survivors", training.train_recovery_survivors, "s", "torchrun",
              "survivors: <= 0.15 s and <= 0.1x torchrun"),
