@@ -131,10 +131,37 @@ def test_sessions_tutorial_keeps_state_recovers_and_resizes(tmp_path):
     assert re.search(r"\[rank 0\] step 20: loss \d", text), text
     assert "loss after 10 more steps" in text
     assert "rank 1 failed: killed by SIGKILL" in text
-    assert "session re-formed: 1 setup cell replayed, State at step 30; world size 2" in text
-    assert "[rank 1] rank 1: step 30" in text
-    assert "[rank 2] rank 2 of 3: step 30" in text
+    # --survivors: rank 0 stayed in its process with its namespace (``last``, from an
+    # ordinary cell); the new rank 1 replayed the setup cell alone (it uses no collective),
+    # and the next cell trained on both.
+    assert "ranks 0 stayed in their processes" in text
+    assert "session re-formed: 1 setup cell replayed, State at step 30" in text
+    survivor = re.search(r"rank 0: pid (\d+) \(was (\d+)\), step 30, last = (\S+) \(was (\S+)\)",
+                         text)
+    assert survivor and survivor[1] == survivor[2] and survivor[3] == survivor[4], text
+    new = re.search(r"rank 1: pid (\d+) \(was (\d+)\), step 30: a new process", text)
+    assert new and new[1] != new[2], text
+    assert re.search(r"\[rank 0\] step 35: loss \d", text), text
+    assert "ranks 0, 1 stayed in their processes" in text  # the resize to 3
+    assert re.search(r"\[rank 2\] rank 2 of 3: step 35, pid \d", text), text
     assert "restarts: 1/3" in text and "session ended" in text
+
+
+def test_lightning_and_hf_trainer_resume_from_the_last_commit(tmp_path):
+    """Rank 1 dies in step 11 of the first attempt (commits every 4 steps): in both halves
+    the restarted ``fit`` / ``train()`` begins at the commit of step 8 and trains 9-12."""
+    pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("transformers")
+    text = shown(execute("08_lightning_and_hf_trainer.ipynb", tmp_path))
+    lightning, hf = text.split("train() starts at step 0", 1)
+    for half, start in ((lightning, "fit starts"), (hf, "train() starts")):
+        assert f"[rank 0] attempt 1: {start} at step 8\n" in half, half
+        # only the steps since the last commit ran again
+        assert re.findall(r"\[rank 0\] attempt 1: step (\d+) done", half) == [
+            "9", "10", "11", "12"], half
+        assert "rank 1 failed: killed by SIGKILL" in half
+        assert "global step on each rank: {0: 12, 1: 12}" in half
+        assert "succeeded, world size 2, restarts 1/1" in half
 
 
 def test_debugging_tutorial_names_root_cause_logs_and_stacks(tmp_path):
