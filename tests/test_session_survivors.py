@@ -24,6 +24,22 @@ LOOK = ("import torch, torch.distributed as dist\n"
         "(os.getpid(), globals().get('only_here'), base, pushed, state.step, int(t.item()))")
 
 
+# An ordinary cell's definitions (rank 0's are sent to a rank that joins), and a cell that
+# uses them: train and Counter read the globals of the rank they run on; lock is not sent.
+DEFINITIONS = ("import threading\n"
+               "def train(steps):\n"
+               "    return base + steps - state.step\n"
+               "class Counter:\n"
+               "    def __init__(self):\n"
+               "        self.n = base\n"
+               "    def up(self):\n"
+               "        self.n += 1\n"
+               "        return self.n\n"
+               "lock = threading.Lock()\n")
+USE = (" + (train(8), Counter().up(), state.step + 7, train.__globals__ is globals(), "
+       "'lock' not in globals())")
+
+
 def _gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
@@ -38,14 +54,31 @@ def test_a_survivor_keeps_its_process_and_namespace_when_a_rank_dies_between_cel
               "    state.commit()\n"
               "if int(os.environ['RANK']) == 0:\n"
               "    only_here = 'rank 0 made it'\n")  # not a setup cell
+        s.run(DEFINITIONS)  # nor this: the new rank gets these from rank 0
         pids = s.run("os.getpid()").values
         os.kill(pids[1], signal.SIGKILL)  # between cells, and the next cell sent at once:
         watcher = Watcher()  # it waits for the re-formed group (it failed, spending a restart)
-        result = s.run(LOOK, render=watcher)
+        result = s.run(LOOK + USE, render=watcher)
         assert s.status()["restarts"] == "1/2"
         survivor, new = result.values[0], result.values[1]
-        assert survivor == (pids[0], "rank 0 made it", 7, 11, 3, 2)
-        assert new[0] not in pids.values() and new[1:] == (None, 7, 11, 3, 2)
+        # train and Counter read the new rank's own base and state (from its setup cells)
+        assert survivor == (pids[0], "rank 0 made it", 7, 11, 3, 2, 12, 8, 10, True, False)
+        assert new[0] not in pids.values()
+        assert new[1:] == ("rank 0 made it", 7, 11, 3, 2, 12, 8, 10, True, True)
+        said = "\n".join(result.tails[0])  # once, on rank 0's output
+        assert "rank 0 sent its variables to the new rank 1: Counter, only_here, threading, " \
+               "train" in said
+        assert "not sent to the new rank 1, which lacks them until a cell defines them: " \
+               "lock (TypeError: cannot pickle '_thread.lock' object)" in said
+        # A cell that reads what the new rank lacks runs on no rank and says so; the group
+        # stays as it is.
+        with pytest.raises(em.JobFailedError) as err:
+            s.run("def hold():\n    with lock:\n        return 1\nhold()")
+        failure = err.value.result.failure
+        assert (failure.rank, failure.exc_type) == (1, "NameError")
+        assert failure.message.startswith("rank 1 lacks lock, which this cell uses")
+        assert s.run("lock = threading.Lock()\nos.getpid()").values == {0: pids[0],
+                                                                         1: new[0]}
         assert [e.stayed for e in watcher.of(WorkersStarted)] == [(0,)]
         assert [(r.setup_cells, r.world_size) for r in watcher.of(SessionReformed)] == [(2, 2)]
         # Why, with the rank and the signal: the killed rank was no survivor (its shepherd
@@ -68,7 +101,7 @@ def test_a_resize_between_cells_keeps_the_ranks_that_stay_in_the_group(log_dir):
         result = s.run(LOOK, render=watcher)
         assert result.values[0] == (pids[0], 0, 7, 11, 5, 3)
         assert result.values[1] == (pids[1], 1, 7, 11, 5, 3)
-        assert result.values[2][1:] == (None, 7, 11, 5, 3)
+        assert result.values[2][1:] == (0, 7, 11, 5, 3)  # rank 0's only_here, sent to it
         assert result.restarts == 0 and result.resizes == 1
         assert [e.stayed for e in watcher.of(WorkersStarted)] == [(0, 1)]
         third = result.values[2][0]
@@ -108,7 +141,8 @@ def test_a_death_in_a_cell_fails_that_cell_and_the_next_runs_on_the_survivors(ip
     # Every rank at the last commit: the survivor went back from step 5, and says so (it
     # stayed at 5 while the new rank restored 4, and the next collectives hung).
     assert result.values[0] == (pids[0], "before the death", 7, 2, 4)
-    assert result.values[1][0] != pids[1] and result.values[1][1:] == (None, 7, 2, 4)
+    assert result.values[1][0] != pids[1]
+    assert result.values[1][1:] == ("before the death", 7, 2, 4)  # rank 0's, sent to it
     assert any("rank 0: State back at the last commit (step 4) from step 5" in line
                for line in result.tails[0]), result.tails
     assert result.restarts == 1

@@ -12,7 +12,8 @@ order (a ``State`` they make restores the last commit). Re-formations after a fa
 against ``--max-restarts``, as a job's restarts do, and a slot that fails again is left out
 as a job's is; a resize does not count. What to do is decided in ``policy``.
 With ``--survivors`` the healthy ranks stay, namespaces and all, and only the
-new ranks start and replay the setup cells (``_form``).
+new ranks start, replay the setup cells and get what they still lack of a survivor's
+namespace (``_form``, ``session_ship``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Collection
 
 from ...result import JobResult, JobState, RankFailure
 from ...wire.events import CellStarted, SessionBroken, SessionReformed
@@ -30,6 +32,9 @@ from ..policy import CellStep, FollowUp, GroupOutcome, cell_state
 from .cell_runner import CellOutcome, CellRunner, not_back
 from .cells import CellEvents, SessionEndedError
 from .engine import Engine
+from .session_ship import NamespaceShipping
+
+SHIP = Payload(source="# the survivors' namespace, sent to the new ranks")  # a step of _form
 
 
 class SessionLoop:
@@ -39,6 +44,7 @@ class SessionLoop:
         self.engine = engine
         self.events = events  # the engine's emit: to the running cell, or kept for the next
         self.runner = CellRunner(engine)
+        self.shipping = NamespaceShipping(engine)  # what the ranks that joined lack
         self.setup: list[Payload] = []
         self.formed = False  # the group is up, whole, and has run its setup cells
         self.pending: deque[CellRequest] = deque()
@@ -137,7 +143,7 @@ class SessionLoop:
             if failures is not None:
                 return self._result(self.ended or JobState.FAILED, failures)
         self._cell_started()
-        outcome = self._run(request.payload)
+        outcome = self.shipping.check(self._run, request.payload) or self._run(request.payload)
         while outcome.step is CellStep.RESIZED:  # every rank left at a commit: go on resized
             self.formed = False
             failures = self._form()
@@ -162,7 +168,8 @@ class SessionLoop:
         engine.emit(CellStarted(group.attempt, group.ranks, info.world_size, info.nnodes,
                                 info.round, engine.restarts, began=self.cell_started))
 
-    def _run(self, payload: Payload | None, ranks: set[int] | None = None) -> CellOutcome:
+    def _run(self, payload: Payload | None, ranks: Collection[int] | None = None
+             ) -> CellOutcome:
         outcome = self.runner.run(payload, ranks)
         if outcome.step is CellStep.BROKEN:
             self._break(outcome)
@@ -212,10 +219,16 @@ class SessionLoop:
         assert engine.group is not None
         new = set(engine.group.ranks) - set(stayed)
         alone = bool(stayed)  # survivors keep what the setup cells made
-        for payload in [None, *(self.setup if new else [])]:  # None: sent at the start
-            if payload is not None and alone:
-                payload = dataclasses.replace(payload, init_process_group=False)
-            outcome = self._run(payload, new if payload is not None and alone else None)
+        if not alone:
+            self.shipping.forget()
+        steps: list[Payload | None] = [None, *(self.setup if new else [])]
+        for payload in [*steps, *([SHIP] if new and alone else [])]:  # None: sent at start
+            if payload is SHIP:  # then the survivors' namespace, for what the ranks lack
+                outcome = self.shipping.ship(self._run, stayed, new)
+            else:
+                if payload is not None and alone:
+                    payload = dataclasses.replace(payload, init_process_group=False)
+                outcome = self._run(payload, new if payload is not None and alone else None)
             if outcome.step is CellStep.STOP:
                 self.ended = JobState.STOPPED
                 return []
