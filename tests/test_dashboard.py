@@ -1,4 +1,7 @@
-"""The dashboard's state, driven by real jobs and asserted from Python (traitlets)."""
+"""The dashboard's state, asserted from Python (traitlets): fed events recorded from real
+jobs (tests/recorded_jobs.py) where its rendering is the subject, driven by real jobs where
+the job's behaviour is (buttons, output's order, progress bars, forked children), and one
+real job end to end."""
 
 from __future__ import annotations
 
@@ -9,19 +12,28 @@ import signal
 import textwrap
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from recorded_jobs import Recorded, failed_job, hello_job, lines_by_group, restart_job
 
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.result import JobFailedError
 from elastic_magic.spec import JobSpec
 from elastic_magic.ui.dashboard import Dashboard, LiveView
-from elastic_magic.ui.dashboard_state import MERGED_LINES, RANK_LINES, TRACEBACK_SHOWN
+from elastic_magic.ui.dashboard_state import (
+    MERGED_LINES,
+    RANK_LINES,
+    TRACEBACK_SHOWN,
+    DashboardState,
+)
 from elastic_magic.ui.record import record_bundle
 from elastic_magic.ui.text import TextRenderer
 from elastic_magic.wire.events import Output, WorkersStarted
 from elastic_magic.wire.payload import build_payload
 
+# recorded_jobs.restart_job() is this cell's job (nproc=2, max_restarts=1), as recorded.
 FLAKY = textwrap.dedent("""
     import os, sys, time, torch.distributed as dist
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -36,19 +48,31 @@ FLAKY = textwrap.dedent("""
 """)
 
 
-def run_with_view(cell: str, log_dir, **spec_args):
-    spec = JobSpec.create(log_dir=log_dir, **spec_args)
-    job = Job(spec, build_payload(cell, spec)).start()
-    view = LiveView(job)
+def replayed(recorded: Recorded) -> LiveView:
+    """A LiveView fed a recorded job's events as ``job.wait`` feeds it, then finished as the
+    magic finishes it; no job runs (the view's job is a stand-in with what it reads of one:
+    its name, log folder and spec)."""
+    spec = JobSpec.create(recorded.nproc, max_restarts=recorded.max_restarts,
+                          log_dir=recorded.log_dir.parent)
+    view = LiveView(SimpleNamespace(run_id=recorded.run_id, log_dir=recorded.log_dir,
+                                    spec=spec))
     try:
-        job.wait(view)
+        for event in recorded.events:
+            view([event])
     finally:
         view.finish()
-    return job, view
+    return view
 
 
+RESTART_TIMELINE = ["rendezvous", "start", "failure", "restart", "rendezvous", "start",
+                    "succeeded"]
+
+
+@pytest.mark.unit
 def test_widget_state_follows_a_job_with_a_restart(log_dir):
-    _job, view = run_with_view(FLAKY, log_dir, nproc=2, max_restarts=1)
+    """The widget and the record of FLAKY's job (replayed): bounded tails, the earlier
+    group, the timeline, the header."""
+    view = replayed(restart_job(log_dir))
     w: Dashboard = view.widget
     assert w.header["state"] == "succeeded" and w.header["world_size"] == 2
     assert w.header["nnodes"] == 1 and w.header["restarts"] == 1
@@ -68,8 +92,7 @@ def test_widget_state_follows_a_job_with_a_restart(log_dir):
     assert all(text.startswith(f"rank {r} attempt 1") or text == f"warning from {r}"
                for r, _, text in w.merged)
     kinds = [e["kind"] for e in w.timeline]
-    assert kinds == ["rendezvous", "start", "failure", "restart", "rendezvous", "start",
-                     "succeeded"]
+    assert kinds == RESTART_TIMELINE
     assert "rank 1 failed: ValueError: first attempt breaks" in w.timeline[2]["text"]
     assert w.failure == {}  # the job recovered: no root cause to show
     assert w.timeline[5]["text"].startswith("started ranks 0, 1 after restart 1 (pids ")
@@ -95,9 +118,48 @@ def test_widget_state_follows_a_job_with_a_restart(log_dir):
                for line in record["text/plain"].split("timeline:\n")[1].splitlines()[:-1])
 
 
+def test_live_view_follows_a_real_job_with_a_restart(log_dir):
+    """The dashboard on a real job's path, end to end: a LiveView fed by ``job.wait`` (as the
+    magic feeds it) while the job fails, restarts and succeeds. The job emits what the unit
+    tests replay (recorded_jobs.restart_job: the same lines by group, rank and stream, the
+    same timeline), the widget ends synced with the state, and its log paths are the job's."""
+    spec = JobSpec.create(log_dir=log_dir, nproc=2, max_restarts=1)
+    job = Job(spec, build_payload(FLAKY, spec)).start()
+    view = LiveView(job)
+    seen: list = []
+
+    def render(events):
+        seen.extend(events)
+        view(events)
+
+    try:
+        job.wait(render)
+    finally:
+        view.finish()
+    printed, recorded = lines_by_group(seen), lines_by_group(restart_job(log_dir).events)
+    assert printed.keys() == recorded.keys()
+    for key, lines in recorded.items():  # a rank stopped by the other's failure may say so
+        assert printed[key][:len(lines)] == lines and (key[2] == "stderr"
+                                                       or printed[key] == lines), key
+    w: Dashboard = view.widget
+    assert w.header["state"] == "succeeded" and w.header["restarts"] == 1
+    assert w.header["round"] == 2 and w.header["world_size"] == 2
+    assert w.header["finished_at"] >= w.header["started_at"]
+    assert [e["kind"] for e in w.timeline] == RESTART_TIMELINE
+    for name, value in view.state.traits().items():  # the last sync came after the end
+        assert getattr(w, name) == value, name
+    for rank in (0, 1):
+        assert w.hidden[str(rank)] == 401 - RANK_LINES
+        logged = Path(w.logs[str(rank)]["stdout"]).read_text().splitlines()
+        assert logged == [f"rank {rank} attempt 1 line {i}" for i in range(400)]
+    assert w.earlier[0]["why"].startswith("ended by a failure: rank 1: ValueError: first")
+    record = record_bundle(view.state)["text/plain"]
+    assert "succeeded · world size 2 · 1 machine · restarts 1/1" in record
+
+
+@pytest.mark.unit
 def test_failure_is_shown_with_root_cause(log_dir):
-    cell = "import torch.distributed as dist\ndist.barrier()\nif dist.get_rank() == 0:\n    1 / 0\n"
-    _job, view = run_with_view(cell, log_dir, nproc=2)
+    view = replayed(failed_job(log_dir))
     w = view.widget
     assert w.header["state"] == "failed"
     assert w.failure["rank"] == 0 and w.failure["headline"].startswith("ZeroDivisionError")
@@ -178,10 +240,13 @@ def test_a_ranks_first_lines_come_after_its_group_started_and_are_shown(log_dir,
              for group in groups] == [[0, 1, 2, 3]] * 3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text", [True, False])
 def test_record_renders_without_widget_state(log_dir, text):
-    _job, view = run_with_view("print('hello')", log_dir, nproc=1)
-    bundle = record_bundle(view.state)
+    state = DashboardState("em-87700009c70c", str(log_dir), 0)
+    for event in hello_job(log_dir).events:
+        state.apply(event)
+    bundle = record_bundle(state)
     assert set(bundle) == {"text/plain", "text/html"}
     assert "hello" in bundle["text/plain" if text else "text/html"]
 
