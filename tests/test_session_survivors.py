@@ -27,6 +27,8 @@ LOOK = ("import torch, torch.distributed as dist\n"
 # An ordinary cell's definitions (rank 0's are sent to a rank that joins), and a cell that
 # uses them: train and Counter read the globals of the rank they run on; lock is not sent.
 DEFINITIONS = ("import threading\n"
+               "def scale(x):\n"  # a fix of the setup cell's: every rank runs this one
+               "    return 10 * x\n"
                "def train(steps):\n"
                "    return base + steps - state.step\n"
                "class Counter:\n"
@@ -35,9 +37,11 @@ DEFINITIONS = ("import threading\n"
                "    def up(self):\n"
                "        self.n += 1\n"
                "        return self.n\n"
-               "lock = threading.Lock()\n")
+               "lock = threading.Lock()\n"
+               "import torch.utils.data.distributed as tud\n"  # tied, inside a value:
+               "held = {'sampler': tud.DistributedSampler(range(4), num_replicas=1, rank=0)}\n")
 USE = (" + (train(8), Counter().up(), state.step + 7, train.__globals__ is globals(), "
-       "'lock' not in globals())")
+       "'lock' not in globals(), scale(1))")
 
 
 def _gone(pid: int) -> bool:
@@ -46,8 +50,8 @@ def _gone(pid: int) -> bool:
 
 def test_a_survivor_keeps_its_process_and_namespace_when_a_rank_dies_between_cells(log_dir):
     with em.Session(nproc=2, max_restarts=2, survivors=True, log_dir=log_dir) as s:
-        s.run("import os, elastic_magic as em\nbase = 7\nstate = em.State(step=0)\n",
-              setup=True)
+        s.run("import os, elastic_magic as em\nbase = 7\nstate = em.State(step=0)\n"
+              "def scale(x):\n    return x\n", setup=True)
         s.push(pushed=11, setup=True)
         s.run("for _ in range(3):\n"
               "    state.step += 1\n"
@@ -62,14 +66,17 @@ def test_a_survivor_keeps_its_process_and_namespace_when_a_rank_dies_between_cel
         assert s.status()["restarts"] == "1/2"
         survivor, new = result.values[0], result.values[1]
         # train and Counter read the new rank's own base and state (from its setup cells)
-        assert survivor == (pids[0], "rank 0 made it", 7, 11, 3, 2, 12, 8, 10, True, False)
+        assert survivor == (pids[0], "rank 0 made it", 7, 11, 3, 2, 12, 8, 10, True, False,
+                            10)
         assert new[0] not in pids.values()
-        assert new[1:] == ("rank 0 made it", 7, 11, 3, 2, 12, 8, 10, True, True)
+        assert new[1:] == ("rank 0 made it", 7, 11, 3, 2, 12, 8, 10, True, True, 10)
         said = "\n".join(result.tails[0])  # once, on rank 0's output
-        assert "rank 0 sent its variables to the new rank 1: Counter, only_here, threading, " \
-               "train" in said
+        assert "rank 0 sent its variables to the new rank 1: Counter, only_here, scale, " \
+               "threading, train, tud" in said
         assert "not sent to the new rank 1, which lacks them until a cell defines them: " \
-               "lock (TypeError: cannot pickle '_thread.lock' object)" in said
+               "held (TypeError: holds a torch.utils.data.distributed.DistributedSampler, " \
+               "tied to this process or its process group (make it in a setup cell)); " \
+               "lock (TypeError: cannot pickle '_thread.lock' object)" in said, said
         # A cell that reads what the new rank lacks runs on no rank and says so; the group
         # stays as it is.
         with pytest.raises(em.JobFailedError) as err:
@@ -119,7 +126,9 @@ def test_a_death_in_a_cell_fails_that_cell_and_the_next_runs_on_the_survivors(ip
                                  f"--log-dir {log_dir}")
     ip.run_cell_magic("elastic", "--setup", "import os, time, elastic_magic as em\n"
                                             "base = 7\nstate = em.State(step=0)\n")
-    pids = ip.run_cell_magic("elastic", "", "state.step = 4\nstate.commit()\n"
+    # ``old``: a State of an earlier try, still held; ``state``'s commits are the latest.
+    pids = ip.run_cell_magic("elastic", "", "old = em.State(step=100)\nold.commit()\n"
+                                            "state.step = 4\nstate.commit()\n"
                                             "os.getpid()").values
     # Rank 0 waits for rank 1, which dies: the agent's word brings rank 0 back, and it
     # stays. The barrier: rank 1 dies once both ranks have set ``only_here`` and gone a
@@ -137,12 +146,16 @@ def test_a_death_in_a_cell_fails_that_cell_and_the_next_runs_on_the_survivors(ip
     capsys.readouterr()
     result = ip.run_cell_magic("elastic", "", "import torch.distributed as dist\n"
                                               "(os.getpid(), globals().get('only_here'), "
-                                              "base, dist.get_world_size(), state.step)")
+                                              "base, dist.get_world_size(), state.step, "
+                                              "globals()['old'].step "
+                                              "if 'old' in globals() else None)")
     # Every rank at the last commit: the survivor went back from step 5, and says so (it
     # stayed at 5 while the new rank restored 4, and the next collectives hung).
-    assert result.values[0] == (pids[0], "before the death", 7, 2, 4)
+    # Only the State the last commit belongs to goes back (``old`` keeps its step; as a
+    # State it is not sent to the new rank).
+    assert result.values[0] == (pids[0], "before the death", 7, 2, 4, 100)
     assert result.values[1][0] != pids[1]
-    assert result.values[1][1:] == ("before the death", 7, 2, 4)  # rank 0's, sent to it
+    assert result.values[1][1:] == ("before the death", 7, 2, 4, None)  # rank 0's, sent
     assert any("rank 0: State back at the last commit (step 4) from step 5" in line
                for line in result.tails[0]), result.tails
     assert result.restarts == 1

@@ -14,6 +14,7 @@ the end of the cell waits for it. A crash meanwhile leaves the commit before who
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -41,22 +42,24 @@ from .kept import Kept
 __all__ = ["DataLoader", "ElasticSampler", "State"]
 
 _OWN = ("restored_step",)  # attributes of the State itself, not values
-_LIVE: weakref.WeakSet[State] = weakref.WeakSet()  # this process's States
+# The State whose commits (or restore) the agent's latest snapshot is: the last one of
+# this process to commit or restore (a session may hold an older one, a trainer's too).
+_owner: weakref.ref[State] | None = None
 
 
-def roll_back_kept_states() -> list[tuple[Any, Any]]:
-    """A session's survivor joining a re-formed group: the States its namespace kept, each
-    back at the agent's latest commit, as the new ranks restore it (a death in the middle
-    of a cell left it at a later step than that commit). (step before, step now) of each
-    that had committed or restored."""
-    moved = []
-    for state in list(_LIVE):
-        if state._kept is None and state.restored_step is None and not state._commits:
-            continue  # never committed: nothing to go back to
-        before = state.step
-        if state._restore(together=False):
-            moved.append((before, state.step))
-    return moved
+def _owns_the_commits(state: State) -> None:
+    global _owner
+    _owner = weakref.ref(state)
+
+
+def roll_back_kept_states() -> tuple[Any, Any] | None:
+    """A session's survivor joining a re-formed group: the State that the agent's latest
+    snapshot belongs to goes back to it, as the new ranks restore it (a death in a cell
+    left it ahead of that commit). (step before, step now), or None where there is none."""
+    state = _owner() if _owner is not None else None
+    before = state.step if state is not None else None
+    return (before, state.step) if state is not None and _restore(state, together=False) \
+        else None
 
 
 def _unwrap(obj: Any) -> Any:
@@ -150,7 +153,6 @@ class State:
         object.__setattr__(self, "_kept", None)  # our own record of the last commit
         object.__setattr__(self, "_sharded", False)  # holds DTensors: cannot go on in place
         object.__setattr__(self, "_on_reset", [])
-        _LIVE.add(self)
         named = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                  "sampler": sampler}
         for name, value in {**named, **values}.items():
@@ -240,44 +242,7 @@ class State:
         Raises:
             RuntimeError: Ranks received different snapshots, or the commit before failed.
         """
-        return self._restore(together=True)
-
-    def _restore(self, *, together: bool) -> bool:
-        """``restore``; ``together``: every rank calls it, and checks that all received the
-        same commit (a collective); else this rank alone (a session's survivor)."""
-        client = current()
-        if client is None:
-            return False
-        client.drain()  # a commit still being sent is the latest
-        # A survivor going on in place (elastic_magic.run) rolls back from its memory when
-        # what it holds is the agent's latest commit: the agent then sends no snapshot.
-        kept = self._kept if self._kept and self._kept.holds(self._kept.token, self._objects) \
-            else None
-        reply: StateReply = client.request(
-            lambda request_id: StateGet(request_id, held=kept.token if kept else 0))
-        if kept and reply.token != kept.token:
-            kept = None  # a later commit than ours (its copy came with the reply)
-        memory_file = None if kept else handoff.open_handoff(reply.handoff)
-        if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
-            reply = client.request(lambda request_id: StateGet(request_id, inline=True))
-        dist = _dist() if together else None
-        if dist is not None:  # every rank must start from the same commit
-            ids = gather_int(dist, reply.commit_id)
-            if len(set(ids)) != 1:
-                raise RuntimeError(f"ranks received different snapshots: {ids}")
-        if kept:
-            kept.roll_back(self, dist.get_world_size() if dist is not None
-                           else int(os.environ.get("WORLD_SIZE", "1")))
-        elif memory_file is not None:
-            with memory_file:
-                self.load(memory_file)
-        elif reply.snapshot is None:
-            return False
-        else:
-            self.load(reply.snapshot)
-        object.__setattr__(self, "restored_step", self.step)
-        object.__setattr__(self, "_kept", kept)  # after a load, the objects have changed
-        return True
+        return _restore(self, together=True)
 
     def commit(self, *, every: int = 1, seconds: float | None = None) -> bool:
         """Call it on every rank after each (optimizer) step. It snapshots this step in the
@@ -312,6 +277,7 @@ class State:
             return False
         object.__setattr__(self, "_since_commit", 0)
         object.__setattr__(self, "_last_commit", time.monotonic())
+        _owns_the_commits(self)
         if client is not None:
             client.drain()  # the commit before is in the agent (or raises why not)
         # every rank's random streams; waits until all finished the step
@@ -355,6 +321,47 @@ class State:
                 gather_int(dist, 0)
             raise ResizeExit(self.step)
         return True
+
+
+def _restore(state: State, *, together: bool) -> bool:
+    """``restore``; ``together``: every rank, checking they got the same (a collective)."""
+    client = current()
+    if client is None:
+        return False
+    # a commit still being sent is the latest (a survivor's that failed in the death
+    # that brought it here is none)
+    with contextlib.nullcontext() if together else contextlib.suppress(Exception):
+        client.drain()
+    # A survivor going on in place (elastic_magic.run) rolls back from its memory when
+    # what it holds is the agent's latest commit: the agent then sends no snapshot.
+    kept = state._kept if state._kept and state._kept.holds(state._kept.token, state._objects) \
+        else None
+    reply: StateReply = client.request(
+        lambda request_id: StateGet(request_id, held=kept.token if kept else 0))
+    if kept and reply.token != kept.token:
+        kept = None  # a later commit than ours (its copy came with the reply)
+    memory_file = None if kept else handoff.open_handoff(reply.handoff)
+    if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
+        reply = client.request(lambda request_id: StateGet(request_id, inline=True))
+    dist = _dist() if together else None
+    if dist is not None:  # every rank must start from the same commit
+        ids = gather_int(dist, reply.commit_id)
+        if len(set(ids)) != 1:
+            raise RuntimeError(f"ranks received different snapshots: {ids}")
+    if kept:
+        kept.roll_back(state, dist.get_world_size() if dist is not None
+                       else int(os.environ.get("WORLD_SIZE", "1")))
+    elif memory_file is not None:
+        with memory_file:
+            state.load(memory_file)
+    elif reply.snapshot is None:
+        return False
+    else:
+        state.load(reply.snapshot)
+    object.__setattr__(state, "restored_step", state.step)
+    _owns_the_commits(state)
+    object.__setattr__(state, "_kept", kept)  # after a load, the objects have changed
+    return True
 
 
 def _tree(state: State, rngs: list[dict[str, Any]], rank: int,

@@ -17,3 +17,6 @@ class ShippedNamespace:
     values: dict[str, bytes] = field(default_factory=dict)
     modules: dict[str, str] = field(default_factory=dict)  # name -> module to import
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why it was not sent
+    # functions and classes the new ranks have under another definition (an older one, from
+    # a setup cell): the survivor's replaces theirs
+    redefined: frozenset[str] = frozenset()

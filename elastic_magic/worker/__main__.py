@@ -163,11 +163,17 @@ def roll_back_session_states() -> None:
     from elastic_magic.training.state import roll_back_kept_states
 
     rank = os.environ.get("RANK", "?")
-    for before, now in roll_back_kept_states():
-        if before != now:
-            print(f"[elastic] rank {rank}: State back at the last commit (step {now}) from "
-                  f"step {before}, as every rank of the re-formed group", file=sys.stderr,
-                  flush=True)
+    try:
+        moved = roll_back_kept_states()
+    except Exception as exc:  # the cell goes on; the new ranks hold the last commit
+        print(f"[elastic] rank {rank}: its State could not go back to the last commit "
+              f"({type(exc).__name__}: {exc}); it may be ahead of the new ranks",
+              file=sys.stderr, flush=True)
+        return
+    if moved is not None and moved[0] != moved[1]:
+        print(f"[elastic] rank {rank}: State back at the last commit (step {moved[1]}) from "
+              f"step {moved[0]}, as every rank of the re-formed group", file=sys.stderr,
+              flush=True)
 
 
 if __name__ == "__main__":

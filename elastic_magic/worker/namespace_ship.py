@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import builtins
 import dis
+import hashlib
 import importlib
 import io
 import itertools
+import marshal
 import os
 import sys
 import types
@@ -46,21 +48,27 @@ TIED = ("torch.distributed", "torch._C._distributed", "torch.nn.parallel",
 LISTED = 12  # names listed in a line of output
 
 
-def present() -> frozenset[str]:
-    """The names this rank's namespace holds (a new rank, after its setup cells)."""
-    return frozenset(namespace())
+def present() -> dict[str, str | None]:
+    """The names this rank's namespace holds (a new rank, after its setup cells), each
+    with the digest of its definition where it is a function or class of the cells."""
+    return {name: _definition(value) for name, value in namespace().items()}
 
 
-def export(have: frozenset[str], to: tuple[int, ...]) -> ShippedNamespace:
-    """This survivor's variables that the new ranks ``to`` (which have ``have``) lack;
-    says once, on this rank's output, what was sent and what was not."""
+def export(have: dict[str, str | None], to: tuple[int, ...]) -> ShippedNamespace:
+    """This survivor's variables that the new ranks ``to`` (which have ``have``) lack, and
+    its functions and classes that they have under another definition (a cell redefined
+    one that a setup cell made); says once, on this rank's output, what was sent and what
+    was not."""
     space = namespace()
     rank = int(os.environ.get("RANK", "0"))
-    shipped = ShippedNamespace(rank)
+    redefined = frozenset(n for n, digest in have.items() if digest is not None
+                          and n in space and _definition(space[n]) not in (None, digest))
+    shipped = ShippedNamespace(rank, redefined=redefined)
+    same = frozenset(have) - redefined
     total = 0
     for name in sorted(space):
         value = space[name]
-        if name in have or name.startswith("_") or value is getattr(builtins, name, object()):
+        if name in same or name.startswith("_") or value is getattr(builtins, name, object()):
             continue
         if isinstance(value, types.ModuleType):
             if getattr(value, "__spec__", None) is None:
@@ -68,7 +76,7 @@ def export(have: frozenset[str], to: tuple[int, ...]) -> ShippedNamespace:
             else:
                 shipped.modules[name] = value.__name__
             continue
-        why, blob = _pickled(value, space, have)
+        why, blob = _pickled(value, space, same)
         if blob is not None and total + len(blob) > TOTAL:
             why, blob = f"over the {_mib(TOTAL)} all values may take together", None
         if blob is None:
@@ -93,7 +101,7 @@ def absorb(shipped: ShippedNamespace) -> dict[str, str]:
             except Exception as exc:  # what the survivor imported may not be here
                 failed[name] = f"module {module!r}: {type(exc).__name__}: {exc}"
     for name, blob in shipped.values.items():
-        if name not in space:
+        if name not in space or name in shipped.redefined:
             try:
                 space[name] = cloudpickle.loads(blob)
             except Exception as exc:  # pickled there, not loadable here
@@ -152,6 +160,14 @@ class _Pickler(cloudpickle.Pickler):
         self.space, self.have = space, have
 
     def reducer_override(self, obj: Any) -> Any:
+        # Inside a value too (a list of CUDA losses, a dict holding an optimizer made in an
+        # ordinary cell): refused, and the value named with why.
+        if (tied := _tied(obj)) is not None:
+            raise TypeError(f"holds a {tied}, tied to this process or its process group "
+                            "(make it in a setup cell)")
+        if (device := _gpu(obj)) is not None:
+            raise TypeError(f"holds a tensor on {device}, this rank's GPU (make it in a "
+                            "setup cell)")
         if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
             name: str = obj.__name__
             if name in self.have and self.space.get(name) is obj:
@@ -181,23 +197,37 @@ def _rebind(fn: types.FunctionType) -> types.FunctionType:
     return _with_globals(fn, namespace())
 
 
+class _Bounded(io.BytesIO):
+    """A buffer that refuses to grow past LIMIT: a large value is given up while it is
+    pickled, not once it has taken that memory."""
+
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > LIMIT:
+            raise _TooLarge
+        return super().write(data)
+
+
+class _TooLarge(Exception):
+    """A value over LIMIT, found while it is pickled."""
+
+
 def _pickled(value: Any, space: dict[str, Any], have: frozenset[str]
              ) -> tuple[str, bytes | None]:
-    if (tied := _tied(value)) is not None:
-        return f"{tied}: tied to this process or its process group (make it in a setup " \
-               "cell)", None
-    if (device := _gpu(value)) is not None:
-        return f"on {device}, this rank's GPU (make it in a setup cell)", None
-    if (size := _tensor_bytes(value)) > LIMIT:
-        return f"{type(value).__name__} of {_mib(size)}, over the {_mib(LIMIT)} limit", None
-    buffer = io.BytesIO()
-    try:
+    try:  # anything a value does while it is looked at or pickled: named, with the reason
+        if (tied := _tied(value)) is not None:
+            return f"{tied}: tied to this process or its process group (make it in a " \
+                   "setup cell)", None
+        if (device := _gpu(value)) is not None:
+            return f"on {device}, this rank's GPU (make it in a setup cell)", None
+        if (size := _tensor_bytes(value)) > LIMIT:
+            return f"{type(value).__name__} of {_mib(size)}, over the {_mib(LIMIT)} " \
+                   "limit", None
+        buffer = _Bounded()
         _Pickler(buffer, space, have).dump(value)
-    except Exception as exc:  # any pickling failure: named, with the reason
+    except _TooLarge:
+        return f"{type(value).__name__} over the {_mib(LIMIT)} limit", None
+    except Exception as exc:
         return f"{type(exc).__name__}: {exc}", None
-    if buffer.tell() > LIMIT:
-        return f"{type(value).__name__} of {_mib(buffer.tell())}, over the {_mib(LIMIT)} " \
-               "limit", None
     return "", buffer.getvalue()
 
 
@@ -236,6 +266,20 @@ def _tensor_bytes(value: Any) -> int:
         return size
     nbytes = getattr(value, "nbytes", 0)  # a numpy array
     return nbytes if isinstance(nbytes, int) else 0
+
+
+def _definition(value: Any) -> str | None:
+    """A digest of the code of a function or class the cells defined (None for anything
+    else): two ranks holding the same name under other definitions differ here."""
+    if getattr(value, "__module__", None) != "__main__":
+        return None
+    codes = list(_codes(value))
+    if not codes:
+        return None
+    digest = hashlib.sha256()
+    for code in codes:
+        digest.update(marshal.dumps(code))
+    return digest.hexdigest()
 
 
 # -- which names code reads --------------------------------------------------------------

@@ -71,7 +71,10 @@ class NamespaceShipping:
         outcome = run(self._payload(namespace_ship.present), to)
         if outcome.step is not CellStep.DONE or outcome.failures:
             return outcome
-        have = frozenset.intersection(*(self._value(r) for r in to))
+        # what every new rank holds, under the same definition on each
+        answers: list[dict[str, str | None]] = [self._value(r) for r in to]
+        have = {n: d for n, d in answers[0].items() if all(a.get(n, ...) == d
+                                                            for a in answers[1:])}
         outcome = run(self._payload(namespace_ship.export, have, to), (source,))
         if outcome.step is not CellStep.DONE or outcome.failures:
             return outcome
