@@ -132,6 +132,10 @@ def test_a_slot_that_fails_again_is_excluded_while_the_bounds_allow(
     (RankFailure(0, 0, 1, 9, 0.0, "MisconfigurationException",
                  "`devices=2` does not match the world size (3)"), False),
     (RankFailure(0, 0, 1, 9, 0.0, "OutOfMemoryError", "CUDA out of memory."), False),
+    (RankFailure(0, 0, 1, 9, 0.0, "AcceleratorError", "CUDA error: out of memory"), False),
+    # a peer's death, as NCCL or gloo tell it: no evidence against this slot
+    (RankFailure(0, 0, 1, 9, 0.0, "DistBackendError", "NCCL error: remote process exited "
+                 "or there was a network error"), False),
     (RankFailure(0, 0, 1, 9, 0.0, reason="stalled for 60s"), False),
 ])
 def test_only_a_death_or_a_device_error_blames_a_slot(failure, blamed):

@@ -81,10 +81,12 @@ def blames_the_slot(failure: RankFailure) -> bool:
     or what the agent found it doing (stalled, returned while others waited), would follow
     the cell to any slot: leaving a slot out for it would only shrink the job and hide the
     error."""
-    if failure.reason is not None:
+    if failure.reason is not None or is_consequence(failure):  # a peer's death: not ours
         return False
     if failure.exc_type is None:
         return True
+    if "out of memory" in failure.message:  # "CUDA error: out of memory" too: the batch
+        return False
     return failure.exc_type == "AcceleratorError" or any(
         m in failure.message for m in _DEVICE_ERROR_MARKERS)
 
