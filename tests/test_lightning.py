@@ -39,9 +39,11 @@ TRAIN = textwrap.dedent("""
                                            torch.nn.Linear(16, 1))
 
         def training_step(self, batch, batch_idx):
-            if (self.global_step == KILL_AT and dist.get_rank() == 1
+            if (self.global_step == KILL_AT
                     and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
-                os.kill(os.getpid(), signal.SIGKILL)
+                dist.barrier()  # rank 0 has said its step is done before rank 1 dies
+                if dist.get_rank() == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
             x, y = batch
             weight = 1 + (torch.rand(()).item() + random.random()) / 10
             return torch.nn.functional.mse_loss(self.net(x), y) * weight

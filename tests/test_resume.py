@@ -67,9 +67,11 @@ TRAIN = textwrap.dedent("""
     for epoch in range(state.epoch, 2):
         sampler.set_epoch(epoch)
         for micro, (x, y) in enumerate(loader):  # 2 micro-batches per optimizer step
-            if (state.step == KILL_AT and micro % 2 and rank == 1  # mid-accumulation
+            if (state.step == KILL_AT and micro % 2  # mid-accumulation
                     and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
-                os.kill(os.getpid(), signal.SIGKILL)
+                dist.barrier()  # rank 0 has said its step is done before rank 1 dies
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
             weight = 1 + (torch.rand(()).item() + random.random() + numpy.random.rand()) / 10
             loss = torch.nn.functional.mse_loss(model(x), y) * weight / 2
             scaler.scale(loss).backward()

@@ -48,9 +48,10 @@ TRAIN = textwrap.dedent("""
     for epoch in range(state.epoch, 2):
         sampler.set_epoch(epoch)
         for indices in sampler:
-            if (state.step == KILL_AT and rank == 1
-                    and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
-                os.kill(os.getpid(), signal.SIGKILL)
+            if state.step == KILL_AT and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+                dist.barrier()  # rank 0 has said its step is done before rank 1 dies
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
             noise = 1 + torch.rand(()) / 10  # the loop's RNG, restored with the commit
             loss = torch.nn.functional.mse_loss(model(data[indices]), target[indices]) * noise
             loss.backward()
