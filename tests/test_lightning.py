@@ -184,6 +184,10 @@ def test_devices_and_nodes_are_the_jobs(monkeypatch):
 
     for function in (rank_zero_only, utils_rank_zero_only):  # the Trainer sets them: rank 2
         monkeypatch.setattr(function, "rank", getattr(function, "rank", 0), raising=False)
+    # A process where sys.ps1 is set (IPython ran in it before Lightning was imported, as in
+    # a full run of this suite): a job's ranks are launched already, nothing refuses them.
+    monkeypatch.setattr("pytorch_lightning.trainer.connectors.accelerator_connector."
+                        "_IS_INTERACTIVE", True)
     for name, value in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
                         "RANK": "2", "LOCAL_RANK": "2", "GROUP_WORLD_SIZE": "1",
                         "GROUP_RANK": "0"}.items():

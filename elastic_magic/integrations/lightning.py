@@ -183,6 +183,14 @@ class ElasticDDP(DDPStrategy):
         self._committed_at: int | None = None  # the last global step offered to commit
         self._sigterm: Any = None  # SIGTERM's action before fit
 
+    def _configure_launcher(self) -> None:
+        # In a job, every rank is already running: nothing to launch. Lightning's launcher
+        # would only refuse to work where ``sys.ps1`` is set (an interactive-looking rank).
+        if _in_job():
+            self._launcher = None
+        else:
+            super()._configure_launcher()
+
     # -- the world size is the job's ----------------------------------------------------
 
     @property
