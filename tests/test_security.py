@@ -382,7 +382,7 @@ def test_machines_join_with_a_token_file_or_at_a_prompt(tmp_path, log_dir, recor
 
 @pytest.mark.unit
 def test_the_join_command_the_notebook_shows_keeps_the_token_off_the_command_line():
-    from elastic_magic.agent.machines.roles import join_command
+    from elastic_magic.agent.machines.hub import join_command
 
     command = join_command("10.0.0.5:29400", "3f1c")
     assert command == "ELASTIC_MAGIC_TOKEN=3f1c elastic-magic join 10.0.0.5:29400"

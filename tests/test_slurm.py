@@ -473,3 +473,65 @@ def test_a_dead_kernels_watchdog_asks_again_until_slurm_confirms_the_cancel(
         assert list((tmp_path / "tokens").iterdir()) == []
     finally:
         end(head)
+
+
+WAIT_FOR_FILE = textwrap.dedent("""
+    import os, time
+    import torch.distributed as dist
+    print("world", dist.get_world_size(), flush=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(STOP):
+        assert time.monotonic() < deadline, "never told to stop"
+        time.sleep(0.1)
+""")
+
+
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_a_machine_that_comes_up_after_its_unconfirmed_cancel_is_sent_away(
+        network, slurm, tools, tmp_path, log_dir, recorder):
+    failures = failing_scancel(tools, tmp_path)
+    spec = em.JobSpec.create(1, nnodes="1:2", rdzv_endpoint=network.head_address,
+                             launcher="slurm",
+                             launch=[f"{k}={v}" for k, v in held(tmp_path).items()],
+                             log_dir=log_dir, timeout=60)
+    stop = tmp_path / "stop"
+    job = Job(spec, build_payload(WAIT_FOR_FILE, spec, namespace={"STOP": str(stop)})).start()
+    seen: dict[str, object] = {}
+
+    def sent_away() -> list[str]:
+        return [e.reason for e in list(recorder.events)
+                if isinstance(e, NodeConnected) and not e.connected]
+
+    def watch() -> None:
+        try:
+            status = job._board.wait_for(lambda s: any("JobHeldUser" in m for m in s.machines),
+                                         timeout=120)
+            seen["held"] = job_id = status.machines[0].split(":")[0].split()[0]
+            failures.write_text("1000")  # no cancel is confirmed from now on
+            job.scale_nodes(1)  # its held job is cancelled: scancel times out
+            job._board.wait_for(lambda s: any("cancel failed" in m for m in s.machines),
+                                timeout=60)
+            # Slurm starts it after all: its machine comes up and says Hello.
+            subprocess.run(["scontrol", "release", job_id], env=slurm.env(), check=True)
+            wait_until(lambda: sent_away() != [], "the machine was never sent away", 120)
+            failures.write_text("0")  # now a cancel goes through
+            seen["reasons"] = sent_away()
+        except BaseException as exc:  # said below, with what the job did
+            seen["error"] = repr(exc)
+        finally:
+            stop.write_text("")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    result = job.wait(recorder)
+    watcher.join(timeout=30)
+    sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
+    assert result.ok and "error" not in seen, (result, seen, sizes, slurm.logs())
+    assert seen["reasons"] == [f"its allocation {seen['held']} was given back before it "
+                               "came up"], seen
+    # It never joined a round: the job ran on the kernel's machine alone throughout.
+    assert sizes == [1]
+    assert recorder.lines(0) == ["world 1"]
+    wait_until(lambda: slurm.queue() == [], f"left in the queue: {slurm.queue()}")
+    assert list((tmp_path / "tokens").iterdir()) == []
+    assert _in_namespaces(network, "elastic_magic.cli") == []

@@ -19,7 +19,8 @@ would end each allocation (and, with a launcher's ``prepare_start``, what undoes
 submission before it runs), and runs it if the kernel dies before ``close``. A cancel the
 scheduler did not confirm stays with the watchdog and is asked again after a delay that
 doubles, for up to CANCEL_PATIENCE; if ``close`` cannot end them all, the watchdog goes on
-asking on its own.
+asking on its own. A machine that comes up in an allocation cancelled here (``given_back``)
+is not the job's: the head sends it away.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import Allocation, JoinRequest, Launcher, LauncherError, make_launcher
+from . import JoinRequest, Launcher, LauncherError, make_launcher
 from .watchdog import PATIENCE, Watchdog
 
 if TYPE_CHECKING:
@@ -81,6 +82,33 @@ class StartFailures:
         return (f"asking for a machine again in {self.delay():g}s ({streak})",)
 
 
+class Cancels:
+    """Every allocation the Cluster cancelled, and those whose cancel the scheduler did not
+    confirm: asked again after a delay that doubles, for up to CANCEL_PATIENCE."""
+
+    def __init__(self) -> None:
+        self.given_back: set[str] = set()  # confirmed or not
+        self._unconfirmed: dict[str, tuple[float, float, int]] = {}  # first, next, tries
+
+    def due(self) -> list[str]:
+        now = time.monotonic()
+        return [i for i, (_, retry_at, _) in list(self._unconfirmed.items()) if now >= retry_at]
+
+    def failed(self, allocation_id: str) -> str:
+        """Its cancel failed: when it is asked again, said."""
+        now = time.monotonic()
+        first, _, tries = self._unconfirmed.get(allocation_id, (now, now, 0))
+        delay = min(2.0 ** tries, RETRY_DELAY_MOST)
+        if now + delay - first <= CANCEL_PATIENCE:
+            self._unconfirmed[allocation_id] = (first, now + delay, tries + 1)
+            return f"asking again in {delay:g}s"
+        self._unconfirmed.pop(allocation_id, None)
+        return "asked again when the job ends"
+
+    def confirmed(self, allocation_id: str) -> None:
+        self._unconfirmed.pop(allocation_id, None)
+
+
 class Cluster:
     """A job's other machines, kept at ``target`` by a thread (see the module docstring)."""
 
@@ -110,8 +138,7 @@ class Cluster:
         self._live: list[str] = []  # allocation ids, oldest first
         self._ended: list[str] = []  # what ended unasked, described, for the status
         self._files: list[str] = []  # the launcher's, given to the watchdog to remove
-        # cancels the scheduler did not confirm: id -> (first failure, next try, tries)
-        self._uncancelled: dict[str, tuple[float, float, int]] = {}
+        self.cancels = Cancels()
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -167,6 +194,11 @@ class Cluster:
         self._to_cancel.append(allocation_id)
         self._wake.set()
 
+    def given_back(self, allocation_id: str) -> bool:
+        """Whether it was cancelled, confirmed or not (from any thread): a machine that
+        comes up in it after all is not the job's, and is sent away."""
+        return allocation_id in self.cancels.given_back
+
     def _step(self) -> None:
         # Before _ending is read: the agent says ending before the links end.
         while self._gone:
@@ -176,10 +208,8 @@ class Cluster:
             if allocation_id in self._releasing:
                 self._releasing.remove(allocation_id)
             self._cancel(allocation_id)
-        now = time.monotonic()
-        for allocation_id, (_, retry_at, _) in list(self._uncancelled.items()):
-            if now >= retry_at:
-                self._cancel(allocation_id)
+        for allocation_id in self.cancels.due():
+            self._cancel(allocation_id)
         while self._arrived:
             self._joined.add(self._arrived.pop(0))
             self.failures.reset(at_once=False)
@@ -264,25 +294,18 @@ class Cluster:
                 self.watchdog.remove(path)
 
     def _cancel(self, allocation_id: str) -> None:
+        self.cancels.given_back.add(allocation_id)
         failed = f"{allocation_id}: cancel failed"
         self._ended = [line for line in self._ended if not line.startswith(failed)]
         try:
             self.launcher.cancel(allocation_id)
         except LauncherError as exc:
             # Not confirmed: the watchdog keeps it, and it is asked again (then at close).
-            now = time.monotonic()
-            first, _, tries = self._uncancelled.get(allocation_id, (now, now, 0))
-            delay = min(2.0 ** tries, RETRY_DELAY_MOST)
-            if now + delay - first <= CANCEL_PATIENCE:
-                self._uncancelled[allocation_id] = (first, now + delay, tries + 1)
-                again = f"asking again in {delay:g}s"
-            else:
-                self._uncancelled.pop(allocation_id, None)
-                again = "asked again when the job ends"
+            again = self.cancels.failed(allocation_id)
             self._ended = [*self._ended[-4:], f"{failed} ({again}): {exc}"]
             self._forget(allocation_id, guarded=True)
             return
-        self._uncancelled.pop(allocation_id, None)
+        self.cancels.confirmed(allocation_id)
         self._forget(allocation_id)
 
     def _forget(self, allocation_id: str, guarded: bool = False) -> None:
@@ -298,9 +321,6 @@ class Cluster:
         if lines != self._shown:
             self._shown = lines
             self.publish(lines)
-
-    def allocations(self) -> list[Allocation]:
-        return self.launcher.allocations()
 
     def close(self) -> None:
         """Every allocation ended (the launcher's cancel_all), the watchdog let go; safe

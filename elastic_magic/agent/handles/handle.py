@@ -23,8 +23,8 @@ from ...spec import JobSpec
 from ...wire.events import Event
 from ...wire.messages import StacksCommand
 from ..inbox import Inbox, InboxItem
+from ..machines.head import Head
 from ..machines.hub import new_token
-from ..machines.roles import Head
 from ..status import JobStatus, StatusBoard
 
 if TYPE_CHECKING:

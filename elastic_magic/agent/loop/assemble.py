@@ -18,8 +18,9 @@ from ...wire.messages import StopCommand
 from ...wire.payload import Payload, build_payload
 from ...worker import session_cells as worker_session
 from ..inbox import Inbox
+from ..machines.head import Head
 from ..machines.joined import JoinedJob, JoinedMachine
-from ..machines.roles import Head, SingleMachine
+from ..machines.roles import SingleMachine
 from ..status import StatusBoard
 from .cells import CellEvents, session_payload
 from .engine import Engine

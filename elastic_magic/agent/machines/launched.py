@@ -67,6 +67,16 @@ class Launched:
         if cluster is not None and allocation:
             cluster.joined(allocation)
 
+    def sent_away(self, allocation: str) -> str | None:
+        """Why a machine that says Hello from ``allocation`` is not let in, if it is not:
+        the allocation was given back (its cancel unconfirmed, say, so it started after
+        all). The job never counts it; its cancel is asked again, now that it runs."""
+        cluster = self.cluster
+        if cluster is None or not allocation or not cluster.given_back(allocation):
+            return None
+        cluster.cancel_later(allocation)
+        return f"its allocation {allocation} was given back before it came up"
+
     def link_ended(self, node: int) -> None:
         """A machine's link ended, after all it said: its allocation, if that has ended,
         may now be replaced (unless the job's end took it)."""
