@@ -20,7 +20,6 @@ rather than leaving the survivors in a collective that the new rank never joins.
 from __future__ import annotations
 
 import builtins
-import dis
 import hashlib
 import importlib
 import io
@@ -36,6 +35,7 @@ import cloudpickle
 
 from elastic_magic.stacks import CELL_FILENAME
 from elastic_magic.wire.shipped import ShippedNamespace
+from elastic_magic.worker.cell_reads import code_of, needed
 from elastic_magic.worker.session_cells import namespace
 
 LIMIT = 64 * 2**20  # bytes, one value pickled (or its tensors, before pickling)
@@ -122,19 +122,10 @@ def check(source: str, lacking: dict[str, str], given: tuple[str, ...]) -> list[
     if not missing:
         return []
     try:
-        read, stored = _names(compile(source, CELL_FILENAME, "exec"))
+        reads = needed(source, CELL_FILENAME, space)
     except SyntaxError:  # the cell says so itself, where it runs
         return sorted(missing)
-    todo, seen = list(read), set()
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in space:
-            seen.add(name)
-            continue
-        seen.add(name)
-        for code in _codes(space[name]):
-            todo.extend(_names(code)[0])
-    used = sorted((seen & set(missing)) - stored - set(given))
+    used = sorted((reads & set(missing)) - set(given))
     if used:
         rank = os.environ.get("RANK", "?")
         raise NameError(
@@ -273,47 +264,13 @@ def _definition(value: Any) -> str | None:
     else): two ranks holding the same name under other definitions differ here."""
     if getattr(value, "__module__", None) != "__main__":
         return None
-    codes = list(_codes(value))
+    codes = list(code_of(value))
     if not codes:
         return None
     digest = hashlib.sha256()
     for code in codes:
         digest.update(marshal.dumps(code))
     return digest.hexdigest()
-
-
-# -- which names code reads --------------------------------------------------------------
-
-
-def _names(code: types.CodeType) -> tuple[set[str], set[str]]:
-    """The global names ``code`` (and the code inside it) reads, and those it binds."""
-    read: set[str] = set()
-    stored: set[str] = set()
-    for each in _nested(code):
-        for ins in dis.get_instructions(each):
-            if ins.opname in ("LOAD_NAME", "LOAD_GLOBAL"):
-                read.add(ins.argval)
-            elif ins.opname in ("STORE_NAME", "STORE_GLOBAL"):
-                stored.add(ins.argval)
-    return read, stored
-
-
-def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _nested(const)
-
-
-def _codes(value: Any) -> Iterator[types.CodeType]:
-    """The code a namespace value runs when called: a function's, a class's methods'."""
-    if isinstance(value, types.FunctionType):
-        yield value.__code__
-    elif isinstance(value, type):
-        for attr in vars(value).values():
-            fn = getattr(attr, "__func__", attr)  # staticmethod, classmethod
-            if isinstance(fn, types.FunctionType):
-                yield fn.__code__
 
 
 # -- what the output says ----------------------------------------------------------------
