@@ -47,6 +47,7 @@ class SessionLoop:
         self.shipping = NamespaceShipping(engine)  # what the ranks that joined lack
         self.setup: list[Payload] = []
         self.formed = False  # the group is up, whole, and has run its setup cells
+        self.died_forming = False  # the last _form broke: a rank died in it
         self.pending: deque[CellRequest] = deque()
         self.ended: JobState | None = None
         self.cell_started = time.time()
@@ -139,14 +140,14 @@ class SessionLoop:
         if self.ended is not None:
             return self._result(self.ended, engine.failures)
         if not self._intact() or engine.membership.resize_pending or engine.nodes_waiting():
-            failures = self._form()
+            failures = self._form_for_a_cell()
             if failures is not None:
                 return self._result(self.ended or JobState.FAILED, failures)
         self._cell_started()
         outcome = self.shipping.check(self._run, request.payload) or self._run(request.payload)
         while outcome.step is CellStep.RESIZED:  # every rank left at a commit: go on resized
             self.formed = False
-            failures = self._form()
+            failures = self._form_for_a_cell()
             if failures is not None:
                 return self._result(self.ended or JobState.FAILED, failures)
             outcome = self._run(request.payload)
@@ -190,6 +191,17 @@ class SessionLoop:
         engine.emit(SessionBroken(outcome.broke_because, engine.restarts,
                                   engine.spec.max_restarts, reforms))
         engine.set_state(JobState.RESTARTING if reforms else JobState.FAILED)
+
+    def _form_for_a_cell(self) -> list[RankFailure] | None:
+        """``_form``, again while a rank dies as the group forms (a new rank in its setup
+        replay, say): each is a restart, as a death between cells is, and the cell waits
+        for the group rather than failing for a death that was not its own. A setup cell
+        that raises is not tried again."""
+        while True:
+            self.died_forming = False
+            failures = self._form()
+            if failures is None or self.ended is not None or not self.died_forming:
+                return failures
 
     def _form(self, keep: bool = True) -> list[RankFailure] | None:
         """New round, fresh workers, setup cells replayed (a State restores the last
@@ -236,6 +248,7 @@ class SessionLoop:
                 engine.close_group()  # it needs the group: as without survivors
                 return self._form(keep=False)
             if outcome.step is not CellStep.DONE or outcome.failures:
+                self.died_forming = outcome.step is CellStep.BROKEN
                 if outcome.step is CellStep.DONE:  # a setup cell failed: no group for cells
                     engine.close_group()
                     self._break(CellOutcome(CellStep.BROKEN, outcome.failures,
