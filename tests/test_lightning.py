@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_stayed, done_steps, run_resized
+from netns import network as network  # the fixture
+from test_networks import run_head
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
@@ -26,7 +28,9 @@ from elastic_magic.wire.payload import build_payload
 # epoch, and the run crosses two epoch ends), SGD with momentum, a step-wise LR schedule,
 # and a loss weight drawn each step from torch's and python's RNGs (the same on every rank
 # and at every world size: a wrong RNG restore changes the weights). Rank 1 SIGKILLs
-# itself in the first attempt during step KILL_AT + 1.
+# itself once, during step KILL_AT + 1 (the file KILLED says it did: on several machines
+# each machine's agent counts its own restarts, as torchrun's do, so the restart count is
+# not the same on every rank).
 TRAIN = textwrap.dedent("""
     import os, random, signal, time, torch, torch.distributed as dist
     import pytorch_lightning as pl
@@ -39,10 +43,10 @@ TRAIN = textwrap.dedent("""
                                            torch.nn.Linear(16, 1))
 
         def training_step(self, batch, batch_idx):
-            if (self.global_step == KILL_AT
-                    and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+            if self.global_step == KILL_AT and not os.path.exists(KILLED):
                 dist.barrier()  # rank 0 has said its step is done before rank 1 dies
                 if dist.get_rank() == 1:
+                    open(KILLED, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
             x, y = batch
             weight = 1 + (torch.rand(()).item() + random.random()) / 10
@@ -76,7 +80,8 @@ STEPS = 20
 
 def train(log_dir, recorder, *, kill_at=-1, resizes=(), **spec_args):
     spec = JobSpec.create(2, log_dir=log_dir, **spec_args)
-    namespace = {"KILL_AT": kill_at, "PAUSE": 0.05 if resizes else 0.0}
+    namespace = {"KILL_AT": kill_at, "PAUSE": 0.05 if resizes else 0.0,
+                 "KILLED": str(log_dir / "killed")}
     job = Job(spec, build_payload(TRAIN, spec, namespace=namespace)).start()
     return run_resized(job, recorder, resizes).values[0]
 
@@ -129,6 +134,36 @@ def test_resized_two_to_three_goes_on_from_the_commit(uninterrupted, log_dir, re
     assert {row[4] for row in done if int(row[2]) >= first} == {"3"}
     # 3 ranks sum the same global batch of 12 in another order: float rounding.
     assert_close(values, uninterrupted, atol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("network", [1], indirect=True)
+def test_a_rank_killed_on_another_machine_resumes_fit_there_at_the_last_commit(
+        uninterrupted, network, log_dir, recorder):
+    """Rank 1 runs on a machine of the test network (``elastic-magic join``): Lightning's
+    ``num_nodes`` and ``devices`` come from the job (2 and 1), and its death resumes fit
+    from the commit of step 10, as on one machine."""
+    spec = JobSpec.create(1, nnodes=2, rdzv_endpoint=network.head_address, log_dir=log_dir,
+                          max_restarts=1, timeout=60)
+    joined = []
+
+    def on_open(job, endpoint):
+        joined.append(network.join(1, endpoint, job.token))
+
+    result = run_head(spec, TRAIN + "\n(trainer.num_nodes, trainer.num_devices, "
+                      "[p.detach().clone() for p in model.parameters()])",
+                      recorder, namespace={"KILL_AT": 13, "PAUSE": 0.0,
+                                           "KILLED": str(log_dir / "killed")},
+                      on_open=on_open)
+    outputs = [network.output(proc) for proc in joined]
+    assert result.ok, (result, outputs)
+    assert [proc.wait(timeout=60) for proc in joined] == [0], outputs
+    assert result.restarts == 1
+    assert done_steps(recorder) == list(range(1, 14)) + list(range(11, STEPS + 1))
+    assert committed_steps(recorder) == list(range(5, STEPS + 1, 5))
+    nodes, devices, values = result.values[0]
+    assert (nodes, devices) == (2, 1)
+    assert_close(values, uninterrupted, atol=0)  # the same world size: bit for bit
 
 
 def readme_example(lead: str) -> tuple[str, str]:
