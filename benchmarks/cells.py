@@ -181,8 +181,8 @@ MLP_ELASTIC = MLP_SETUP + textwrap.dedent("""
             state.commit()
 """)
 
-# (b) PyTorch Lightning, strategy="ddp": it finds torchrun's variables and makes the group.
-LIGHTNING = textwrap.dedent("""
+# A small LightningModule (the launch and the recovery benchmarks both train it).
+LIGHTNING_NET = textwrap.dedent("""
     import os, torch, pytorch_lightning as pl
     from torch import nn
 
@@ -197,7 +197,10 @@ LIGHTNING = textwrap.dedent("""
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
+""")
 
+# (b) PyTorch Lightning, strategy="ddp": it finds torchrun's variables and makes the group.
+LIGHTNING = LIGHTNING_NET + textwrap.dedent("""
     class FirstStep(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if batch_idx == 0:

@@ -40,22 +40,7 @@ _STEP_HOOK = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
 """)
 
-LIGHTNING = _STEP_HOOK + textwrap.dedent("""
-    import torch, pytorch_lightning as pl
-    from torch import nn
-
-    class Net(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1))
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
+LIGHTNING = _STEP_HOOK + cells.LIGHTNING_NET + textwrap.dedent("""
     class Steps(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
             after_step(trainer.global_step)

@@ -257,7 +257,7 @@ def run_resized(job, recorder, resizes=()):
     driver.start()
     result = job.wait(recorder)
     driver.join(timeout=5)
-    assert result.ok, result
+    assert result.ok, (result, result.stacks)  # a hang's: the stuck ranks' stacks
     return result
 
 

@@ -38,6 +38,20 @@ class Recorded:
     events: list[Event]
 
 
+def _group_starts(round_: int, port: int, pids: tuple[int, ...],
+                  times: tuple[float, float, float, float, float]) -> list[Event]:
+    """A group's start on one machine as the agent emits it (the round's attempt is round
+    - 1 in these jobs): the rendezvous, its round, the workers started, running."""
+    rendezvous, completed, starting, started, running = times
+    return [StateChanged(JobState.RENDEZVOUS, time=rendezvous),
+            RendezvousCompleted(round=round_, node_rank=0, nnodes=1, world_size=len(pids),
+                                master_addr="127.0.0.1", master_port=port, time=completed),
+            StateChanged(JobState.STARTING, time=starting),
+            WorkersStarted(attempt=round_ - 1, restart_count=round_ - 1,
+                           ranks=tuple(range(len(pids))), pids=pids, time=started),
+            StateChanged(JobState.RUNNING, time=running)]
+
+
 # tests/test_dashboard.py's FLAKY: each rank prints 400 lines and a warning on stderr;
 # rank 1 raises in the first attempt (max_restarts=1), after the barrier.
 def _flaky_lines(rank: int, attempt: int, times: tuple[float, float, float]) -> list[Output]:
@@ -63,14 +77,8 @@ def restart_job(logs: Path) -> Recorded:
         cell_line=10, source_line='raise ValueError("first attempt breaks")', exit_code=1,
         log_dir=str(logs / run_id / "group_0" / "rank_1"))
     events: list[Event] = [
-        StateChanged(JobState.RENDEZVOUS, time=1795821120.712792),
-        RendezvousCompleted(round=1, node_rank=0, nnodes=1, world_size=2,
-                            master_addr="127.0.0.1", master_port=44031,
-                            time=1795821120.7965996),
-        StateChanged(JobState.STARTING, time=1795821120.7966795),
-        WorkersStarted(attempt=0, restart_count=0, ranks=(0, 1), pids=(16202, 16205),
-                       time=1795821128.4397523),
-        StateChanged(JobState.RUNNING, time=1795821128.4957867),
+        *_group_starts(1, 44031, (16202, 16205), (1795821120.712792, 1795821120.7965996,
+                       1795821120.7966795, 1795821128.4397523, 1795821128.4957867)),
         *_flaky_lines(1, 0, (1795821128.5484037, 1795821128.5537848, 1795821128.5538428)),
         *_flaky_lines(0, 0, (1795821128.5634532, 1795821128.5649009, 1795821128.5774639)),
         Output(1, "stderr", tuple(broke.traceback.splitlines()), 0, time=1795821128.6276531),
@@ -79,14 +87,8 @@ def restart_job(logs: Path) -> Recorded:
         StateChanged(JobState.RESTARTING, time=1795821128.673367),
         Restarting(restart_count=1, max_restarts=1, root_cause=broke, no_state=True,
                    time=1795821128.6733813),
-        StateChanged(JobState.RENDEZVOUS, time=1795821128.673396),
-        RendezvousCompleted(round=2, node_rank=0, nnodes=1, world_size=2,
-                            master_addr="127.0.0.1", master_port=43475,
-                            time=1795821128.6856477),
-        StateChanged(JobState.STARTING, time=1795821128.685727),
-        WorkersStarted(attempt=1, restart_count=1, ranks=(0, 1), pids=(16214, 16217),
-                       time=1795821128.6927135),
-        StateChanged(JobState.RUNNING, time=1795821128.7031648),
+        *_group_starts(2, 43475, (16214, 16217), (1795821128.673396, 1795821128.6856477,
+                       1795821128.685727, 1795821128.6927135, 1795821128.7031648)),
         *_flaky_lines(0, 1, (1795821128.7360032, 1795821128.737064, 1795821128.7371826)),
         *_flaky_lines(1, 1, (1795821128.7384632, 1795821128.740235, 1795821128.7402754)),
         StateChanged(JobState.SUCCEEDED, time=1795821128.8469665),
@@ -116,13 +118,8 @@ def failed_job(logs: Path) -> Recorded:
                        failures=[zero], tails={0: zero.traceback.splitlines(), 1: []},
                        started=1795821128.8705819)
     events: list[Event] = [
-        StateChanged(JobState.RENDEZVOUS, time=1795821128.8708744),
-        RendezvousCompleted(round=1, node_rank=0, nnodes=1, world_size=2,
-                            master_addr="127.0.0.1", master_port=40671, time=1795821128.880949),
-        StateChanged(JobState.STARTING, time=1795821128.881021),
-        WorkersStarted(attempt=0, restart_count=0, ranks=(0, 1), pids=(16240, 16246),
-                       time=1795821128.892594),
-        StateChanged(JobState.RUNNING, time=1795821128.910881),
+        *_group_starts(1, 40671, (16240, 16246), (1795821128.8708744, 1795821128.880949,
+                       1795821128.881021, 1795821128.892594, 1795821128.910881)),
         Output(0, "stderr", tuple(zero.traceback.splitlines()), 0, time=1795821128.9493914),
         StateChanged(JobState.STOPPING, time=1795821128.9497821),
         WorkerFailed(zero, time=1795821128.9731638),
@@ -139,13 +136,8 @@ def hello_job(logs: Path) -> Recorded:
                        duration=6.289047956466675, log_dir=logs / run_id, values={0: None},
                        tails={0: ["hello"]}, started=1795821129.074132)
     events: list[Event] = [
-        StateChanged(JobState.RENDEZVOUS, time=1795821129.0754),
-        RendezvousCompleted(round=1, node_rank=0, nnodes=1, world_size=1,
-                            master_addr="127.0.0.1", master_port=34497, time=1795821129.087811),
-        StateChanged(JobState.STARTING, time=1795821129.0878804),
-        WorkersStarted(attempt=0, restart_count=0, ranks=(0,), pids=(16365,),
-                       time=1795821135.0931172),
-        StateChanged(JobState.RUNNING, time=1795821135.1636767),
+        *_group_starts(1, 34497, (16365,), (1795821129.0754, 1795821129.087811,
+                       1795821129.0878804, 1795821135.0931172, 1795821135.1636767)),
         Output(0, "stdout", ("hello",), 0, time=1795821135.1640763),
         StateChanged(JobState.SUCCEEDED, time=1795821135.3632874),
         JobFinished(result, time=1795821135.363344),

@@ -118,16 +118,8 @@ def test_widget_state_follows_a_job_with_a_restart(log_dir):
                for line in record["text/plain"].split("timeline:\n")[1].splitlines()[:-1])
 
 
-def test_live_view_follows_a_real_job_with_a_restart(log_dir):
-    """The dashboard on a real job's path, end to end: a LiveView fed by ``job.wait`` (as the
-    magic feeds it) while the job fails, restarts and succeeds. The job emits what the unit
-    tests replay (recorded_jobs.restart_job: the same lines by group, rank and stream, the
-    same timeline), the widget ends synced with the state, and its log paths are the job's."""
-    spec = JobSpec.create(log_dir=log_dir, nproc=2, max_restarts=1)
-    job = Job(spec, build_payload(FLAKY, spec)).start()
-    view = LiveView(job)
-    seen: list = []
-
+def watch_live(job, view: LiveView, seen: list) -> None:
+    """Wait for ``job`` as the magic does, feeding ``view``, keeping every event in ``seen``."""
     def render(events):
         seen.extend(events)
         view(events)
@@ -136,6 +128,17 @@ def test_live_view_follows_a_real_job_with_a_restart(log_dir):
         job.wait(render)
     finally:
         view.finish()
+
+
+def test_live_view_follows_a_real_job_with_a_restart(log_dir):
+    """The dashboard on a real job's path, end to end: a LiveView fed by ``job.wait`` (as the
+    magic feeds it) while the job fails, restarts and succeeds. The job emits what the unit
+    tests replay (recorded_jobs.restart_job: the same lines by group, rank and stream, the
+    same timeline), the widget ends synced with the state, and its log paths are the job's."""
+    spec = JobSpec.create(log_dir=log_dir, nproc=2, max_restarts=1)
+    job = Job(spec, build_payload(FLAKY, spec)).start()
+    view, seen = LiveView(job), []
+    watch_live(job, view, seen)
     printed, recorded = lines_by_group(seen), lines_by_group(restart_job(log_dir).events)
     assert printed.keys() == recorded.keys()
     for key, lines in recorded.items():  # a rank stopped by the other's failure may say so
@@ -214,17 +217,8 @@ def test_a_ranks_first_lines_come_after_its_group_started_and_are_shown(log_dir,
     """)
     spec = JobSpec.create(4, max_restarts=2, log_dir=log_dir, survivors=survivors)
     job = Job(spec, build_payload(cell, spec)).start()
-    view = LiveView(job)
-    seen = []
-
-    def render(events):
-        seen.extend(events)
-        view(events)
-
-    try:
-        job.wait(render)
-    finally:
-        view.finish()
+    view, seen = LiveView(job), []
+    watch_live(job, view, seen)
     started = set()
     for event in seen:
         if isinstance(event, WorkersStarted):

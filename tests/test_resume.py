@@ -95,7 +95,9 @@ STEPS = 40
 
 
 def train(log_dir, recorder, *, every, kill_at=-1, resizes=(), **spec_args):
-    spec = JobSpec.create(2, log_dir=log_dir, **spec_args)
+    # A hang fails the job within a minute with its stuck ranks' stacks (a DataLoader's
+    # workers starting, once in a full run), not pytest's timeout with none.
+    spec = JobSpec.create(2, log_dir=log_dir, timeout=60, stall_timeout=60, **spec_args)
     namespace = {"KILL_AT": kill_at, "EVERY": every, "PAUSE": 0.05 if resizes else 0.0}
     job = Job(spec, build_payload(TRAIN, spec, namespace=namespace)).start()
 
