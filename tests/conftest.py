@@ -108,10 +108,22 @@ def checkpoint_config(tmp_path_factory, monkeypatch) -> Path:
 TIERS = ("unit", "process", "kernel", "browser", "cluster", "gpu", "soak")
 
 
+# The longest files first: pyproject.toml's `-n 2 --dist loadfile` hands whole files to two
+# workers in this order, so neither is left running a long file alone at the end (the
+# others follow in collection order). From a run's --durations, longest first.
+LONGEST_FIRST = ("test_survivors.py", "test_sharded.py", "test_soak.py", "test_multinode.py",
+                 "test_launchers.py", "test_notebooks.py", "test_slurm.py", "test_jobs.py",
+                 "test_hangs.py", "test_lost_machines.py", "test_preload.py", "test_session.py",
+                 "test_networks.py", "test_dashboard.py", "test_lightning.py",
+                 "test_browser.py", "test_pool.py", "test_elastic.py", "test_kernel.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.process)
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: in a file too
 
 
 def _refuse_process(*args: object, **kwargs: object) -> None:

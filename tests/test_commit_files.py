@@ -134,4 +134,6 @@ def test_a_jobs_commits_go_into_a_few_reused_files_of_the_agents(log_dir):
     assert result.snapshot is not None
     kept = snapshot_format.load(io.BytesIO(result.snapshot))
     assert torch.equal(kept["values"]["weights"], torch.full((256 * 1024,), 40.0))
-    assert 1 <= len(seen) <= 4, f"{len(seen)} memory files for 40 commits"
+    # A few (2 to 4 on a quiet machine; a reader under load holds one a while longer),
+    # where a file per commit would be 40.
+    assert 1 <= len(seen) <= 8, f"{len(seen)} memory files for 40 commits"
