@@ -191,6 +191,7 @@ class Cluster:
 
     def cancel_later(self, allocation_id: str) -> None:
         """Its machine has left the job: end the allocation (from the cluster's thread)."""
+        self.cancels.given_back.add(allocation_id)  # now: a Hello from it is not let in
         self._to_cancel.append(allocation_id)
         self._wake.set()
 

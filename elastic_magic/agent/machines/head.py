@@ -64,6 +64,7 @@ class Head(SingleMachine):
         self.names: dict[int, str] = {}  # hub connection -> the machine's address
         self.pids: dict[int, int] = {}  # hub connection -> its agent's pid
         self.greeted: set[int] = set()  # hub connections that said Hello
+        self.sent_away: dict[int, tuple[str, int]] = {}  # connection -> (address, pid)
         self.rendezvous: Rendezvous | None = None
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
         # what a --launcher started for the job, and gives back
@@ -110,12 +111,14 @@ class Head(SingleMachine):
         if item.message is None:  # the machine is gone: its allocation may be replaced
             self.launched.link_ended(item.node)
         match item.message:
-            case Hello(host, nproc, allocation=allocation) if (
+            case Hello(host, nproc, pid, allocation) if (
                     why := self.launched.sent_away(allocation)):
-                self.greeted.add(item.node)  # no round waits for it: it never joins one
+                self.greeted.add(item.node)  # no round waits for it
+                self.sent_away[item.node] = (host, pid)
                 assert self.hub is not None
                 self.hub.send_to(item.node, EndJob(why))
                 self.emit(NodeConnected(host, nproc, False, why))
+                return self._out_of_rounds(item.node)
             case Hello(host, nproc, pid, allocation):
                 self.names[item.node] = host
                 self.pids[item.node] = pid
@@ -154,9 +157,19 @@ class Head(SingleMachine):
                 why = item.reason or "its link closed without notice (its agent was killed " \
                     "or crashed)"
                 return self._lost(item.node, why, group)
+            case None if item.node in self.sent_away:  # it went (nor is it waiting now)
+                return self._out_of_rounds(item.node, gone=True)
             case None:
                 self._left(item.node, item.link.peer, item.reason)
         return None
+
+    def _out_of_rounds(self, node: int, gone: bool = False) -> Action | None:
+        """A machine sent away may have joined torch's rendezvous before it heard: out of
+        it (from a round it completed: the others regroup without it)."""
+        host, pid = self.sent_away.pop(node) if gone else self.sent_away[node]
+        rendezvous = self.rendezvous
+        node_rank = rendezvous.remove_node(host, pid) if rendezvous else None
+        return Action.REGROUP if node_rank is not None else None
 
     def _lost(self, node: int, why: str, group: WorkerGroup | None,
               failures: list[RankFailure] | None = None) -> Action | None:

@@ -7,7 +7,6 @@ all."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ...result import JobState, RankFailure
 from ...spec import JobSpec
@@ -28,9 +27,6 @@ from ..node.workers import Worker, take_memory_file
 from ..policy import GroupOutcome
 from ..round_info import RoundInfo
 from .rendezvous import Rendezvous
-
-if TYPE_CHECKING:
-    pass
 
 # Waits for the next incoming message up to a timeout, handles it, and says what the loop
 # must do about it (None: nothing).
