@@ -47,17 +47,33 @@ def test_defaults_decorators_and_class_bodies_run_where_they_are_defined():
 
 
 def test_functions_and_classes_of_the_namespace_are_followed():
-    def train(steps):
-        return model(steps)  # noqa: F821  (a global of the rank's namespace)
+    space: dict = {}
+    exec(textwrap.dedent("""
+        def train(steps):
+            return model(steps)
 
-    class Trainer:
-        def fit(self):
-            return optimizer  # noqa: F821
+        class Trainer:
+            def fit(self):
+                return optimizer
 
-    space = {"train": train, "Trainer": Trainer}
+        def setup():
+            global made
+            made = 1
+    """), space)  # as a cell defines them: their globals are the namespace
     assert "model" in reads("train(5)", space)
     assert "optimizer" in reads("Trainer().fit()", space)
     assert "model" not in reads("print(1)", space)
+    assert "made" not in reads("setup()\nprint(made)", space)  # setup binds it
+    # A library's function reads its own module's globals, not the namespace's.
+    space["dumps"] = textwrap.dedent
+    assert reads("dumps('x')", space) == {"dumps"}  # not textwrap's own globals
+
+
+def test_a_class_body_reads_its_own_names_and_properties_their_own_setters():
+    assert "w" not in reads("class A:\n    w = 1\n    v = w")
+    source = ("class A:\n    @property\n    def value(self):\n        return 1\n"
+              "    @value.setter\n    def value(self, v):\n        pass\n")
+    assert "value" not in reads(source)
 
 
 def test_imports_handlers_and_matches_bind_their_names():

@@ -6,7 +6,10 @@ before it runs (``namespace_ship.check``). The cell's own statements are read in
 ``x = x + 1`` needs ``x`` and ``x = 1; print(x)`` does not; the body of a function the cell
 defines counts only once the cell uses that function (``def f(): return model`` alone does
 not need ``model``); a class body runs where it is defined, so it counts at once. Control
-flow is read straight through: a name bound in one branch counts as bound after it."""
+flow is read straight through: a name bound in one branch counts as bound after it, and
+what the functions the cell calls bind (``global x``) or what the cell binds after a call
+counts as bound for the code those functions run (the check lets such a cell run rather
+than refuse one that would have)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def needed(source: str, filename: str, space: dict[str, Any]) -> set[str]:
     todo = [*order.read, *(order.loaded & order.defined), *order.classes]
     seen: set[str] = set()
     through: set[str] = set()  # read inside functions: the cell may bind them first
+    stored: set[str] = set()  # bound by those functions (``global x; x = ...``)
     while todo:
         name = todo.pop()
         if name in seen:
@@ -37,31 +41,46 @@ def needed(source: str, filename: str, space: dict[str, Any]) -> set[str]:
         if name in order.defined and name in defined:
             codes: Iterator[types.CodeType] = iter((defined[name],))
         elif name in space:
-            codes = code_of(space[name])
+            codes = code_of(space[name], space)
         else:
             continue
         for code in codes:
+            stored |= _global_stores(code)
             for read in global_reads(code):
                 through.add(read)
                 todo.append(read)
-    return order.read | (through - order.bound)
+    # what a called function binds (``global x``) counts as bound, wherever the call is
+    return (order.read | (through - order.bound)) - stored
 
 
 def global_reads(code: types.CodeType) -> set[str]:
-    """The global names ``code`` and the code nested in it read (as Python scopes them)."""
+    """The global names ``code`` and the code nested in it read (as Python scopes them; a
+    class body's own names, stored and read there by name, are not global)."""
+    reads: set[str] = set()
+    for each in _nested(code):
+        instructions = list(dis.get_instructions(each))
+        own = {ins.argval for ins in instructions if ins.opname == "STORE_NAME"}
+        reads |= {ins.argval for ins in instructions if ins.opname == "LOAD_GLOBAL"
+                  or (ins.opname == "LOAD_NAME" and ins.argval not in own)}
+    return reads
+
+
+def _global_stores(code: types.CodeType) -> set[str]:
     return {ins.argval for each in _nested(code) for ins in dis.get_instructions(each)
-            if ins.opname in ("LOAD_NAME", "LOAD_GLOBAL")}
+            if ins.opname == "STORE_GLOBAL"}
 
 
-def code_of(value: Any) -> Iterator[types.CodeType]:
-    """The code a namespace value runs when called: a function's, a class's methods'."""
-    if isinstance(value, types.FunctionType):
-        yield value.__code__
-    elif isinstance(value, type):
-        for attr in vars(value).values():
-            fn = getattr(attr, "__func__", attr)  # staticmethod, classmethod
-            if isinstance(fn, types.FunctionType):
-                yield fn.__code__
+def code_of(value: Any, space: dict[str, Any] | None = None) -> Iterator[types.CodeType]:
+    """The code a namespace value runs when called: a function's, a class's methods';
+    given ``space``, only code whose globals are that namespace (a library's function reads
+    its own module's globals, not the cells')."""
+    functions: list[Any] = [value] if isinstance(value, types.FunctionType) else []
+    if isinstance(value, type):
+        functions = [getattr(attr, "__func__", attr)  # staticmethod, classmethod
+                     for attr in vars(value).values()]
+    for fn in functions:
+        if isinstance(fn, types.FunctionType) and (space is None or fn.__globals__ is space):
+            yield fn.__code__
 
 
 def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
