@@ -115,7 +115,8 @@ LONGEST_FIRST = ("test_survivors.py", "test_sharded.py", "test_soak.py", "test_m
                  "test_launchers.py", "test_notebooks.py", "test_slurm.py", "test_jobs.py",
                  "test_hangs.py", "test_lost_machines.py", "test_preload.py", "test_session.py",
                  "test_networks.py", "test_dashboard.py", "test_lightning.py",
-                 "test_browser.py", "test_pool.py", "test_elastic.py", "test_kernel.py")
+                 "test_browser.py", "test_pool.py", "test_elastic.py", "test_kernel.py",
+                 "test_session_chaos.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -166,9 +166,11 @@ def test_a_slot_that_fails_again_is_excluded_and_the_job_goes_on_smaller(
     assert result.excluded == [f"slot 1 of this machine: {excluded.why}"]
     assert "went on without slot 1" in result.summary()
     # From the last whole commit each time (the failure may come while the commit of step
-    # 5 is still sent behind the training: then from step 4's): the world went 3 -> 2.
+    # 5 is still sent behind the training: then from step 4's): the world went 3 -> 2. The
+    # restarted group of 3 may end before rank 0 says where it starts: slot 1 fails at its
+    # first step, before any collective, while rank 0 may still be restoring.
     starts = starts_from_the_last_commit(recorder)
-    assert starts[0] == (0, 3) and [world for _, world in starts] == [3, 3, 2]
+    assert starts[0] == (0, 3) and [world for _, world in starts] in ([3, 3, 2], [3, 2])
     assert all(step in (4, 5) for step, _ in starts[1:])
     done = done_steps(recorder)  # every step, and again only what a restart rolled back
     assert sorted(set(done)) == list(range(1, STEPS + 1))
