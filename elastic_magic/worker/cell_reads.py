@@ -45,29 +45,30 @@ def needed(source: str, filename: str, space: dict[str, Any]) -> set[str]:
         else:
             continue
         for code in codes:
-            stored |= _global_stores(code)
-            for read in global_reads(code):
-                through.add(read)
-                todo.append(read)
+            reads, binds = _globals(code)
+            stored |= binds
+            through |= reads
+            todo.extend(reads)
     # what a called function binds (``global x``) counts as bound, wherever the call is
     return (order.read | (through - order.bound)) - stored
 
 
-def global_reads(code: types.CodeType) -> set[str]:
+def _globals(code: types.CodeType) -> tuple[set[str], set[str]]:
     """The global names ``code`` and the code nested in it read (as Python scopes them; a
-    class body's own names, stored and read there by name, are not global)."""
+    class body's own names, stored and read there by name, are not global), and those it
+    binds (``global x; x = ...``), in one pass over its instructions."""
     reads: set[str] = set()
+    binds: set[str] = set()
     for each in _nested(code):
         instructions = list(dis.get_instructions(each))
         own = {ins.argval for ins in instructions if ins.opname == "STORE_NAME"}
-        reads |= {ins.argval for ins in instructions if ins.opname == "LOAD_GLOBAL"
-                  or (ins.opname == "LOAD_NAME" and ins.argval not in own)}
-    return reads
-
-
-def _global_stores(code: types.CodeType) -> set[str]:
-    return {ins.argval for each in _nested(code) for ins in dis.get_instructions(each)
-            if ins.opname == "STORE_GLOBAL"}
+        for ins in instructions:
+            if ins.opname == "LOAD_GLOBAL" or (ins.opname == "LOAD_NAME"
+                                                and ins.argval not in own):
+                reads.add(ins.argval)
+            elif ins.opname == "STORE_GLOBAL":
+                binds.add(ins.argval)
+    return reads, binds
 
 
 def code_of(value: Any, space: dict[str, Any] | None = None) -> Iterator[types.CodeType]:
