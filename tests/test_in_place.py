@@ -20,8 +20,8 @@ from elastic_magic.wire.payload import build_payload
 WIDTH = 600  # the model's state is above kept.COPY_LIMIT: kept as versions, not a copy
 
 # Rank 1 dies before its forward at step 3 (rank 0 then waits in the backward's all-reduce:
-# nothing changed since the commit) and after its optimizer step at step 6 (rank 0 has
-# stepped too); the test resizes to 3 once rank 0 prints STEP 9.
+# nothing changed since the commit) and after the optimizer step at step 6 (a barrier makes
+# sure rank 0 has stepped too); the test resizes to 3 once rank 0 prints STEP 9.
 CELL = textwrap.dedent("""
     import os, signal, time, torch, torch.distributed as dist, elastic_magic
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -48,8 +48,10 @@ CELL = textwrap.dedent("""
             opt.zero_grad()
             ddp(torch.ones(2, WIDTH)).square().mean().backward()
             opt.step()
-            if (attempt, state.step, rank) == (1, 6, 1):
-                os.kill(os.getpid(), signal.SIGKILL)
+            if (attempt, state.step) == (1, 6):
+                dist.barrier()  # rank 0 has stepped too (else it may be stopped before)
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
             state.step += 1
             if rank == 0:
                 print("STEP", state.step, flush=True)

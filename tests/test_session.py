@@ -363,7 +363,9 @@ def test_resize_between_cells_and_at_a_commit_keeps_state(log_dir):
         s.scale(2)
         box["thread"].join(120)
         result = box["result"]
-        assert result.values == {0: (40, 2), 1: (40, 2)}
+        assert result.values == {0: (40, 2), 1: (40, 2)}, (
+            result.state, result.failure, result.stop_reason,
+            "\n".join(repr(e) for e in watcher.events if not isinstance(e, Output)))
         assert result.restarts == 0 and result.resizes == 2
         assert watcher.of(SessionReformed)[0].world_size == 2
 

@@ -176,15 +176,16 @@ class CellRunner:
         assert group is not None
         gone = [w for w in group.workers if w.ended_at is None and w.process_gone()]
         deadline = time.monotonic() + NOTICE_GRACE
-        while any(w.ended_at is None for w in gone) and time.monotonic() < deadline:
+        while True:
+            group.poll()  # notes exits
+            if all(group.has_ended(w) for w in gone) or time.monotonic() > deadline:
+                return self.died()
             self.engine.switchboard.next_action(0.02)
-        group.poll()  # notes exits
-        return self.died()
 
     def dead_ranks(self) -> set[int]:
         """This machine's ranks whose process has ended (but at a resize)."""
         group = self.engine.group
-        return {w.global_rank for w in group.workers if w.ended_at is not None
+        return {w.global_rank for w in group.workers if group.has_ended(w)
                 and not w.resized} if group is not None else set()
 
     def _emit_failures(self, failures: list[RankFailure]) -> None:

@@ -192,12 +192,19 @@ class WorkerGroup:
     def _has_failed(self, worker: Worker) -> bool:
         if worker.error is not None and not worker.idle:
             return True
-        if not self._exit_failed(worker) or worker.exited_at is None:
-            return False
-        # Wait for its report pipe to close so an error report in flight is not missed.
-        return worker.channel_closed_at is not None or (
-            time.time() - worker.exited_at > _CHANNEL_CLOSE_GRACE
-        )
+        return self._exit_failed(worker) and worker.exited_at is not None \
+            and self.has_ended(worker)
+
+    @staticmethod
+    def has_ended(worker: Worker) -> bool:
+        """The rank has ended and every report it sent is recorded: its report pipe has
+        closed (reports and the close come in order), or its shepherd exited over a grace
+        ago (a forked grandchild may hold the pipe). A shepherd's exit alone is not enough:
+        a rank that left at a resize has exited before its Resized report is read."""
+        if worker.channel_closed_at is not None:
+            return True
+        return worker.exited_at is not None \
+            and time.time() - worker.exited_at > _CHANNEL_CLOSE_GRACE
 
     def tear_down(self) -> float:
         """Stop every worker at once (no waiting for collective timeouts); the time of the
