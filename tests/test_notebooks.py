@@ -127,14 +127,15 @@ def test_multi_node_tutorial_joins_resizes_and_leaves(tmp_path):
 
 def test_sessions_tutorial_keeps_state_recovers_and_resizes(tmp_path):
     text = shown(execute("04_sessions.ipynb", tmp_path))
-    assert "[rank 1] rank 1 ready at step 0" in text
+    assert "[rank 1] rank 1 of 2 ready at step 0" in text
     assert re.search(r"\[rank 0\] step 20: loss \d", text), text
     assert "loss after 10 more steps" in text
     assert "rank 1 failed: killed by SIGKILL" in text
     # --survivors: rank 0 stayed in its process with its namespace (``last``, from an
-    # ordinary cell); the new rank 1 replayed the setup cell alone (it uses no collective),
-    # and the next cell trained on both.
+    # ordinary cell); the new rank 1 replayed the setup cell alone on the new group (it
+    # uses no collective), and the next cell trained on both.
     assert "ranks 0 stayed in their processes" in text
+    assert "[rank 1] rank 1 of 2 ready at step 30" in text
     assert "session re-formed: 1 setup cell replayed, State at step 30" in text
     survivor = re.search(r"rank 0: pid (\d+) \(was (\d+)\), step 30, last = (\S+) \(was (\S+)\)",
                          text)

@@ -14,7 +14,12 @@ from conftest import tagged_workers
 from test_session import Watcher
 
 import elastic_magic as em
-from elastic_magic.wire.events import SessionBroken, SessionReformed, WorkersStarted
+from elastic_magic.wire.events import (
+    SessionBroken,
+    SessionReformed,
+    WorkerFailed,
+    WorkersStarted,
+)
 
 # Every rank's process, whether its own variables are still there, and a collective on the
 # group as it is now (its world size, summed).
@@ -163,20 +168,40 @@ def test_a_death_in_a_cell_fails_that_cell_and_the_next_runs_on_the_survivors(ip
     assert not tagged_workers()
 
 
-def test_a_setup_cell_that_needs_the_group_restarts_every_rank_as_without_survivors(log_dir):
-    """A new rank replays the setup cells alone, without the process group: one that uses
-    the group fails there, and the session re-forms as without the flag (no restart spent
-    on it)."""
-    with em.Session(nproc=2, max_restarts=1, survivors=True, log_dir=log_dir) as s:
-        s.run("import os, torch.distributed as dist\nr = dist.get_rank()\n", setup=True)
+def test_setup_cells_replayed_alone_have_the_group_and_a_collective_restarts_every_rank(
+        log_dir):
+    """A new rank replays the setup cells on the session's new process group, alone:
+    its rank and the world size are there, so the survivor stays. A collective in a
+    setup cell would wait for the survivors for ever: it is refused on the new rank, and
+    the session re-forms as without the flag (no restart spent on it)."""
+    with em.Session(nproc=2, max_restarts=2, survivors=True, log_dir=log_dir) as s:
+        s.run("import os, torch, torch.distributed as dist\n"
+              "from torch.distributed import all_reduce\n"  # the name bound while alone
+              "r, n = dist.get_rank(), dist.get_world_size()\n", setup=True)
         s.run("only_here = 'not a setup cell'")
         pids = s.run("os.getpid()").values
-        os.kill(pids[1], signal.SIGKILL)  # the next cell sent at once runs on the new group
+        os.kill(pids[1], signal.SIGKILL)
+        look = "t = torch.ones(1)\nall_reduce(t)\n" \
+               "(os.getpid(), globals().get('only_here'), r, n, int(t.item()))"
+        result = s.run(look)
+        assert result.values[0] == (pids[0], "not a setup cell", 0, 2, 2)
+        assert result.values[1][0] != pids[1]
+        assert result.values[1][1:] == ("not a setup cell", 1, 2, 2)  # rank 0's, sent
+        assert result.restarts == 1
+
+        s.run("dist.barrier()", setup=True)  # fine on every rank; refused on one alone
+        pids = s.run("os.getpid()").values
+        os.kill(pids[1], signal.SIGKILL)
         watcher = Watcher()
-        result = s.run("(os.getpid(), globals().get('only_here'), r)", render=watcher)
-        assert s.status()["restarts"] == "1/1"
-        assert result.values[0][1:] == (None, 0) and result.values[1][1:] == (None, 1)
+        result = s.run(look, render=watcher)
+        assert s.status()["restarts"] == "2/2"
+        assert result.values[0][1:] == (None, 0, 2, 2) and result.values[1][1:] == (
+            None, 1, 2, 2)
         assert not {result.values[0][0], result.values[1][0]} & set(pids.values())
         assert [e.stayed for e in watcher.of(WorkersStarted)] == [(0,), ()]
-        assert result.restarts == 1
+        refused = [e.failure for e in watcher.of(WorkerFailed)
+                   if e.failure.exc_type == "AloneError"]
+        assert [f.rank for f in refused] == [1], watcher.events
+        assert "torch.distributed.barrier in a setup cell replayed" in refused[0].message
+        assert result.restarts == 2
     assert not tagged_workers()

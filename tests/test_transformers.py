@@ -54,8 +54,10 @@ CELL = textwrap.dedent("""
 
     class Steps(TrainerCallback):  # what rank 0 trained, and rank 1's death
         def on_step_begin(self, args, state, control, **kwargs):
-            if rank == 1 and (attempt, state.global_step) in KILLS:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if (attempt, state.global_step) in KILLS:
+                torch.distributed.barrier()  # rank 0 has said its step is done first
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
 
         def on_step_end(self, args, state, control, **kwargs):
             if rank == 0:

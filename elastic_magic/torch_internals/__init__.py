@@ -120,6 +120,12 @@ GROUP_NAMES = Need(
     "torch.distributed.distributed_c10d", "_process_group_name",
     reads=("_world", "group_count"),
     why="to name a survivor's next default group as new ranks name their first")
+BROADCAST_COALESCED = Need(
+    "torch.distributed", "_broadcast_coalesced",
+    why="to refuse DDP's first broadcast on a rank that replays setup cells alone")
+VERIFY_PARAMS = Need(
+    "torch.distributed", "_verify_params_across_processes",
+    why="to refuse DDP's parameter check on a rank that replays setup cells alone")
 LOADER_ITERATOR = Need(
     "torch.utils.data.dataloader", "_BaseDataLoaderIter._reset", reads=("_index_sampler",),
     why="to tell torch's DataLoader iterating an ElasticSampler, which must be refused")
@@ -132,7 +138,8 @@ LIBRARY_FINALIZER = Need(
 NEEDS: tuple[Need, ...]  # more from rounds.py, at the end
 NEEDS = (DELAY, OPERATION_RUN, RENDEZVOUS_STATE, NODE, STATE_HOLDER, HANDLER_STATE,
          CREATE_STORE, NEXT_ROUND, STOP_HEARTBEATS, REMOVE_EPILOGUE, DEFAULT_GROUP,
-         MESH_CHECK, GROUP_NAMES, LOADER_ITERATOR, DEL_LIBRARY, LIBRARY_FINALIZER)
+         MESH_CHECK, GROUP_NAMES, BROADCAST_COALESCED, VERIFY_PARAMS, LOADER_ITERATOR,
+         DEL_LIBRARY, LIBRARY_FINALIZER)
 
 
 def _unsupported(need: Need, problem: str) -> NoReturn:
@@ -334,6 +341,15 @@ def route_default_group_checks(is_initialized: Callable[[], bool]) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     c10d.is_initialized = device_mesh.is_initialized = is_initialized
+
+
+def private_collectives() -> tuple[str, ...]:
+    """The private ``torch.distributed`` functions that wait for the other ranks: what
+    DDP's constructor calls first (``worker/replay_alone.py`` refuses them with the public
+    collectives)."""
+    for need in (BROADCAST_COALESCED, VERIFY_PARAMS):
+        _get(need)
+    return (BROADCAST_COALESCED.name, VERIFY_PARAMS.name)
 
 
 def forget_group_names() -> None:

@@ -34,6 +34,14 @@ def _dist() -> Any:
     return dist if default_group.ensure() else None
 
 
+def _dist_for_collectives() -> Any:
+    """``_dist()``, but None on a new rank that replays a session's setup cells alone: the
+    survivors would never join a collective there."""
+    from ..worker import replay_alone
+
+    return None if replay_alone.replaying() else _dist()
+
+
 def rank_and_world() -> tuple[int, int]:
     dist = _dist()
     return (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)

@@ -36,7 +36,7 @@ from ..worker.client import ResizeExit, current
 from ..worker.leave import word_deferred
 from . import handoff, rng, sharded, snapshot_format
 from .collectives import broadcast_flag, gather_int, gather_ints
-from .data import DataLoader, ElasticSampler, _dist, rank_and_world
+from .data import DataLoader, ElasticSampler, _dist, _dist_for_collectives, rank_and_world
 from .kept import Kept
 
 __all__ = ["DataLoader", "ElasticSampler", "State"]
@@ -343,7 +343,7 @@ def _restore(state: State, *, together: bool) -> bool:
     memory_file = None if kept else handoff.open_handoff(reply.handoff)
     if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
         reply = client.request(lambda request_id: StateGet(request_id, inline=True))
-    dist = _dist() if together else None
+    dist = _dist_for_collectives() if together else None
     if dist is not None:  # every rank must start from the same commit
         ids = gather_int(dist, reply.commit_id)
         if len(set(ids)) != 1:

@@ -53,6 +53,9 @@ class Payload:
     # A session's cell: it runs in the rank's persistent namespace, and a failure is
     # reported without ending the worker (worker/session_cells.py).
     session: bool = False
+    # A setup cell replayed on a new rank while the survivors wait: collectives refuse
+    # (worker/replay_alone.py).
+    alone: bool = False
 
 
 def build_payload(

@@ -30,7 +30,7 @@ from elastic_magic.wire.messages import (
     Running,
 )
 from elastic_magic.wire.payload import Payload
-from elastic_magic.worker import imports, leave, progress
+from elastic_magic.worker import imports, leave, progress, replay_alone
 from elastic_magic.worker import session_cells as session
 from elastic_magic.worker.client import AgentClient, ResizeExit
 
@@ -49,7 +49,8 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
         namespace = _prepare(payload)
         report.send(Running(time.time()))
         with session.running_cell() if payload.session else contextlib.nullcontext(), \
-                leave.leavable() if stay else contextlib.nullcontext():
+                leave.leavable() if stay else contextlib.nullcontext(), \
+                replay_alone.no_collectives() if payload.alone else contextlib.nullcontext():
             value = _execute(payload, namespace)
     except leave.RerunCell:  # a survivor that went on in its cell must start it again
         return drop_cell(namespace)
@@ -103,7 +104,7 @@ def _prepare(payload: Payload) -> dict[str, Any]:
     default_group.keep_destroyed_groups()
     if payload.init_process_group:  # made when the cell first uses it, unless it makes its own
         default_group.arm(payload.backend, payload.timeout)
-    else:  # nor one armed by a payload before (a new rank's setup cells replayed alone)
+    else:  # nor one armed by a payload before
         default_group.disarm()
     os.chdir(payload.cwd)
     sys.path[:] = payload.sys_path

@@ -12,8 +12,9 @@ order (a ``State`` they make restores the last commit). Re-formations after a fa
 against ``--max-restarts``, as a job's restarts do, and a slot that fails again is left out
 as a job's is; a resize does not count. What to do is decided in ``policy``.
 With ``--survivors`` the healthy ranks stay, namespaces and all, and only the
-new ranks start, replay the setup cells and get what they still lack of a survivor's
-namespace (``_form``, ``session_ship``).
+new ranks start, replay the setup cells (on the new process group, collectives refused:
+``worker/replay_alone.py``) and get what they still lack of a survivor's namespace
+(``_form``, ``session_ship``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from collections.abc import Collection
 from ...result import JobResult, JobState, RankFailure
 from ...wire.events import CellStarted, SessionBroken, SessionReformed
 from ...wire.messages import Action, StopCommand
-from ...wire.payload import Payload
+from ...wire.payload import Payload, function_payload
+from ...worker import replay_alone
 from ..inbox import CellRequest, InboxItem, InterruptCommand
 from ..policy import CellStep, FollowUp, GroupOutcome, cell_state
 from .cell_runner import CellOutcome, CellRunner, not_back
@@ -34,7 +36,9 @@ from .cells import CellEvents, SessionEndedError
 from .engine import Engine
 from .session_ship import NamespaceShipping
 
-SHIP = Payload(source="# the survivors' namespace, sent to the new ranks")  # a step of _form
+# Steps of _form: the process group made on every rank; the survivors' namespace sent.
+GROUP = Payload(source="# the process group, made before the new ranks' setup replays")
+SHIP = Payload(source="# the survivors' namespace, sent to the new ranks")
 
 
 class SessionLoop:
@@ -207,8 +211,9 @@ class SessionLoop:
         """New round, fresh workers, setup cells replayed (a State restores the last
         commit). None once the group is up; else why not (failures, or none: stopped).
         Survivors stay (``keep``, if asked for): the healthy ranks keep their processes
-        and namespaces, and the new ranks replay the setup cells alone, without the
-        process group; should one fail there, every rank starts again and replays them."""
+        and namespaces; the process group is made on every rank, and the new ranks replay
+        the setup cells alone on it (collectives refused); should one fail there, every
+        rank starts again and replays them."""
         engine = self.engine
         if self.ended is not None:
             return engine.failures
@@ -233,13 +238,17 @@ class SessionLoop:
         alone = bool(stayed)  # survivors keep what the setup cells made
         if not alone:
             self.shipping.forget()
-        steps: list[Payload | None] = [None, *(self.setup if new else [])]
-        for payload in [*steps, *([SHIP] if new and alone else [])]:  # None: sent at start
+        replays = self.setup if new else []
+        steps: list[Payload | None] = [None, *([GROUP] if replays and alone else []),
+                                       *replays, *([SHIP] if new and alone else [])]
+        for payload in steps:  # None: sent at start
             if payload is SHIP:  # then the survivors' namespace, for what the ranks lack
                 outcome = self.shipping.ship(self._run, stayed, new)
+            elif payload is GROUP:
+                outcome = self._run(self._make_group())
             else:
                 if payload is not None and alone:
-                    payload = dataclasses.replace(payload, init_process_group=False)
+                    payload = dataclasses.replace(payload, alone=True)
                 outcome = self._run(payload, new if payload is not None and alone else None)
             if outcome.step is CellStep.STOP:
                 self.ended = JobState.STOPPED
@@ -259,6 +268,14 @@ class SessionLoop:
             step = (engine.elastic_state.snapshots.meta or {}).get("step")
             engine.emit(SessionReformed(len(self.setup), step, engine.world_size))
         return None
+
+    def _make_group(self) -> Payload:
+        """Every rank makes the new round's process group (the job's backend and timeout),
+        so that the setup cells replayed alone find it."""
+        start = self.engine.payload
+        return function_payload(replay_alone.make_group, (), {}, session=True,
+                                backend=start.backend, timeout=start.timeout,
+                                cwd=start.cwd, sys_path=start.sys_path)
 
     def _result(self, state: JobState, failures: list[RankFailure],
                 reason: str | None = None) -> JobResult:
