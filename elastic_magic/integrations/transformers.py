@@ -45,7 +45,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..training import rng
-from ..training.data import _dist, rank_and_world
+from ..training.collectives import distributed, rank_and_world
 from ..training.state import State
 
 __all__ = ["ElasticCallback"]
@@ -166,7 +166,7 @@ class _LoggedLoss(_Deferred):
         if loss is None:  # before the loop
             return None
         mine = loss.detach().reshape(1).clone()
-        dist = _dist()
+        dist = distributed()
         losses = [mine]
         if dist is not None:  # a commit: every rank is here
             mine = mine.to(rng.collective_device(dist))

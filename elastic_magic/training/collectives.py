@@ -1,11 +1,37 @@
-"""Small collectives of the State's: flags and integers every rank must agree on, as
-tensors (nothing is unpickled)."""
+"""The job's process group as State and the data see it, and the State's small
+collectives: flags and integers every rank must agree on, as tensors (nothing is
+unpickled)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from . import rng
+
+
+def distributed() -> Any:
+    """torch.distributed when the job has a default group (the automatic one is made
+    now if nothing used it yet: State may come before any collective); else None."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    from ..worker import default_group
+
+    return dist if default_group.ensure() else None
+
+
+def distributed_for_collectives() -> Any:
+    """``distributed()``, but None on a new rank that replays a session's setup cells alone: the
+    survivors would never join a collective there."""
+    from ..worker import replay_alone
+
+    return None if replay_alone.replaying() else distributed()
+
+
+def rank_and_world() -> tuple[int, int]:
+    dist = distributed()
+    return (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)
 
 
 def broadcast_flag(dist: Any, flag: bool) -> bool:

@@ -20,31 +20,7 @@ import torch
 import torch.utils.data as tud
 
 from .. import torch_internals
-
-
-def _dist() -> Any:
-    """torch.distributed when the job has a default group (the automatic one is made
-    now if nothing used it yet: State may come before any collective); else None."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return None
-    from ..worker import default_group
-
-    return dist if default_group.ensure() else None
-
-
-def _dist_for_collectives() -> Any:
-    """``_dist()``, but None on a new rank that replays a session's setup cells alone: the
-    survivors would never join a collective there."""
-    from ..worker import replay_alone
-
-    return None if replay_alone.replaying() else _dist()
-
-
-def rank_and_world() -> tuple[int, int]:
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)
+from .collectives import rank_and_world
 
 
 class ElasticSampler:

@@ -19,9 +19,7 @@ import functools
 import io
 import os
 import secrets
-import socket
 import time
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +33,17 @@ from ..wire.messages import (
 from ..worker.client import ResizeExit, current
 from ..worker.leave import word_deferred
 from . import handoff, rng, sharded, snapshot_format
-from .collectives import broadcast_flag, gather_int, gather_ints
-from .data import DataLoader, ElasticSampler, _dist, _dist_for_collectives, rank_and_world
+from .collectives import (
+    broadcast_flag,
+    distributed,
+    distributed_for_collectives,
+    gather_int,
+    gather_ints,
+    rank_and_world,
+)
+from .data import DataLoader, ElasticSampler
 from .kept import Kept
+from .stateful import GeneratorState, stateful_of
 
 __all__ = ["DataLoader", "ElasticSampler", "State"]
 
@@ -60,52 +66,6 @@ def roll_back_kept_states() -> tuple[Any, Any] | None:
     before = state.step if state is not None else None
     return (before, state.step) if state is not None and _restore(state, together=False) \
         else None
-
-
-def _unwrap(obj: Any) -> Any:
-    """The model inside a DDP or DataParallel wrapper (its state_dict has no prefix)."""
-    from torch.nn import DataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    return obj.module if isinstance(obj, (DistributedDataParallel, DataParallel)) else obj
-
-
-class _GeneratorState:
-    """A torch.Generator as a stateful object."""
-
-    def __init__(self, generator: Any) -> None:
-        self.generator = generator
-
-    def state_dict(self) -> Any:
-        return self.generator.get_state()
-
-    def load_state_dict(self, state: Any) -> None:
-        self.generator.set_state(state)
-
-
-def _stateful(name: str, value: Any) -> Any:
-    """What restores ``value`` in place, or None for a plain value; refuses what cannot
-    be restored at all."""
-    import torch
-
-    if isinstance(value, torch.Generator):
-        return _GeneratorState(value)
-    if type(value).__name__ == "StatefulDataLoader":
-        raise TypeError(
-            f"State cannot restore {name}=StatefulDataLoader exactly: torchdata keeps each "
-            "rank's own position, which does not carry over to another world size (a resize "
-            "would skip or repeat samples). Use elastic_magic.DataLoader (same arguments)")
-    if callable(getattr(value, "state_dict", None)) and callable(
-            getattr(value, "load_state_dict", None)):
-        return _unwrap(value)
-    if isinstance(value, (types.GeneratorType, io.IOBase, socket.socket)) or (
-            hasattr(value, "__next__") and hasattr(value, "__iter__")):
-        raise TypeError(
-            f"State cannot restore {name}={type(value).__name__}: it has no state to save. "
-            "Pass objects with state_dict()/load_state_dict() (restored in place) or plain "
-            "values (numbers, strings, tensors, lists and dicts of them); make iterators "
-            "and open files again after State(...) from what it restored")
-    return None
 
 
 class State:
@@ -164,7 +124,7 @@ class State:
     def __getattr__(self, name: str) -> Any:
         if name in self._objects:
             obj = self._objects[name]
-            return obj.generator if isinstance(obj, _GeneratorState) else obj
+            return obj.generator if isinstance(obj, GeneratorState) else obj
         try:
             return self._values[name]
         except KeyError:
@@ -175,7 +135,7 @@ class State:
         if name.startswith("_") or name in _OWN:
             object.__setattr__(self, name, value)
             return
-        stateful = _stateful(name, value)
+        stateful = stateful_of(name, value)
         if stateful is None:
             self._objects.pop(name, None)
             self._values[name] = value
@@ -267,7 +227,7 @@ class State:
             raise ValueError(f"commit(every={every}): give a number of calls, 1 or more")
         object.__setattr__(self, "_commits", self._commits + 1)
         object.__setattr__(self, "_since_commit", self._since_commit + 1)
-        client, dist = current(), _dist()
+        client, dist = current(), distributed()
         due = self._since_commit >= every
         if seconds is not None and not due:
             due = time.monotonic() - self._last_commit >= seconds
@@ -343,7 +303,7 @@ def _restore(state: State, *, together: bool) -> bool:
     memory_file = None if kept else handoff.open_handoff(reply.handoff)
     if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
         reply = client.request(lambda request_id: StateGet(request_id, inline=True))
-    dist = _dist_for_collectives() if together else None
+    dist = distributed_for_collectives() if together else None
     if dist is not None:  # every rank must start from the same commit
         ids = gather_int(dist, reply.commit_id)
         if len(set(ids)) != 1:
