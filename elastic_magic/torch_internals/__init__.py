@@ -120,12 +120,6 @@ GROUP_NAMES = Need(
     "torch.distributed.distributed_c10d", "_process_group_name",
     reads=("_world", "group_count"),
     why="to name a survivor's next default group as new ranks name their first")
-BROADCAST_COALESCED = Need(
-    "torch.distributed", "_broadcast_coalesced",
-    why="to refuse DDP's first broadcast on a rank that replays setup cells alone")
-VERIFY_PARAMS = Need(
-    "torch.distributed", "_verify_params_across_processes",
-    why="to refuse DDP's parameter check on a rank that replays setup cells alone")
 LOADER_ITERATOR = Need(
     "torch.utils.data.dataloader", "_BaseDataLoaderIter._reset", reads=("_index_sampler",),
     why="to tell torch's DataLoader iterating an ElasticSampler, which must be refused")
@@ -138,7 +132,7 @@ LIBRARY_FINALIZER = Need(
 NEEDS: tuple[Need, ...]  # more from rounds.py, at the end
 NEEDS = (DELAY, OPERATION_RUN, RENDEZVOUS_STATE, NODE, STATE_HOLDER, HANDLER_STATE,
          CREATE_STORE, NEXT_ROUND, STOP_HEARTBEATS, REMOVE_EPILOGUE, DEFAULT_GROUP,
-         MESH_CHECK, GROUP_NAMES, BROADCAST_COALESCED, VERIFY_PARAMS, LOADER_ITERATOR,
+         MESH_CHECK, GROUP_NAMES, LOADER_ITERATOR,
          DEL_LIBRARY, LIBRARY_FINALIZER)
 
 
@@ -343,15 +337,6 @@ def route_default_group_checks(is_initialized: Callable[[], bool]) -> None:
     c10d.is_initialized = device_mesh.is_initialized = is_initialized
 
 
-def private_collectives() -> tuple[str, ...]:
-    """The private ``torch.distributed`` functions that wait for the other ranks: what
-    DDP's constructor calls first (``worker/replay_alone.py`` refuses them with the public
-    collectives)."""
-    for need in (BROADCAST_COALESCED, VERIFY_PARAMS):
-        _get(need)
-    return (BROADCAST_COALESCED.name, VERIFY_PARAMS.name)
-
-
 def forget_group_names() -> None:
     """Name groups from "0" again, as new ranks do. torch names unnamed groups by a count
     (the default group "0" in a fresh process) and resets it only when it destroys a
@@ -397,3 +382,10 @@ pace_rendezvous_polls, operation_state = rounds.pace_rendezvous_polls, rounds.op
 read_state_at_every_poll, completing_join = (rounds.read_state_at_every_poll,
                                              rounds.completing_join)
 NEEDS += (STATE_CACHE, JOIN_OP, ACTIONS, CONTEXT)
+
+# Collectives refused on a rank that replays setup cells alone (worker/replay_alone.py)
+from . import collective_names  # noqa: E402
+
+private_collectives = collective_names.private_collectives
+modules_calling_collectives = collective_names.modules_calling_collectives
+NEEDS += collective_names.NEEDS

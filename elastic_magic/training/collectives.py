@@ -21,12 +21,12 @@ def distributed() -> Any:
     return dist if default_group.ensure() else None
 
 
-def distributed_for_collectives() -> Any:
+def distributed_unless_alone() -> Any:
     """``distributed()``, but None on a new rank that replays a session's setup cells alone: the
     survivors would never join a collective there."""
     from ..worker import replay_alone
 
-    return None if replay_alone.replaying() else distributed()
+    return None if replay_alone.replaying_alone() else distributed()
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -36,7 +36,7 @@ from . import handoff, rng, sharded, snapshot_format
 from .collectives import (
     broadcast_flag,
     distributed,
-    distributed_for_collectives,
+    distributed_unless_alone,
     gather_int,
     gather_ints,
     rank_and_world,
@@ -303,7 +303,7 @@ def _restore(state: State, *, together: bool) -> bool:
     memory_file = None if kept else handoff.open_handoff(reply.handoff)
     if reply.handoff and memory_file is None and not kept:  # cannot read the agent's
         reply = client.request(lambda request_id: StateGet(request_id, inline=True))
-    dist = distributed_for_collectives() if together else None
+    dist = distributed_unless_alone() if together else None
     if dist is not None:  # every rank must start from the same commit
         ids = gather_int(dist, reply.commit_id)
         if len(set(ids)) != 1:

@@ -55,7 +55,7 @@ class Payload:
     session: bool = False
     # A setup cell replayed on a new rank while the survivors wait: collectives refuse
     # (worker/replay_alone.py).
-    alone: bool = False
+    replayed_alone: bool = False
 
 
 def build_payload(

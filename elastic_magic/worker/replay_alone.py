@@ -22,14 +22,16 @@ from typing import Any
 from elastic_magic import torch_internals
 
 # What sends to or waits for other ranks: the collectives, point to point, the object
-# collectives and new groups (every rank must make them); what DDP's constructor calls
-# first comes from torch_internals.
+# collectives, new groups (every rank must make them) and a new default group; what DDP's
+# constructor calls first comes from torch_internals.
 COLLECTIVES = (
     "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
     "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier",
     "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object",
-    "irecv", "isend", "monitored_barrier", "new_group", "new_subgroups", "recv", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+    "init_process_group", "irecv", "isend", "monitored_barrier", "new_group",
+    "new_subgroups", "recv", "recv_object_list", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "send_object_list",
+    "split_group",
 )
 
 _replaying = False
@@ -39,7 +41,7 @@ class AloneError(RuntimeError):
     """A setup cell replayed on a new rank alone used a collective."""
 
 
-def replaying() -> bool:
+def replaying_alone() -> bool:
     """A setup cell is being replayed on this new rank alone: what would be a collective
     elsewhere (``State``'s check that every rank restored the same commit) is skipped."""
     return _replaying
@@ -62,24 +64,25 @@ def _refusing(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def no_collectives() -> Iterator[None]:
-    """While a setup cell is replayed alone: torch.distributed's collectives refuse."""
+    """While a setup cell is replayed alone: torch.distributed's collectives refuse,
+    wherever torch or the cell reaches them by name."""
     global _replaying
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    saved: list[tuple[Any, str, Any]] = []
-    for module in (dist, c10d):
-        for name in (*COLLECTIVES, *torch_internals.private_collectives()):
-            if (original := getattr(module, name, None)) is not None:
-                saved.append((module, name, original))
-                setattr(module, name, _refusing(name, original))
+    names = (*COLLECTIVES, *torch_internals.private_collectives())
+    patched: list[tuple[Any, str, Any, Any]] = []  # module, name, torch's, ours
+    for module in torch_internals.modules_calling_collectives():
+        for name in names:
+            if (original := module.__dict__.get(name)) is not None:
+                refuse = _refusing(name, original)
+                setattr(module, name, refuse)
+                patched.append((module, name, original, refuse))
     _replaying = True
     try:
         yield
     finally:
         _replaying = False
-        for module, name, original in saved:
-            setattr(module, name, original)
+        for module, name, original, refuse in patched:
+            if module.__dict__.get(name) is refuse:  # what the cell set there stays
+                setattr(module, name, original)
 
 
 def make_group() -> None:

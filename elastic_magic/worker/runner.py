@@ -48,9 +48,10 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
     try:
         namespace = _prepare(payload)
         report.send(Running(time.time()))
+        alone = replay_alone.no_collectives() if payload.replayed_alone \
+            else contextlib.nullcontext()
         with session.running_cell() if payload.session else contextlib.nullcontext(), \
-                leave.leavable() if stay else contextlib.nullcontext(), \
-                replay_alone.no_collectives() if payload.alone else contextlib.nullcontext():
+                leave.leavable() if stay else contextlib.nullcontext(), alone:
             value = _execute(payload, namespace)
     except leave.RerunCell:  # a survivor that went on in its cell must start it again
         return drop_cell(namespace)

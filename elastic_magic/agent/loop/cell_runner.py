@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import queue
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ...wire.events import WorkerFailed
 from ...wire.messages import CellReport, Exit, Interrupt, Leaving, Run
 from ...wire.payload import Payload
 from ..inbox import FromLink, InboxItem, OutputEnded
+from ..node.group import CHANNEL_CLOSE_GRACE
 from ..node.workers import NOTICE_GRACE, WorkerState, wait_for_exit
 from ..policy import CellStatus, CellStep, during_cell
 from .cells import OtherMachines
@@ -175,12 +177,28 @@ class CellRunner:
         group = self.engine.group
         assert group is not None
         gone = [w for w in group.workers if w.ended_at is None and w.process_gone()]
-        deadline = time.monotonic() + NOTICE_GRACE
+        # its pipe's end comes at once; else its shepherd's exit counts after a grace
+        deadline = time.monotonic() + NOTICE_GRACE + CHANNEL_CLOSE_GRACE
         while True:
             group.poll()  # notes exits
             if all(group.has_ended(w) for w in gone) or time.monotonic() > deadline:
                 return self.died()
             self.engine.switchboard.next_action(0.02)
+
+    def wait_idle(self) -> InboxItem | None:
+        """The next inbox item while no cell runs (blocks). None once a grace has passed
+        while a rank's shepherd had exited without its report pipe closing: its death
+        counts now, and no item may come to say so."""
+        group = self.engine.group
+        ending = False
+        if group is not None:
+            group.poll()  # notes exits
+            ending = any(w.exited_at is not None and not group.has_ended(w)
+                         for w in group.workers)
+        try:
+            return self.engine.inbox.get(timeout=CHANNEL_CLOSE_GRACE if ending else None)
+        except queue.Empty:
+            return None
 
     def dead_ranks(self) -> set[int]:
         """This machine's ranks whose process has ended (but at a resize)."""

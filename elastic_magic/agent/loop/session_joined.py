@@ -33,11 +33,11 @@ class JoinedSessionLoop:
             engine.open()
             self._form()
             while self.ended is None:
-                item = engine.inbox.get()  # idle: blocks
+                item = self.runner.wait_idle()
                 if isinstance(item, FromLink) and isinstance(item.message, SessionCell):
                     self._run_sent_cell(item.message)
                     continue
-                action = engine.switchboard.handle(item)
+                action = None if item is None else engine.switchboard.handle(item)
                 if action is Action.STOP:
                     self.ended = JobState.STOPPED
                 elif action is Action.REGROUP:

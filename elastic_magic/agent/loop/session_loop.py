@@ -113,7 +113,8 @@ class SessionLoop:
                 break
             if self.pending:
                 return self.pending.popleft()
-            if engine.switchboard.handle(engine.inbox.get()) is Action.STOP:
+            item = self.runner.wait_idle()
+            if item is not None and engine.switchboard.handle(item) is Action.STOP:
                 self.ended = JobState.STOPPED
             elif self._intact() and self.runner.died():
                 self._break(self.runner.break_idle())
@@ -239,7 +240,8 @@ class SessionLoop:
         if not alone:
             self.shipping.forget()
         replays = self.setup if new else []
-        steps: list[Payload | None] = [None, *([GROUP] if replays and alone else []),
+        grouped = replays and alone and engine.payload.init_process_group  # not --no-init
+        steps: list[Payload | None] = [None, *([GROUP] if grouped else []),
                                        *replays, *([SHIP] if new and alone else [])]
         for payload in steps:  # None: sent at start
             if payload is SHIP:  # then the survivors' namespace, for what the ranks lack
@@ -248,7 +250,7 @@ class SessionLoop:
                 outcome = self._run(self._make_group())
             else:
                 if payload is not None and alone:
-                    payload = dataclasses.replace(payload, alone=True)
+                    payload = dataclasses.replace(payload, replayed_alone=True)
                 outcome = self._run(payload, new if payload is not None and alone else None)
             if outcome.step is CellStep.STOP:
                 self.ended = JobState.STOPPED

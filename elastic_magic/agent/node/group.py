@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 # A worker that exited without its report pipe closing (a forked grandchild holds it) is
 # judged on its exit code after this long.
-_CHANNEL_CLOSE_GRACE = 1.0
+CHANNEL_CLOSE_GRACE = 1.0
 _EXIT_AFTER_RESULTS_TIMEOUT = 30.0
 
 
@@ -204,7 +204,7 @@ class WorkerGroup:
         if worker.channel_closed_at is not None:
             return True
         return worker.exited_at is not None \
-            and time.time() - worker.exited_at > _CHANNEL_CLOSE_GRACE
+            and time.time() - worker.exited_at > CHANNEL_CLOSE_GRACE
 
     def tear_down(self) -> float:
         """Stop every worker at once (no waiting for collective timeouts); the time of the
