@@ -23,6 +23,7 @@ from elastic_magic.wire.events import (
     MembershipChanged,
     Output,
     ResizeRequested,
+    WorkerFailed,
 )
 from elastic_magic.wire.payload import build_payload
 
@@ -310,6 +311,8 @@ def test_random_kills_with_survivors_staying_end_bit_for_bit(baseline, log_dir, 
     assert result.ok, result
     assert len(killed) >= 4 and result.restarts == len(killed)
     stayed = [s.stayed for s in recorder.of(WorkersStarted)[1:]]
-    assert all(len(s) == 1 for s in stayed)  # one rank killed, the other stayed, each time
+    # one rank killed, the other stayed, each time
+    assert all(len(s) == 1 for s in stayed), (stayed, [
+        (f.rank, f.reason, f.exc_type) for f in (e.failure for e in recorder.of(WorkerFailed))])
     assert committed_steps(recorder)[-1] == STEPS
     assert_same_parameters(result.values[0], baseline, atol=0)

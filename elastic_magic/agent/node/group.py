@@ -126,6 +126,7 @@ class WorkerGroup:
         if report.attempt != self.attempt:
             return None
         worker = self.workers[report.local_rank]
+        worker.heard_at = time.monotonic()
         match report.message:
             case None:
                 worker.channel_closed_at = report.time

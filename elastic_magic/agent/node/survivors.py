@@ -26,8 +26,10 @@ from .workers import TEARDOWN_ESCALATION, Worker, join_threads, stop
 
 STUCK = ("did not leave its collective (within the link timeout, or a second after the "
          "last other rank left): stopped and started again")
-# No rank left for this long while some are still in their payload: those wait for no one
-# (gloo does not wake a collective whose peers left without closing their connections).
+# No rank left, and none still in its payload reported, for this long: those wait for no
+# one (gloo does not wake a collective whose peers left without closing their
+# connections). A rank that reports (its commit in flight, which holds the agent's word
+# until its send has started) is not stuck, however loaded the machine.
 NO_PROGRESS = 1.0
 
 
@@ -71,7 +73,8 @@ def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout:
                    session: bool = False) -> SortedRanks:
     """Ask the ranks to leave, give them ``timeout`` seconds to park (``wait(seconds)``
     serves the inbox meanwhile: their reports and their last commits), or NO_PROGRESS
-    seconds after the last rank left; stop the others. ``session``: a session's group,
+    seconds after the last rank left and the last report of those still in their payload;
+    stop the others. ``session``: a session's group,
     whose ranks park by answering their cell (an idle rank is parked)."""
     ask_to_leave(group)
     deadline = time.monotonic() + timeout
@@ -84,7 +87,10 @@ def keep_survivors(group: WorkerGroup, wait: Callable[[float], object], timeout:
         now = time.monotonic()
         if (count := sum(w.parked or not w.alive() for w in group.workers)) != left_count:
             left_count, last_left = count, now
-        if settled(group) or now >= deadline or (count and now - last_left >= NO_PROGRESS):
+        heard = max((w.heard_at for w in group.workers if w.alive() and not w.parked),
+                    default=0.0)
+        if settled(group) or now >= deadline or (
+                count and now - max(last_left, heard) >= NO_PROGRESS):
             break
         wait(min(deadline - now, 0.05))
     stuck = [w for w in group.workers if w.alive() and not w.parked]

@@ -87,6 +87,7 @@ class Worker:
     channel_closed_at: float | None = None
     ended_status: int | None = None  # the worker's wait status, from its shepherd
     exited_at: float | None = None
+    heard_at: float = 0.0  # time.monotonic() of its last report (survivors: progress)
     running: bool = False
     resized: bool = False  # left at a commit that applied a resize
     parked: bool = False  # survivors stay: left its payload, waits for the next Run
