@@ -22,6 +22,7 @@ import nbformat
 import pytest
 from conftest import wait_for_workers, wait_until_no_workers
 from netns import network as network  # the fixture
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import expect, sync_playwright
 
 pytestmark = pytest.mark.browser
@@ -186,7 +187,13 @@ def run_cell(page, index: int) -> None:
     cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
     prompt = cell.locator(".jp-InputArea-prompt")
     for _ in range(3):
-        cell.locator(".jp-InputArea-editor").click()
+        try:
+            cell.locator(".jp-InputArea-editor").click()
+        except PlaywrightTimeout:  # seen once in CI: a dialog in the way; say which
+            page.screenshot(path=str(ARTIFACTS / f"cell-{index}-not-clickable.png"))
+            dialogs = page.locator(".jp-Dialog")
+            raise AssertionError(f"cell {index} cannot be clicked; dialogs open: "
+                                 f"{dialogs.all_inner_texts()}") from None
         page.keyboard.press("Shift+Enter")
         try:
             expect(prompt).not_to_have_text("[ ]:", timeout=10_000)
