@@ -152,6 +152,16 @@ def cell_payload(source: str, namespace: dict[str, Any], **settings: Any) -> Pay
     return Payload(source=source, globals=values, modules=modules, **settings)
 
 
+def step_payload(start: Payload, fn: Callable[..., Any], *args: Any,
+                 make_group: bool = False) -> Payload:
+    """A session's own step, not a cell: ``fn(*args)`` on the ranks, in the folder and path
+    of the session's start payload; ``make_group``: with its process group (the job's
+    backend and timeout) made where ``fn`` first uses it."""
+    return function_payload(fn, args, {}, session=True, init_process_group=make_group,
+                            backend=start.backend, timeout=start.timeout, cwd=start.cwd,
+                            sys_path=start.sys_path)
+
+
 def function_payload(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **settings: Any
 ) -> Payload:

@@ -24,8 +24,7 @@ from ...wire.events import WorkerFailed
 from ...wire.messages import CellReport, Exit, Interrupt, Leaving, Run
 from ...wire.payload import Payload
 from ..inbox import FromLink, InboxItem, OutputEnded
-from ..node.group import CHANNEL_CLOSE_GRACE
-from ..node.workers import NOTICE_GRACE, WorkerState, wait_for_exit
+from ..node.workers import CHANNEL_CLOSE_GRACE, NOTICE_GRACE, WorkerState, wait_for_exit
 from ..policy import CellStatus, CellStep, during_cell
 from .cells import OtherMachines
 from .engine import Engine
@@ -181,7 +180,7 @@ class CellRunner:
         deadline = time.monotonic() + NOTICE_GRACE + CHANNEL_CLOSE_GRACE
         while True:
             group.poll()  # notes exits
-            if all(group.has_ended(w) for w in gone) or time.monotonic() > deadline:
+            if all(w.has_ended() for w in gone) or time.monotonic() > deadline:
                 return self.died()
             self.engine.switchboard.next_action(0.02)
 
@@ -193,7 +192,7 @@ class CellRunner:
         ending = False
         if group is not None:
             group.poll()  # notes exits
-            ending = any(w.exited_at is not None and not group.has_ended(w)
+            ending = any(w.exited_at is not None and not w.has_ended()
                          for w in group.workers)
         try:
             return self.engine.inbox.get(timeout=CHANNEL_CLOSE_GRACE if ending else None)
@@ -203,7 +202,7 @@ class CellRunner:
     def dead_ranks(self) -> set[int]:
         """This machine's ranks whose process has ended (but at a resize)."""
         group = self.engine.group
-        return {w.global_rank for w in group.workers if group.has_ended(w)
+        return {w.global_rank for w in group.workers if w.has_ended()
                 and not w.resized} if group is not None else set()
 
     def _emit_failures(self, failures: list[RankFailure]) -> None:

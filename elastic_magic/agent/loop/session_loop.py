@@ -27,7 +27,7 @@ from collections.abc import Collection
 from ...result import JobResult, JobState, RankFailure
 from ...wire.events import CellStarted, SessionBroken, SessionReformed
 from ...wire.messages import Action, StopCommand
-from ...wire.payload import Payload, function_payload
+from ...wire.payload import Payload, step_payload
 from ...worker import replay_alone
 from ..inbox import CellRequest, InboxItem, InterruptCommand
 from ..policy import CellStep, FollowUp, GroupOutcome, cell_state
@@ -247,7 +247,9 @@ class SessionLoop:
             if payload is SHIP:  # then the survivors' namespace, for what the ranks lack
                 outcome = self.shipping.ship(self._run, stayed, new)
             elif payload is GROUP:
-                outcome = self._run(self._make_group())
+                # every rank makes the group the setup cells replayed alone find
+                outcome = self._run(step_payload(engine.payload, replay_alone.make_group,
+                                                 make_group=True))
             else:
                 if payload is not None and alone:
                     payload = dataclasses.replace(payload, replayed_alone=True)
@@ -270,14 +272,6 @@ class SessionLoop:
             step = (engine.elastic_state.snapshots.meta or {}).get("step")
             engine.emit(SessionReformed(len(self.setup), step, engine.world_size))
         return None
-
-    def _make_group(self) -> Payload:
-        """Every rank makes the new round's process group (the job's backend and timeout),
-        so that the setup cells replayed alone find it."""
-        start = self.engine.payload
-        return function_payload(replay_alone.make_group, (), {}, session=True,
-                                backend=start.backend, timeout=start.timeout,
-                                cwd=start.cwd, sys_path=start.sys_path)
 
     def _result(self, state: JobState, failures: list[RankFailure],
                 reason: str | None = None) -> JobResult:

@@ -19,7 +19,7 @@ import pickle
 from collections.abc import Callable, Collection
 from typing import Any
 
-from ...wire.payload import Payload, function_payload
+from ...wire.payload import Payload, step_payload
 from ...wire.shipped import ShippedNamespace
 from ...worker import namespace_ship
 from ..policy import CellStep
@@ -37,9 +37,7 @@ class NamespaceShipping:
         self.lacking: dict[int, dict[str, str]] = {}  # a rank's pid -> name -> why
 
     def _payload(self, fn: Callable[..., Any], *args: Any) -> Payload:
-        start = self.engine.payload
-        return function_payload(fn, args, {}, session=True, init_process_group=False,
-                                cwd=start.cwd, sys_path=start.sys_path)
+        return step_payload(self.engine.payload, fn, *args)
 
     def _value(self, rank: int) -> Any:
         """The value rank ``rank`` answered the payload with (from its signed report)."""

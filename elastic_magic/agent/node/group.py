@@ -47,9 +47,6 @@ from .zygote_link import PoolError
 if TYPE_CHECKING:
     from ...logs import RunFolder
 
-# A worker that exited without its report pipe closing (a forked grandchild holds it) is
-# judged on its exit code after this long.
-CHANNEL_CLOSE_GRACE = 1.0
 _EXIT_AFTER_RESULTS_TIMEOUT = 30.0
 
 
@@ -194,18 +191,7 @@ class WorkerGroup:
         if worker.error is not None and not worker.idle:
             return True
         return self._exit_failed(worker) and worker.exited_at is not None \
-            and self.has_ended(worker)
-
-    @staticmethod
-    def has_ended(worker: Worker) -> bool:
-        """The rank has ended and every report it sent is recorded: its report pipe has
-        closed (reports and the close come in order), or its shepherd exited over a grace
-        ago (a forked grandchild may hold the pipe). A shepherd's exit alone is not enough:
-        a rank that left at a resize has exited before its Resized report is read."""
-        if worker.channel_closed_at is not None:
-            return True
-        return worker.exited_at is not None \
-            and time.time() - worker.exited_at > CHANNEL_CLOSE_GRACE
+            and worker.has_ended()
 
     def tear_down(self) -> float:
         """Stop every worker at once (no waiting for collective timeouts); the time of the

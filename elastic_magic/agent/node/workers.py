@@ -54,6 +54,9 @@ from .zygote_link import PooledProcess, Zygote
 # A report pipe that closed waits this long for its shepherd's word on how the worker
 # ended, which comes at once when the worker has (then the rank's end is judged on it).
 NOTICE_GRACE = 1.0
+# A worker that exited without its report pipe closing (a forked grandchild holds it) is
+# judged on its exit code after this long.
+CHANNEL_CLOSE_GRACE = 1.0
 
 
 class WorkerState(str, Enum):
@@ -112,6 +115,14 @@ class Worker:
     def pid(self) -> int:
         """The rank's shepherd: the process we spawned, signal and reap."""
         return self.proc.pid if self.proc else -1
+
+    def has_ended(self) -> bool:
+        """The rank has ended and every report it sent is recorded: its report pipe has
+        closed (reports and the close come in order), or its shepherd exited over a grace
+        ago (a forked grandchild may hold the pipe). A shepherd's exit alone is not enough:
+        a rank that left at a resize has exited before its Resized report is read."""
+        return self.channel_closed_at is not None or (
+            self.exited_at is not None and time.time() - self.exited_at > CHANNEL_CLOSE_GRACE)
 
     @property
     def ended_at(self) -> float | None:
