@@ -22,6 +22,7 @@ import errno
 import itertools
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -201,6 +202,35 @@ def own_path(path: Path, *, create: bool = False, trust_writers: bool = False
         os.close(fd)
         raise NotPrivate(problem)
     return fd, real
+
+
+def private_folder(path: Path) -> tuple[int, Path]:
+    """``own_path`` for a folder that holds secrets (a job's token): made 0700 where
+    missing, reached from / as a checkpoint folder is, and no one else may even read it.
+    Raises NotPrivate or OSError saying why it cannot be used."""
+    fd, real = open_path(absolute(path), create=True)
+    problem = describe(os.fstat(fd), real, private=True)
+    if problem:
+        os.close(fd)
+        raise NotPrivate(f"{problem}; it must be a folder of yours alone (chmod 700)")
+    return fd, real
+
+
+def cache_folder() -> Path | None:
+    """``$XDG_CACHE_HOME/elastic_magic`` (``~/.cache/elastic_magic``); None without a home."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):  # the XDG rule: a relative path is ignored
+        with contextlib.suppress(RuntimeError):  # no home directory
+            cache = str(Path.home() / ".cache")
+    return Path(cache) / "elastic_magic" if os.path.isabs(cache) else None
+
+
+def token_folder() -> Path:
+    """Where a job's token files go (the join's ``--token-file``): a private folder under
+    the user's home, which a cluster's machines usually share."""
+    cache = cache_folder()
+    return cache / "tokens" if cache else Path(tempfile.gettempdir(),
+                                               f"elastic_magic-{os.getuid()}", "tokens")
 
 
 def absolute(path: Path) -> Path:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .folders import (
     NotPrivate,
+    cache_folder,
     describe,
     make_folders,
     new_file,
@@ -168,12 +169,9 @@ def _create_log(folder: int, name: str) -> int:
 def default_roots() -> list[Path]:
     """The folders that may hold the default log folder, in order of preference."""
     roots = []
-    cache = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(cache):  # the XDG rule: a relative path is ignored
-        with contextlib.suppress(RuntimeError):  # no home directory
-            cache = str(Path.home() / ".cache")
-    if os.path.isabs(cache):
-        roots.append(Path(cache) / "elastic_magic")
+    cache = cache_folder()
+    if cache is not None:
+        roots.append(cache)
     roots.append(Path(tempfile.gettempdir()) / f"elastic_magic-{os.getuid()}")
     return roots
 

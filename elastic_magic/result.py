@@ -178,21 +178,21 @@ class JobResult:
         Returns:
             "failed, world size 2, restarts 1/1, 3.2s", say.
         """
-        parts = [
-            f"{self.state.value}",
-            f"world size {self.world_size}",
-            f"restarts {self.restarts}/{self.max_restarts}",
-            f"{self.duration:.1f}s",
-        ]
+        parts = [self.state.value, f"world size {self.world_size}",
+                 f"restarts {self.restarts}/{self.max_restarts}", f"{self.duration:.1f}s"]
         if self.excluded:
             parts.append(f"went on without {'; '.join(self.excluded)}")
         return ", ".join(parts)
 
     def __repr__(self) -> str:
         """Short, whatever the ranks returned (tensors would print in full): the summary and
-        rank 0's value cut to one line; ``.values`` has them all."""
+        rank 0's value cut to one line; ``.values`` has them all. A job that did not
+        succeed says why: its root cause's headline, or why it was stopped."""
         if not self.values:
-            return f"JobResult({self.summary()})"
+            why = " ".join((f"rank {self.failure.rank}: {self.failure.headline}"
+                            if self.failure else self.stop_reason or "").split())
+            why = f", why={why[:117] + '...' if len(why) > 120 else why}" if why else ""
+            return f"JobResult({self.summary()}{why})"
         value = " ".join(repr(self.values[min(self.values)]).split())
         if len(value) > 60:
             value = value[:57] + "..."

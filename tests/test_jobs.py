@@ -134,9 +134,10 @@ def test_torchrun_contract_matches_torchrun(tmp_path, log_dir, recorder):
     # torchrun's own agent setting leaks into its workers' env; it is no worker contract.
     agent_only = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "_"}
     # We add these: lines arrive as printed; a worker slot's identity (policy.Membership);
-    # a standalone job's process groups kept on loopback
+    # a standalone job's process groups kept on loopback; init_process_group returns once
+    # every rank's group is up
     ours_only = {"PYTHONUNBUFFERED", "ELASTIC_MAGIC_SLOT", "GLOO_SOCKET_IFNAME",
-                 "NCCL_SOCKET_IFNAME"}
+                 "NCCL_SOCKET_IFNAME", "TORCH_DIST_INIT_BARRIER"}
     for rank in (0, 1):
         assert set(theirs[rank]) - agent_only == set(ours[rank]) - ours_only
         same_meaning = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -147,6 +148,7 @@ def test_torchrun_contract_matches_torchrun(tmp_path, log_dir, recorder):
         assert {k: ours[rank][k] for k in same_meaning} == {
             k: theirs[rank][k] for k in same_meaning}
         assert ours[rank]["MASTER_PORT"].isdigit()
+        assert ours[rank]["TORCH_DIST_INIT_BARRIER"] == "1"
         assert ours[rank]["ELASTIC_MAGIC_SLOT"] == ours[rank]["LOCAL_RANK"]  # none left out
         assert ours[rank]["TORCHELASTIC_ERROR_FILE"].endswith(f"rank_{rank}/error.json")
     assert ours[0]["TORCHELASTIC_RUN_ID"] == ours[1]["TORCHELASTIC_RUN_ID"]

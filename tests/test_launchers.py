@@ -304,7 +304,7 @@ def test_slurm_jobs_print_into_a_private_folder_of_the_users_not_the_working_one
     output.chmod(0o755)  # whatever the umask
     launcher = make_launcher("slurm", {"output_dir": str(output),
                                        "token_dir": str(tmp_path / "tokens")})
-    with pytest.raises(LauncherError, match=r"must be a folder of yours and private \(chmod 700"):
+    with pytest.raises(LauncherError, match=r"must be a folder of yours alone \(chmod 700\)"):
         launcher.start(JoinRequest("h:1", "t", "run"))
     assert not (tmp_path / "tokens").exists()  # refused before anything was written
     # A private folder in a team's folder that others can write: one of them could rename
@@ -359,7 +359,9 @@ def test_ssh_grows_a_training_job_from_one_machine_to_three(
     spec = em.JobSpec.create(1, nnodes="1:3", rdzv_endpoint=network.head_address,
                              launcher="ssh", launch=[f"{k}={v}" for k, v in options.items()],
                              log_dir=log_dir, timeout=60)
-    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.3})
+    grown = tmp_path / "grown"  # step 30 waits for it: the job cannot end before growing
+    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.3,
+                                                    "HOLDS": {30: str(grown)}})
     job = Job(spec, payload).start()
     seen: dict[str, object] = {}
 
@@ -369,6 +371,7 @@ def test_ssh_grows_a_training_job_from_one_machine_to_three(
         seen["machines"] = status.machines
         seen["status"] = job.status()
         seen["holding"] = _processes_holding(job.token or "?")
+        grown.touch()
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -474,14 +477,20 @@ def test_scale_gives_a_machine_back_at_a_commit_and_ends_its_session(
     spec = em.JobSpec.create(1, nnodes="1:3", rdzv_endpoint=network.head_address,
                              launcher="ssh", launch=[f"{k}={v}" for k, v in options.items()],
                              log_dir=log_dir, timeout=60)
-    payload = build_payload(TRAIN, spec, namespace={"KILL_AT": -1, "PAUSE": 0.3})
+    # Steps 20 and 30 wait for these (the scale is asked, the machine has left): the job
+    # cannot end before either, however slowly the machines come up.
+    scaled, shrunk = tmp_path / "scaled", tmp_path / "shrunk"
+    payload = build_payload(TRAIN, spec, namespace={
+        "KILL_AT": -1, "PAUSE": 0.3, "HOLDS": {20: str(scaled), 30: str(shrunk)}})
     job = Job(spec, payload).start()
     seen: dict[str, object] = {}
 
     def drive() -> None:  # once three machines train: give one back
         job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
         job.scale_nodes(2)
+        scaled.touch()
         job._board.wait_for(lambda s: s.nnodes == 2, timeout=120)
+        shrunk.touch()
         deadline = time.monotonic() + 30  # the one given back exits once it has left
         while len(_in_namespaces(network, "elastic_magic.cli")) > 1 \
                 and time.monotonic() < deadline:
@@ -710,17 +719,25 @@ def test_a_local_job_that_grows_and_ends_asks_for_no_replacement(log_dir, record
     """)
     job = Job(spec, build_payload(source, spec)).start()
     joined = ("local1#1: running", "local2#2: running")
+    stuck: list[str] = []
 
     def drive() -> None:  # both joined machines done, and the launcher has looked since
-        job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
-        job._board.wait_for(lambda s: not any(m.startswith(joined) for m in s.machines),
-                            timeout=120)
+        for what, ready in (
+                ("three machines", lambda s: s.nnodes == 3),
+                ("the joined machines' end", lambda s: not any(
+                    m.startswith(joined) for m in s.machines))):
+            status = job._board.wait_for(ready, timeout=120)
+            if not ready(status) and not status.done:  # end it, saying what it waited for
+                stuck.append(f"no {what} in 120 s: {status}")
+                job.stop(stuck[-1])
+                return
         go.touch()
 
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
     result = job.wait(recorder)
     driver.join(timeout=10)
+    assert not stuck, (stuck, [(round(e.time, 1), e) for e in recorder.events])
     assert result.ok and set(result.values.values()) == {3}, result
     asked = {line.split(":")[0] for e in recorder.of(MachinesChanged) for line in e.allocations
              if "#" in line.split(":")[0]}

@@ -76,17 +76,10 @@ def _private_folder(path: Path, holds: str, option: str) -> None:
     files by name later, and someone who could rename a folder on the way could put an
     open one there), and private: it holds ``holds``."""
     try:
-        fd, real = folders.open_path(folders.absolute(path), create=True)
+        os.close(folders.private_folder(path)[0])
     except (folders.NotPrivate, OSError) as exc:
         raise LauncherError(f"{path} cannot hold {holds}: {exc}. Name a folder of yours "
                             f"with --launch {option}=DIR.") from None
-    try:
-        problem = folders.describe(os.fstat(fd), real, private=True)
-    finally:
-        os.close(fd)
-    if problem:
-        raise LauncherError(f"{path} must be a folder of yours and private (chmod 700) to "
-                            f"hold {holds}: {problem}")
 
 
 class SlurmLauncher:
@@ -117,8 +110,7 @@ class SlurmLauncher:
             (("partition", "partition"), ("account", "account"), ("time", "time"),
              ("qos", "qos")) if options.get(key))]
         self.python = options.get("python", sys.executable)
-        self.token_dir = Path(options.get("token_dir") or
-                              Path.home() / ".cache" / "elastic_magic" / "tokens")
+        self.token_dir = Path(options.get("token_dir") or folders.token_folder())
         self.workdir = options.get("workdir") or os.getcwd()
         self._jobs: list[str] = []
         self._token_file: Path | None = None

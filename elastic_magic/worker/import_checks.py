@@ -17,7 +17,7 @@ from collections.abc import Iterator, MutableMapping
 PER_ROUND = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
     "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DIST_INIT_BARRIER",
     # per worker or per machine, read only once the worker runs (torch reads the devices
     # at CUDA's first use, gloo and NCCL the interface when the group is made)
     "ELASTIC_MAGIC_SLOT", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
