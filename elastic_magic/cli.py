@@ -1,17 +1,19 @@
 """``elastic-magic``: take part in a notebook's elastic job from another machine.
 
-    ELASTIC_MAGIC_TOKEN=TOKEN elastic-magic join HOST:PORT [--nproc N|auto|cpu|gpu]
-    elastic-magic join HOST:PORT --token-file PATH
+    elastic-magic join HOST:PORT --token-file PATH [--nproc N|auto|cpu|gpu]
+    ELASTIC_MAGIC_TOKEN=TOKEN elastic-magic join HOST:PORT
     elastic-magic join HOST:PORT --token-stdin        (a launcher's: see below)
     elastic-magic join HOST:PORT                      (asks for the token)
 
 The cell that started the job (``%%elastic --nnodes 1:4 --rdzv-endpoint HOST:PORT``) prints
-the first form with its token. The token never goes on the command line, where every user
-of this machine could read it (ps). This machine's agent joins torch's rendezvous, runs the
-cell on its workers, sends their output and results to the notebook, and follows the job
-through restarts and resizes until the job ends or this command is interrupted. If the head
-is lost (its link closes, or carries no heartbeat for the job's --link-timeout), the workers
-are stopped and the command exits with status 1, saying so.
+the first form: its token is in a file only you can read (under ~/.cache/elastic_magic/tokens,
+which a cluster's machines usually share; elsewhere copy it over, or give its content as
+ELASTIC_MAGIC_TOKEN). The notebook never shows the token, and it never goes on the command
+line, where every user of this machine could read it (ps). This machine's agent joins torch's
+rendezvous, runs the cell on its workers, sends their output and results to the notebook,
+and follows the job through restarts and resizes until the job ends or this command is
+interrupted. If the head is lost (its link closes, or carries no heartbeat for the job's
+--link-timeout), the workers are stopped and the command exits with status 1, saying so.
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ def read_token(args: argparse.Namespace) -> str:
     if args.token is not None:
         raise UsageError(
             "--token is not accepted: a token on the command line is visible to every user "
-            f"of this machine (ps). Run {TOKEN_VARIABLE}=TOKEN elastic-magic join "
-            f"{args.endpoint} (as the notebook prints it), or use --token-file PATH.")
+            f"of this machine (ps). Run the command the notebook printed (elastic-magic "
+            f"join {args.endpoint} --token-file PATH), or set {TOKEN_VARIABLE}.")
     if args.token_stdin:
         token = sys.stdin.readline()
     elif args.token_file is not None:
@@ -117,18 +119,18 @@ def read_token(args: argparse.Namespace) -> str:
         token = os.environ[TOKEN_VARIABLE]
     elif sys.stdin.isatty():
         try:
-            token = getpass.getpass("job token (as the notebook printed it): ")
+            token = getpass.getpass("job token (`job.token` in the notebook): ")
         except EOFError:
             token = ""
     else:
         raise UsageError(
-            f"no token: run the command the notebook printed ({TOKEN_VARIABLE}=... "
-            "elastic-magic join HOST:PORT), or pass --token-file PATH.")
+            "no token: run the command the notebook printed (elastic-magic join HOST:PORT "
+            f"--token-file PATH), or set {TOKEN_VARIABLE} to the job's token.")
     # This machine's workers (and the cell they run) need not inherit it.
     os.environ.pop(TOKEN_VARIABLE, None)
     token = token.strip()
     if not token:
-        raise UsageError("the token is empty; copy it from the notebook.")
+        raise UsageError("the token is empty: `job.token` in the notebook holds it.")
     return token
 
 

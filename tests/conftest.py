@@ -94,12 +94,14 @@ def wait_until_no_workers(timeout: float) -> list[psutil.Process]:
 @pytest.fixture(autouse=True)
 def checkpoint_config(tmp_path_factory, monkeypatch) -> Path:
     """Checkpoint keys are made in a config folder of the test's, never in the real home
-    (``elastic_magic.training.checkpoint_key``); kernels and agents started by the test
-    inherit it."""
+    (``elastic_magic.training.checkpoint_key``), and tokens in a cache folder of its own;
+    kernels and agents started by the test inherit both."""
     from elastic_magic.training.checkpoint_key import ENV
 
     config = tmp_path_factory.mktemp("config")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
+    # and a join's token file (elastic_magic.folders.token_folder) lands in the test's too
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
     monkeypatch.delenv(ENV, raising=False)
     return config
 

@@ -9,5 +9,5 @@ def test_help_has_no_literal_backticks():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "``" not in run.stdout
-    assert "ELASTIC_MAGIC_TOKEN=TOKEN elastic-magic join HOST:PORT" in run.stdout
+    assert "elastic-magic join HOST:PORT --token-file PATH" in run.stdout
     assert "(%%elastic --nnodes 1:4 --rdzv-endpoint HOST:PORT)" in run.stdout

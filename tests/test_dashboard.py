@@ -371,6 +371,8 @@ def test_quiet_result_repr_and_interrupt_without_library_frames(ip, log_dir, tmp
     for rank in (0, 1):
         stderr = ip.user_ns["stopped"].log_path(rank, "stderr").read_text()
         assert stderr == "KeyboardInterrupt: stopped\n"
+    assert repr(ip.user_ns["stopped"]).startswith("JobResult(stopped, world size 2, ")
+    assert ", why=" in repr(ip.user_ns["stopped"])  # what stopped it, in the one line
 
 
 PROGRESS = textwrap.dedent("""
@@ -443,7 +445,7 @@ def test_join_command_is_in_the_header_and_the_record():
     from elastic_magic.wire.events import AcceptingNodes
 
     state = DashboardState("em-test", "/tmp/logs", 0)
-    command = "ELASTIC_MAGIC_TOKEN=abc elastic-magic join 10.0.0.5:29400"
+    command = "elastic-magic join 10.0.0.5:29400 --token-file /home/u/.cache/t/em-1"
     state.apply(AcceptingNodes("10.0.0.5:29400", command))
     assert state.traits()["header"]["join_command"] == command
     record = record_bundle(state)

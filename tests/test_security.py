@@ -13,6 +13,7 @@ import pickle
 import pty
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -173,7 +174,9 @@ def test_forged_writes_into_a_multi_node_heads_stores_end_the_job_everywhere(
         assert machines.procs[0].wait(timeout=60) in (0, 1), machines.output(0)
     finally:
         machines.reap()
-    assert command.startswith("ELASTIC_MAGIC_TOKEN=") and "--token" not in command
+    # The command the notebook showed names the token's file, gone with the job.
+    token_file = Path(command.split("--token-file ")[1])
+    assert machines.token not in command and not token_file.exists(), command
     assert machines.token and machines.token not in seen["cmdline"]
     written = seen["written"]
     assert isinstance(written, dict)
@@ -307,7 +310,7 @@ def _join_cli(*args: str, env: dict[str, str] | None = None,
 def test_a_token_on_the_command_line_is_refused_and_says_what_to_do():
     done = _join_cli("127.0.0.1:29400", "--token", "3f1c")
     assert done.returncode == 2
-    assert "visible to every user" in done.stderr and "ELASTIC_MAGIC_TOKEN=" in done.stderr
+    assert "visible to every user" in done.stderr and "--token-file PATH" in done.stderr
 
 
 def test_a_token_file_others_can_read_is_refused(tmp_path):
@@ -381,11 +384,34 @@ def test_machines_join_with_a_token_file_or_at_a_prompt(tmp_path, log_dir, recor
 
 
 @pytest.mark.unit
-def test_the_join_command_the_notebook_shows_keeps_the_token_off_the_command_line():
-    from elastic_magic.agent.machines.hub import join_command
+def test_the_join_command_the_notebook_shows_names_a_private_token_file_not_the_token(
+        tmp_path):
+    """A notebook's outputs are saved and shared: the command it shows names a file only
+    the user can read, never the token; where no private file can be made, it says where
+    the token is instead of printing it. The file goes with the job."""
+    from elastic_magic.agent.machines.token_file import TokenFile
 
-    command = join_command("10.0.0.5:29400", "3f1c")
-    assert command == "ELASTIC_MAGIC_TOKEN=3f1c elastic-magic join 10.0.0.5:29400"
+    token = "3f1c" * 8
+    held = TokenFile("em-run", token, folder=tmp_path / "tokens")
+    command = held.command("10.0.0.5:29400")
+    assert held.path is not None and token not in command
+    assert command == f"elastic-magic join 10.0.0.5:29400 --token-file {held.path}"
+    assert held.path.read_text() == token
+    assert stat.S_IMODE(held.path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(held.path.parent.stat().st_mode) == 0o700
+    held.remove()
+    assert list((tmp_path / "tokens").iterdir()) == []
+    # A folder others can read, or a link planted where the folder would be: no file.
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    (tmp_path / "planted").symlink_to(shared)
+    for folder in (shared, tmp_path / "planted"):
+        refused = TokenFile("em-run", token, folder=folder)
+        command = refused.command("10.0.0.5:29400")
+        assert refused.path is None and token not in command, command
+        assert "`job.token`" in command and str(shared) in command, command
+    assert list(shared.iterdir()) == []
 
 
 @pytest.mark.unit

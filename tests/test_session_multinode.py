@@ -24,7 +24,7 @@ def test_a_session_with_a_joined_machine_runs_cells_there_and_re_forms_when_one_
         with em.Session(nproc=1, nnodes="2:3", log_dir=log_dir, timeout=120,
                         render=watcher) as s:
             command = s.wait_for_join_command(timeout=60)
-            machines.endpoint, machines.token = command.split()[-1], s.token
+            machines.endpoint, machines.token = command.split()[2], s.token  # join HOST:PORT
             machines.join(1)
             s.run("import os, torch, torch.distributed as dist\n"
                   "t = torch.ones(1) * (dist.get_rank() + 1)\n"

@@ -37,11 +37,12 @@ from ..node.network import choose
 from ..node.snapshots import StateServer
 from ..policy import GroupOutcome
 from ..round_info import RoundInfo
-from .hub import HUB_KEY, Hub, join_command
+from .hub import HUB_KEY, Hub
 from .launched import Launched
 from .remote_state import HeadCopies, answer_node
 from .rendezvous import Rendezvous, rendezvous_key
 from .roles import NextAction, SingleMachine
+from .token_file import TokenFile
 
 if TYPE_CHECKING:
     from ...wire.payload import Payload
@@ -70,23 +71,21 @@ class Head(SingleMachine):
         # what a --launcher started for the job, and gives back
         self.launched = Launched(spec, run_id, emit, self._give_back)
         self.copies = HeadCopies()  # our ranks' chunks, on another machine
+        self.token_file: TokenFile | None = None  # what the join command names
 
     def open(self) -> Rendezvous:
         self.network = choose(self.spec.rdzv_host, self.spec.env)
         rendezvous = super().open()
         offer = JobOffer(self.run_id, self.spec, self.payload)
-        try:
+        try:  # (the token file goes in finished, as the hub does)
             self.hub = Hub(self.spec.rdzv_host, self.token, offer, self.inbox)
             rendezvous.publish(HUB_KEY, self.hub.address)
-        except BaseException:
-            self.close_rendezvous(rendezvous)
-            raise
-        self.join_command = join_command(rendezvous.endpoint, self.token)
-        self.emit(self.network)
-        self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
-        self.rendezvous = rendezvous
-        rendezvous.close_rounds_when_joined(self._joining)
-        try:
+            self.token_file = TokenFile(self.run_id, self.token)
+            self.join_command = self.token_file.command(rendezvous.endpoint)
+            self.emit(self.network)
+            self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
+            self.rendezvous = rendezvous
+            rendezvous.close_rounds_when_joined(self._joining)
             self.launched.start(rendezvous.endpoint, self.token)
         except BaseException:
             self.close_rendezvous(rendezvous)
@@ -287,6 +286,8 @@ class Head(SingleMachine):
 
     def finished(self, final: JobState, failures: list[RankFailure]) -> None:
         hub, self.hub = self.hub, None
+        if self.token_file is not None:
+            self.token_file.remove()
         self.copies.close()
         try:
             if hub is not None:

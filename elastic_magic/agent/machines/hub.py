@@ -44,12 +44,6 @@ _MAC_BYTES = hashlib.sha256().digest_size
 _HANDSHAKE_TIMEOUT = 10.0
 
 
-def join_command(endpoint: str, token: str) -> str:
-    """What other machines run. The token goes in the environment, never on the command
-    line, where every user of that machine would see it (ps)."""
-    return f"ELASTIC_MAGIC_TOKEN={token} elastic-magic join {endpoint}"
-
-
 class HubError(RuntimeError):
     """Joining failed: the hub cannot be reached, or the token was refused."""
 

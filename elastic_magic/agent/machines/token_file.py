@@ -1,0 +1,52 @@
+"""The command other machines run to join, as the notebook shows it: the job's token stays
+out of it. A notebook's outputs are saved, shared and committed (autosaved into a team's
+folder, say), and the token lets whoever holds it run code in the kernel; so the head writes
+it to a file only the user can read, which the command names (``--token-file``). A cluster's
+machines usually share the home folder that holds it; elsewhere the file is copied over, or
+its content given as ``ELASTIC_MAGIC_TOKEN``. The file goes when the job ends."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shlex
+from pathlib import Path
+
+from ... import folders
+
+
+class TokenFile:
+    """A job's token in a 0600 file of the user's private token folder, and the join
+    command that names it."""
+
+    def __init__(self, run_id: str, token: str, folder: Path | None = None) -> None:
+        self.path: Path | None = None
+        self.problem: str | None = None  # why no file could be written
+        try:
+            fd, real = folders.private_folder(folder or folders.token_folder())
+        except (folders.NotPrivate, OSError) as exc:
+            self.problem = str(exc)
+            return
+        name = f"{run_id}-{secrets.token_hex(4)}"
+        try:
+            with os.fdopen(folders.new_file(fd, name), "w") as file:
+                file.write(token)
+            self.path = real / name
+        except OSError as exc:
+            self.problem = str(exc)
+        finally:
+            os.close(fd)
+
+    def command(self, endpoint: str) -> str:
+        """What other machines run; without a file, what to give them instead."""
+        if self.path is not None:
+            return f"elastic-magic join {endpoint} --token-file {shlex.quote(str(self.path))}"
+        return (f"ELASTIC_MAGIC_TOKEN=... elastic-magic join {endpoint} (the token is "
+                f"`job.token`: no private file could hold it, {self.problem})")
+
+    def remove(self) -> None:
+        path, self.path = self.path, None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
