@@ -438,6 +438,21 @@ def test_jobs_list_stops_the_clock_of_a_finished_job(ip, log_dir, capsys):
 
 
 @pytest.mark.unit
+def test_the_timeline_is_in_time_order_when_another_machine_s_word_comes_in_late():
+    """A joined machine's events come through its link, after the head's own later ones
+    (its network line arrived after "machine ... joined"): the timeline sorts by time."""
+    from elastic_magic.ui.dashboard_state import DashboardState
+    from elastic_magic.wire.events import NetworkChosen, NodeConnected
+
+    state = DashboardState("em-test", "/tmp/logs", 0)
+    state.apply(NodeConnected("10.0.0.7", 2, True, "", time=100.0))
+    state.apply(NetworkChosen("10.0.0.7", "eth0", (), (), "m7", "10.0.0.7", time=99.5))
+    state.apply(NodeConnected("10.0.0.8", 2, True, "", time=101.0))
+    times = [e["time"] for e in state.timeline]
+    assert times == sorted(times) and len(times) == 3, state.timeline
+
+
+@pytest.mark.unit
 def test_join_command_is_in_the_header_and_the_record():
     """A multi-node job's join command: the header (the widget shows it at the top, with a
     Copy button) and the record; not only in the collapsed timeline."""

@@ -102,6 +102,10 @@ def test_torchrun_script_runs_unchanged(tmp_path):
 
 def test_elastic_training_recovers_and_resizes(tmp_path):
     text = shown(execute("03_elastic_training.ipynb", tmp_path, timeout=600))
+    # A --bg cell's dashboard, saved by a run without widgets, names its job in words.
+    assert "object at 0x" not in text
+    assert "requested[elastic]" not in text  # a command's line and the job's, apart
+    assert re.search(r"elastic job em-[0-9a-f]+: its live dashboard shows where widgets", text)
     assert "starting at step 30 with world size 2" in text  # the restart resumed
     assert "same parameters as the uninterrupted run, bit for bit" in text
     assert "resize to 3 workers requested" in text and "resize to 1 worker requested" in text

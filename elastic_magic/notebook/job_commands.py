@@ -15,7 +15,7 @@ from ..spec import SpecError
 from ..ui.ansi import for_terminal
 from ..ui.describe import count_of, duration
 from .comm import JobsChannel
-from .magic_cells import parse_scale, print_pool, print_stacks
+from .magic_cells import parse_scale, print_pool, print_stacks, say
 from .session import Session
 from .session_magic import SessionCommands
 
@@ -110,13 +110,13 @@ class JobCommands:
     def stop(self, words: list[str]) -> None:
         job = self.job(words)
         if job.done:
-            print(f"{job.run_id} has already ended ({job.state.value})")
+            say(f"{job.run_id} has already ended ({job.state.value})")
             return
         job.stop("%elastic stop")
         if job.wait_done(timeout=30):
-            print(f"{job.run_id} stopped; its workers have exited")
+            say(f"{job.run_id} stopped; its workers have exited")
         else:
-            print(f"{job.run_id} is still stopping")
+            say(f"{job.run_id} is still stopping")
 
     def scale(self, words: list[str]) -> None:
         if "--nodes" in words:
@@ -129,7 +129,7 @@ class JobCommands:
             job.scale(nproc, immediate=immediate, include=include)
         except SpecError as exc:
             raise UsageError(f"%elastic {exc}") from None
-        print(f"{job.run_id}: resize to {count_of(nproc, 'worker')} requested")
+        say(f"{job.run_id}: resize to {count_of(nproc, 'worker')} requested")
 
     def scale_nodes(self, words: list[str]) -> None:
         if not words or not words[0].isdigit():
@@ -142,7 +142,7 @@ class JobCommands:
             job.scale_nodes(int(words[0]))
         except SpecError as exc:
             raise UsageError(f"%elastic {exc}") from None
-        print(f"{job.run_id}: {count_of(int(words[0]), 'machine')} asked of its launcher")
+        say(f"{job.run_id}: {count_of(int(words[0]), 'machine')} asked of its launcher")
 
     def print_stacks(self, words: list[str]) -> None:
         """What each rank is doing now; for a finished job, what its stuck ranks were doing

@@ -5,6 +5,7 @@ printing of stacks. Each takes what it works on as arguments."""
 from __future__ import annotations
 
 import shlex
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -65,6 +66,13 @@ def forget_pool(words: list[str]) -> None:
 
     warm_pool().forget()
     print("the pool forgot what it learned; the next job's zygote preloads the defaults")
+
+
+def say(line: str) -> None:
+    """One line in one write: print() writes the line and its newline apart, and a --bg
+    job's text output, written from its own thread, would land between the two
+    ("... requested[elastic] resize to 3 workers ...")."""
+    sys.stdout.write(line + "\n")
 
 
 def print_stacks(stacks: dict[int, str]) -> None:

@@ -44,6 +44,14 @@ class Dashboard(anywidget.AnyWidget):
     controls = traitlets.Dict().tag(sync=True)  # which controls are live
     earlier = traitlets.List[dict[str, Any]]().tag(sync=True)  # groups before a restart/resize
 
+    def __repr__(self) -> str:
+        """The text a page that draws no widget shows (nbconvert, papermill, GitHub), not
+        an object's address: which job, and how to ask where it stands. (A live page swaps
+        the widget for the job's record when it ends.)"""
+        run_id = self.header.get("run_id", "?")
+        return (f"elastic job {run_id}: its live dashboard shows where widgets are drawn; "
+                f"`%elastic status {run_id}` prints where it stands")
+
     def close(self) -> None:
         """Close its comm and its layout's (a widget of its own, which ipywidgets leaves
         open): a finished cell leaves no comm behind."""

@@ -3,6 +3,7 @@ widget and the static record share one source of truth."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,8 +85,9 @@ class DashboardState:
     def apply(self, event: Event) -> None:
         self._update(event)
         note = describe(event)
-        if note is not None:
-            self.timeline.append({"time": event.time, "kind": note.kind, "text": note.text})
+        if note is not None:  # in time order: another machine's word may come in late
+            bisect.insort(self.timeline, {"time": event.time, "kind": note.kind,
+                                          "text": note.text}, key=lambda e: e["time"])
 
     def _update(self, event: Event) -> None:
         """The header and the lines; the timeline's sentences come from ``describe``."""
