@@ -453,6 +453,24 @@ def test_the_timeline_is_in_time_order_when_another_machine_s_word_comes_in_late
 
 
 @pytest.mark.unit
+def test_an_earlier_group_says_it_ended_for_a_machine_that_joined_or_left():
+    from elastic_magic.ui.dashboard_state import DashboardState
+    from elastic_magic.wire.events import NodeConnected, Output, WorkersStarted
+
+    state = DashboardState("em-test", "/tmp/logs", 0)
+    for attempt, change in enumerate((NodeConnected("10.0.0.7", 2, True),
+                                      NodeConnected("10.0.0.7", 0, False, "preempted"),
+                                      None)):
+        state.apply(WorkersStarted(attempt, 0, (0,), (100 + attempt,)))
+        state.apply(Output(0, "stdout", ("step",), attempt=attempt))
+        if change is not None:
+            state.apply(change)
+    assert [e["why"] for e in state.earlier] == [
+        "ended by machine 10.0.0.7 joining the job",
+        "ended by machine 10.0.0.7 leaving: preempted"]
+
+
+@pytest.mark.unit
 def test_join_command_is_in_the_header_and_the_record():
     """A multi-node job's join command: the header (the widget shows it at the top, with a
     Copy button) and the record; not only in the collapsed timeline."""

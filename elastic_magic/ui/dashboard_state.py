@@ -24,8 +24,10 @@ from ..wire.events import (
     CellStarted,
     Committed,
     Event,
+    Excluded,
     JobFinished,
     MembershipChanged,
+    NodeConnected,
     Output,
     RendezvousCompleted,
     ResizeRequested,
@@ -127,6 +129,13 @@ class DashboardState:
                 self._ended_by = (f"ended by a failure: rank {cause.rank}: {cause.headline} "
                                   f"(restart {event.restart_count}/{event.max_restarts} "
                                   "followed)")
+            case NodeConnected(peer=peer, connected=True):  # every machine re-forms
+                self._ended_by = f"ended by machine {peer} joining the job"
+            case NodeConnected(peer=peer, connected=False, reason=reason):
+                self._ended_by = f"ended by machine {peer} leaving" + (f": {reason}" if reason
+                                                                       else "")
+            case Excluded(what=what, why=why):
+                self._ended_by = f"ended by {what} being excluded: {why}"
             case AcceptingNodes():
                 self.header["join_command"] = event.command
             case JobFinished():
