@@ -249,6 +249,19 @@ class Recorder:
     def of(self, kind: type) -> list:
         return [e for e in self.events if isinstance(e, kind)]
 
+    def story(self) -> str:
+        """The job's timeline in words, seconds from its first event: a failed assertion's
+        message (a string, which pytest shows whole)."""
+        from elastic_magic.ui.describe import describe
+
+        start = self.events[0].time if self.events else 0.0
+        lines = []
+        for event in self.events:
+            note = describe(event)
+            if note is not None:
+                lines.append(f"{event.time - start:7.2f} {note.text}")
+        return "\n".join(lines)
+
     def lines(self, rank: int, stream: str = "stdout") -> list[str]:
         from elastic_magic.wire.events import Output
 

@@ -22,7 +22,7 @@ from test_elastic import STEPS, TRAIN, assert_same_parameters, done_steps
 from test_elastic import baseline as baseline  # the module-scoped fixture
 
 import elastic_magic as em
-from elastic_magic.agent.handles.job import Job
+from elastic_magic.agent.handles.job import AgentError, Job
 from elastic_magic.checks import SpecError
 from elastic_magic.launchers import (
     CONFIG_VARIABLE,
@@ -499,11 +499,14 @@ def test_scale_gives_a_machine_back_at_a_commit_and_ends_its_session(
 
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
-    result = job.wait(recorder)
+    try:
+        result = job.wait(recorder)
+    except AgentError as exc:  # what the job went through, as the dashboard tells it
+        raise AssertionError(f"{exc}\n{recorder.story()}") from exc
     driver.join(timeout=10)
-    assert result.ok, result
+    assert result.ok, f"{result}\n{recorder.story()}"
     sizes = [r.nnodes for r in recorder.of(RendezvousCompleted)]
-    assert 3 in sizes and sizes[-1] == 2, sizes
+    assert 3 in sizes and sizes[-1] == 2, f"{sizes}\n{recorder.story()}"
     assert result.restarts == 0  # a membership change at a commit, not a failure
     left = [e for e in recorder.of(NodeConnected) if not e.connected]
     assert any("left at a commit: given back to the scheduler" in e.reason for e in left), left
@@ -737,8 +740,8 @@ def test_a_local_job_that_grows_and_ends_asks_for_no_replacement(log_dir, record
     driver.start()
     result = job.wait(recorder)
     driver.join(timeout=10)
-    assert not stuck, (stuck, [(round(e.time, 1), e) for e in recorder.events])
-    assert result.ok and set(result.values.values()) == {3}, result
+    assert not stuck, f"{stuck}\n{recorder.story()}"
+    assert result.ok and set(result.values.values()) == {3}, f"{result}\n{recorder.story()}"
     asked = {line.split(":")[0] for e in recorder.of(MachinesChanged) for line in e.allocations
              if "#" in line.split(":")[0]}
     assert asked == {"local1#1", "local2#2"}, asked  # the two machines, and no other
@@ -750,7 +753,7 @@ def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, reco
               "(dist.get_world_size(), os.environ['GROUP_WORLD_SIZE'])")
     job = Job(spec, build_payload(source, spec)).start()
     result = job.wait(recorder)
-    assert result.ok, result
+    assert result.ok, f"{result}\n{recorder.story()}"
     assert set(result.values.values()) == {(2, "2")}
     endpoint = next(e.endpoint for e in recorder.events if type(e).__name__ == "AcceptingNodes")
     assert _processes_holding(endpoint) == []  # its join exited with the job

@@ -127,9 +127,9 @@ def test_multi_node_tutorial_joins_resizes_and_leaves(tmp_path):
         "application/vnd.jupyter.widget-state+json", {}).get("state", {})
     hex32 = set(re.findall(r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])", saved))
     assert hex32 <= set(widgets), hex32 - set(widgets)  # widget ids only
-    assert "running: world size 2, machines 2" in text  # the other machine joined
-    assert "running: world size 3, machines 2" in text  # this machine grew to 2 workers
-    assert "other machine exited with 130" in text
+    assert "running: world size 2, machines 2" in text, text  # the other machine joined
+    assert "running: world size 3, machines 2" in text, text  # this machine grew to 2
+    assert "other machine exited with 130" in text, text
     assert "running: world size 2, machines 1" in text  # it left; the job went on here
     assert "restarts: 0" in text and "same parameters as the run on one machine" in text
     # From its own log. Which round: a machine that arrives during a round's last call waits
