@@ -137,10 +137,13 @@ def read_token(args: argparse.Namespace) -> str:
 def _token_from_file(path: Path) -> str:
     try:
         with path.open() as file:
-            mode = os.fstat(file.fileno()).st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            info = os.fstat(file.fileno())
+            if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
                 raise UsageError(f"{path} can be read by other users; the token must be "
                                  f"yours alone: chmod 600 {path}")
+            if info.st_uid != os.geteuid():  # someone else's file, planted where you look
+                raise UsageError(f"{path} belongs to user id {info.st_uid}, not to you: "
+                                 "use a token file of your own")
             return file.read()
     except OSError as exc:
         raise UsageError(f"cannot read the token file: {exc}") from None

@@ -454,8 +454,9 @@ def test_the_timeline_is_in_time_order_when_another_machine_s_word_comes_in_late
 
 @pytest.mark.unit
 def test_an_earlier_group_says_it_ended_for_a_machine_that_joined_or_left():
+    from elastic_magic.result import RankFailure
     from elastic_magic.ui.dashboard_state import DashboardState
-    from elastic_magic.wire.events import NodeConnected, Output, WorkersStarted
+    from elastic_magic.wire.events import NodeConnected, Output, Restarting, WorkersStarted
 
     state = DashboardState("em-test", "/tmp/logs", 0)
     for attempt, change in enumerate((NodeConnected("10.0.0.7", 2, True),
@@ -468,6 +469,27 @@ def test_an_earlier_group_says_it_ended_for_a_machine_that_joined_or_left():
     assert [e["why"] for e in state.earlier] == [
         "ended by machine 10.0.0.7 joining the job",
         "ended by machine 10.0.0.7 leaving: preempted"]
+    # A failure's reason stands when a machine's word comes after it.
+    state.apply(Restarting(1, 3, RankFailure(0, 0, 2, 1, 0.0, exc_type="ValueError")))
+    state.apply(NodeConnected("10.0.0.9", 2, True))
+    state.apply(WorkersStarted(3, 1, (0,), (103,)))
+    assert state.earlier[-1]["why"].startswith("ended by a failure: rank 0: ValueError")
+
+
+@pytest.mark.unit
+def test_a_dashboard_saved_where_no_widget_is_drawn_names_its_job():
+    """nbconvert and papermill save a widget's text/plain: a --bg cell's dashboard whose
+    record did not replace it in time showed '<...Dashboard object at 0x...>'."""
+    from elastic_magic.ui.dashboard import Dashboard
+
+    widget = Dashboard(header={"run_id": "em-abc"})
+    try:
+        data, _metadata = widget._repr_mimebundle_()
+        text = data["text/plain"]
+    finally:
+        widget.close()
+    assert text == ("elastic job em-abc: its live dashboard shows where widgets are drawn; "
+                    "`%elastic status em-abc` prints where it stands")
 
 
 @pytest.mark.unit

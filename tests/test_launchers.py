@@ -366,12 +366,14 @@ def test_ssh_grows_a_training_job_from_one_machine_to_three(
     seen: dict[str, object] = {}
 
     def watch() -> None:  # once every machine trains: where the token is, what status says
-        status = job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
-        seen["nnodes"] = status.nnodes
-        seen["machines"] = status.machines
-        seen["status"] = job.status()
-        seen["holding"] = _processes_holding(job.token or "?")
-        grown.touch()
+        try:
+            status = job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
+            seen["nnodes"] = status.nnodes
+            seen["machines"] = status.machines
+            seen["status"] = job.status()
+            seen["holding"] = _processes_holding(job.token or "?")
+        finally:  # whatever happened here, training goes on (and the asserts say what)
+            grown.touch()
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -486,11 +488,14 @@ def test_scale_gives_a_machine_back_at_a_commit_and_ends_its_session(
     seen: dict[str, object] = {}
 
     def drive() -> None:  # once three machines train: give one back
-        job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
-        job.scale_nodes(2)
-        scaled.touch()
-        job._board.wait_for(lambda s: s.nnodes == 2, timeout=120)
-        shrunk.touch()
+        try:
+            job._board.wait_for(lambda s: s.nnodes == 3, timeout=120)
+            job.scale_nodes(2)
+            scaled.touch()
+            job._board.wait_for(lambda s: s.nnodes == 2, timeout=120)
+        finally:  # whatever happened here, training goes on (and the asserts say what)
+            scaled.touch()
+            shrunk.touch()
         deadline = time.monotonic() + 30  # the one given back exits once it has left
         while len(_in_namespaces(network, "elastic_magic.cli")) > 1 \
                 and time.monotonic() < deadline:

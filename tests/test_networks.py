@@ -172,20 +172,25 @@ def test_a_machine_joins_mid_run_and_strangers_from_another_namespace_are_refuse
     spec = em.JobSpec.create(2, nnodes="1:2", rdzv_endpoint=network.head_address,
                              log_dir=log_dir, timeout=60)
     canary = tmp_path / "canary"
+    joined = tmp_path / "joined"  # step 30 waits for it: the job cannot end before the join
     procs = {}
 
     def drive(job):
-        job.wait_for_commit(2, timeout=120)
-        endpoint = recorder.of(AcceptingNodes)[0].endpoint
-        # Machine 3 has no token, or the wrong one; machine 1 is invited.
-        procs["stranger"] = network.popen(3, [sys.executable, "-c", STRANGER, endpoint,
-                                              str(canary)])
-        procs["wrong"] = network.join(3, endpoint, "0" * 32)
-        procs["machine"] = network.join(1, endpoint, job.token)
+        try:
+            job.wait_for_commit(2, timeout=120)
+            endpoint = recorder.of(AcceptingNodes)[0].endpoint
+            # Machine 3 has no token, or the wrong one; machine 1 is invited.
+            procs["stranger"] = network.popen(3, [sys.executable, "-c", STRANGER, endpoint,
+                                                  str(canary)])
+            procs["wrong"] = network.join(3, endpoint, "0" * 32)
+            procs["machine"] = network.join(1, endpoint, job.token)
+            job._board.wait_for(lambda s: s.nnodes == 2, timeout=120)
+        finally:
+            joined.touch()
 
     # Slow steps until it arrives (starts Python, imports torch): it joins mid-training.
-    result = run_head(spec, TRAIN_UNTIL_JOINED, recorder,
-                      namespace={"KILL_AT": -1, "PAUSE": 0.4}, drive=drive)
+    result = run_head(spec, TRAIN_UNTIL_JOINED, recorder, drive=drive, namespace={
+        "KILL_AT": -1, "PAUSE": 0.4, "HOLDS": {30: str(joined)}})
     outputs = {name: network.output(proc) for name, proc in procs.items()}
     assert result.ok, (result, outputs)
     assert {name: proc.wait(timeout=30) for name, proc in procs.items()} == {

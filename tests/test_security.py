@@ -319,6 +319,11 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
     path.chmod(0o644)
     done = _join_cli("127.0.0.1:29400", "--token-file", str(path))
     assert done.returncode == 2 and f"chmod 600 {path}" in done.stderr, done.stderr
+    if os.geteuid() == 0:  # one that another user planted, 0600 or not, is not the job's
+        path.chmod(0o600)
+        os.chown(path, 65534, 65534)
+        done = _join_cli("127.0.0.1:29400", "--token-file", str(path))
+        assert done.returncode == 2 and "belongs to user id 65534" in done.stderr, done.stderr
 
 
 def test_machines_join_with_a_token_file_or_at_a_prompt(tmp_path, log_dir, recorder):

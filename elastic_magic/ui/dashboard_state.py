@@ -129,12 +129,15 @@ class DashboardState:
                 self._ended_by = (f"ended by a failure: rank {cause.rank}: {cause.headline} "
                                   f"(restart {event.restart_count}/{event.max_restarts} "
                                   "followed)")
-            case NodeConnected(peer=peer, connected=True):  # every machine re-forms
+            # A machine's arrival or departure re-forms every machine's group, unless a
+            # failure or a resize already ended it (their reason stands).
+            case NodeConnected(peer=peer, connected=True) if self._ended_by == "ended":
                 self._ended_by = f"ended by machine {peer} joining the job"
-            case NodeConnected(peer=peer, connected=False, reason=reason):
+            case NodeConnected(peer=peer, connected=False, reason=reason) \
+                    if self._ended_by == "ended":
                 self._ended_by = f"ended by machine {peer} leaving" + (f": {reason}" if reason
                                                                        else "")
-            case Excluded(what=what, why=why):
+            case Excluded(what=what, why=why) if self._ended_by == "ended":
                 self._ended_by = f"ended by {what} being excluded: {why}"
             case AcceptingNodes():
                 self.header["join_command"] = event.command

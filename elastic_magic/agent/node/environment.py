@@ -79,8 +79,10 @@ def torchrun_env(worker: Worker, info: RoundInfo, spec: JobSpec, *, nproc: int, 
         # init_process_group returns once every rank's group is up (a store barrier): gloo
         # lets a rank out as soon as its own end of each pair is, and one whose cell then
         # ends closes a pair its peer is still setting up ("connectFullMesh failed ...
-        # Connection closed by peer"; a short cell's group failed 1 run in 8 under load)
-        "TORCH_DIST_INIT_BARRIER": os.environ.get("TORCH_DIST_INIT_BARRIER", "1"),
+        # Connection closed by peer"; a short cell's group failed 1 run in 8 under load).
+        # The same on every machine (a rank in the barrier would wait for one that is not):
+        # not from this machine's environment; the job's --env may set it.
+        "TORCH_DIST_INIT_BARRIER": "1",
     })
     if network is not None:
         env.update(network.variables)
