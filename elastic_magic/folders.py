@@ -192,27 +192,17 @@ def open_path(path: Path, *, create: bool = False, trust_writers: bool = False
         raise
 
 
-def own_path(path: Path, *, create: bool = False, trust_writers: bool = False
-             ) -> tuple[int, Path]:
+def own_path(path: Path, *, create: bool = False, trust_writers: bool = False,
+             private: bool = False) -> tuple[int, Path]:
     """``open_path``, and the folder it ends at checked on its descriptor: the user's, and
-    no one else may write to it."""
+    no one else may write to it (``private``, for secrets such as a job's token: nor read
+    it)."""
     fd, real = open_path(path, create=create, trust_writers=trust_writers)
-    problem = describe(os.fstat(fd), real, private=False)
+    problem = describe(os.fstat(fd), real, private=private)
     if problem:
         os.close(fd)
-        raise NotPrivate(problem)
-    return fd, real
-
-
-def private_folder(path: Path) -> tuple[int, Path]:
-    """``own_path`` for a folder that holds secrets (a job's token): made 0700 where
-    missing, reached from / as a checkpoint folder is, and no one else may even read it.
-    Raises NotPrivate or OSError saying why it cannot be used."""
-    fd, real = open_path(absolute(path), create=True)
-    problem = describe(os.fstat(fd), real, private=True)
-    if problem:
-        os.close(fd)
-        raise NotPrivate(f"{problem}; it must be a folder of yours alone (chmod 700)")
+        raise NotPrivate(f"{problem}; it must be a folder of yours alone (chmod 700)"
+                         if private else problem)
     return fd, real
 
 

@@ -76,7 +76,7 @@ def _private_folder(path: Path, holds: str, option: str) -> None:
     files by name later, and someone who could rename a folder on the way could put an
     open one there), and private: it holds ``holds``."""
     try:
-        os.close(folders.private_folder(path)[0])
+        os.close(folders.own_path(folders.absolute(path), create=True, private=True)[0])
     except (folders.NotPrivate, OSError) as exc:
         raise LauncherError(f"{path} cannot hold {holds}: {exc}. Name a folder of yours "
                             f"with --launch {option}=DIR.") from None

@@ -24,7 +24,8 @@ class TokenFile:
         self.path: Path | None = None
         self.problem: str | None = None  # why no file could be written
         try:
-            fd, real = folders.private_folder(folder or folders.token_folder())
+            fd, real = folders.own_path(folders.absolute(folder or folders.token_folder()),
+                                        create=True, private=True)
         except (folders.NotPrivate, OSError) as exc:
             self.problem = str(exc)
             return
