@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 import textwrap
-from pathlib import Path
 
 import pytest
+import readme
 import torch
 from conftest import assert_stayed, done_steps, run_resized
 from netns import network as network  # the fixture
@@ -166,24 +166,9 @@ def test_a_rank_killed_on_another_machine_resumes_fit_there_at_the_last_commit(
     assert_close(values, uninterrupted, atol=0)  # the same world size: bit for bit
 
 
-def readme_example(lead: str) -> tuple[str, str]:
-    """The README's code block after the paragraph that starts with ``lead``: its
-    ``%%elastic`` line and its cell."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    after = readme[readme.index(lead):].splitlines()
-    start = next(i for i, line in enumerate(after) if line.startswith("    "))
-    block = []
-    for line in after[start:]:
-        if line and not line.startswith("    "):
-            break
-        block.append(line[4:])
-    magic, *cell = "\n".join(block).strip().splitlines()
-    return magic, "\n".join(cell)
-
-
 def test_the_readme_lightning_example_runs_as_written(log_dir, recorder):
-    magic, cell = readme_example("**PyTorch Lightning: one line.**")
-    assert magic == "%%elastic --nproc 2 --max-restarts 3"
+    line, cell = readme.magic(readme.cells("%%elastic --nproc 2 --max-restarts 3")[0])
+    assert line == "--nproc 2 --max-restarts 3"
     result = em.launch(cell, nproc=2, max_restarts=3, log_dir=log_dir, render=recorder)
     assert result.values == {0: 60, 1: 60}
     assert committed_steps(recorder) == list(range(5, 61, 5))

@@ -171,6 +171,22 @@ def test_unload_stops_background_jobs_and_removes_both_magics(log_dir):
     shell.run_line_magic("load_ext", "elastic_magic")  # and it loads again
     assert "elastic" in shell.magics_manager.magics["line"]
 
+@pytest.mark.unit
+@pytest.mark.parametrize(("line", "words"), [
+    ("session start --nproc 2     # the job flags", ["session", "start", "--nproc", "2"]),
+    ("# all of it", []),
+    ("--env X=a#b --args '# not a comment' \"#x\"", ["--env", "X=a#b", "--args",
+                                                     "# not a comment", "#x"]),
+])
+def test_a_hash_that_starts_a_word_outside_quotes_starts_a_comment(line, words):
+    """As in a shell: IPython hands a line magic its comment too."""
+    from elastic_magic.notebook.magic_cells import magic_words
+
+    assert magic_words(line, "%elastic") == words
+    with pytest.raises(UsageError, match="check the quotes"):
+        magic_words("stop 'em-1", "%elastic")
+
+
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("words", "parsed"), [

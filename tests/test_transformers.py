@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import readme
 import torch
 from conftest import assert_stayed, done_steps, run_resized
 
@@ -160,22 +161,8 @@ def test_resize_two_to_three_keeps_the_global_batch_and_ends_within_rounding(
         assert loss == pytest.approx(want_loss, rel=1e-5)
 
 
-def _readme_example() -> tuple[str, str]:
-    """The README's HF Trainer example, as a user copies it: its %%elastic line and cell."""
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    lines = text[text.index("**HuggingFace `Trainer`: one callback.**"):].splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("    %%elastic "))
-    block = []
-    for line in lines[first:]:
-        if line and not line.startswith("    "):
-            break
-        block.append(line.removeprefix("    "))
-    magic, *cell = "\n".join(block).strip().splitlines()
-    return magic.removeprefix("%%elastic "), "\n".join(cell) + "\n"
-
-
 def test_the_readme_example_trains_and_commits(ip, tmp_path, log_dir, monkeypatch, capsys):
-    line, cell = _readme_example()
+    line, cell = readme.magic(readme.block("%%elastic --nproc 2 --max-nproc 3").text)
     monkeypatch.chdir(tmp_path)  # its output_dir
     result = ip.run_cell_magic(
         "elastic", f"{line} --preload transformers.trainer --text --log-dir {log_dir}", cell)

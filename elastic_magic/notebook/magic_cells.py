@@ -14,13 +14,31 @@ from ..result import JobFailedError, JobResult, JobState
 from ..wire.payload import uses_ipython_syntax
 
 
-def parse_flags(parser: Any, line: str | list[str], what: str) -> Any:
-    """The magic's flags, split as a shell would (IPython's own parse_argstring keeps
-    quotes: ``--args "--lr 1"`` would reach the script as one word)."""
+def magic_words(line: str, what: str) -> list[str]:
+    """A magic's line split as a shell would (IPython's own parse_argstring keeps quotes:
+    ``--args "--lr 1"`` would reach the script as one word), and as a shell, a ``#`` that
+    starts a word outside quotes starts a comment (IPython hands it to the magic)."""
     try:
-        return parser.parse_args(shlex.split(line) if isinstance(line, str) else line)
-    except ValueError as exc:  # shlex: unbalanced quotes in the flags
+        return shlex.split(_without_comment(line))
+    except ValueError as exc:  # shlex: unbalanced quotes
         raise UsageError(f"{what}: {exc}; check the quotes.") from None
+
+
+def _without_comment(line: str) -> str:
+    quote = ""
+    for index, char in enumerate(line):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+            return line[:index]
+    return line
+
+
+def parse_flags(parser: Any, line: str | list[str], what: str) -> Any:
+    """The magic's flags (a line: split by ``magic_words``)."""
+    return parser.parse_args(magic_words(line, what) if isinstance(line, str) else line)
 
 
 def require_plain_python(shell: Any, cell: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import shlex
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +25,7 @@ from .magic_cells import (
     cell_value,
     finish_view,
     forget_pool,
+    magic_words,
     make_view,
     parse_flags,
     require_plain_python,
@@ -180,7 +180,7 @@ class ElasticMagics(Magics):
         %elastic logs RANK [JOB] [-n N] [--stderr] | stacks [JOB] | pool forget
         %elastic session start [flags] | stop | status; push|pull|gather NAME
         """
-        words = shlex.split(line)
+        words = magic_words(line, "%elastic")
         if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs", "stacks",
                                          "session", "push", "pull", "gather", "pool"):
             raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")
