@@ -8,11 +8,8 @@ Three conversations share this vocabulary, each over signed frames (``wire/proto
   :class:`Resized`, :class:`Imported` (what the warm pool should preload), the State
   requests :class:`StateGet`, :class:`CommitIntent` and :class:`Commit`, and
   :class:`Progress` and :class:`Stacks` for hang diagnosis;
-- head <-> joined machine (a hub link): :class:`JobOffer`, :class:`Hello`,
-  :class:`RankEvents`, :class:`NodeRequest`, :class:`NodeReply`, :class:`GroupResult`,
-  :class:`NodeFinished`, :class:`Leaving`, :class:`Regroup`, :class:`EndJob`,
-  :class:`StacksRequest`, :class:`NodeStacks`, :class:`Heartbeat`, ``chunk_messages``; a
-  session's :class:`SessionCell`, :class:`InterruptCell` and :class:`CellReport`.
+- head <-> joined machine (a hub link): the ``LinkMessage`` union at the end (a session's
+  cells and their reports among them) and ``chunk_messages``.
 
 Receivers dispatch with ``match``. Workers import this module, so it imports nothing heavy.
 """
@@ -365,12 +362,13 @@ class NodeStacks:
 
 @dataclass(frozen=True)
 class SessionCell:
-    """The head of a session: run ``payload`` on your group, cell ``seq`` of this round
-    (a session's cell, or a setup cell replayed). Seq 0 is the group starting."""
+    """The head of a session: run ``payload`` (cell ``seq`` of this round, or a setup cell
+    replayed) on your ranks among ``ranks`` (None: all). Seq 0 is the group starting."""
 
     round_id: str
     seq: int
     payload: Payload
+    ranks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

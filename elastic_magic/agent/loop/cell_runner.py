@@ -95,7 +95,7 @@ class CellRunner:
             if payload is not None:
                 worker.send(Run(payload))
         if payload is not None:
-            self.others.send_cell(payload)
+            self.others.send_cell(payload, None if ranks is None else tuple(sorted(ranks)))
         engine.set_state(JobState.RUNNING)
         interrupted_at: float | None = None
         answered_at: float | None = None

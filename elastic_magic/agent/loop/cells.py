@@ -58,11 +58,12 @@ class OtherMachines:
         self.round_id, self.expected, self.seq = info.round_id, info.nnodes - 1, 0
         self.reports, self.idle_break, self.lost = {}, None, False
 
-    def send_cell(self, payload: Payload) -> None:
+    def send_cell(self, payload: Payload, ranks: tuple[int, ...] | None = None) -> None:
+        """To every other machine, for its ranks among ``ranks`` (None: all of them)."""
         self.seq += 1
         self.reports = {}
         if self.expected and self.round_id is not None:
-            self.role.broadcast(SessionCell(self.round_id, self.seq, payload))
+            self.role.broadcast(SessionCell(self.round_id, self.seq, payload, ranks))
 
     def interrupt(self) -> None:
         if self.expected and self.round_id is not None:

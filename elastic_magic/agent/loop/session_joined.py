@@ -83,18 +83,21 @@ class JoinedSessionLoop:
             return
         here = dataclasses.replace(cell.payload, cwd=engine.payload.cwd,
                                    sys_path=engine.payload.sys_path)  # this machine's
-        self._run_and_report(cell.seq, here)
+        self._run_and_report(cell.seq, here, cell.ranks)
 
-    def _run_and_report(self, seq: int, payload: Payload | None) -> None:
-        outcome = self.runner.run(payload)
+    def _run_and_report(self, seq: int, payload: Payload | None,
+                        ranks: tuple[int, ...] | None = None) -> None:
+        outcome = self.runner.run(payload, ranks)
         if outcome.step is CellStep.BROKEN:
             self._break(outcome.failures)
-        self._report(seq, outcome.step, outcome.failures)
+        self._report(seq, outcome.step, outcome.failures, ranks)
 
-    def _report(self, seq: int, step: CellStep, failures: list[RankFailure]) -> None:
+    def _report(self, seq: int, step: CellStep, failures: list[RankFailure],
+                ranks: tuple[int, ...] | None = None) -> None:
         engine, info = self.engine, self.engine.round
         assert info is not None
         results = engine.group.results() if engine.group and step is CellStep.DONE else {}
+        results = {r: v for r, v in results.items() if ranks is None or r in ranks}
         engine.role.send_to_head(CellReport(info.round_id, seq, info.node_rank, results,
                                             failures, broken=step is CellStep.BROKEN))
 

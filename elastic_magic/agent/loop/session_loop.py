@@ -48,7 +48,8 @@ class SessionLoop:
         self.engine = engine
         self.events = events  # the engine's emit: to the running cell, or kept for the next
         self.runner = CellRunner(engine)
-        self.shipping = NamespaceShipping(engine)  # what the ranks that joined lack
+        # what the ranks that joined lack
+        self.shipping = NamespaceShipping(engine, self.runner.others)
         self.setup: list[Payload] = []
         self.formed = False  # the group is up, whole, and has run its setup cells
         self.died_forming = False  # the last _form broke: a rank died in it
@@ -235,7 +236,7 @@ class SessionLoop:
         stayed = engine.survivors.stayed
         self.runner.others.new_round(info)
         assert engine.group is not None
-        new = set(engine.group.ranks) - set(stayed)
+        new = set(range(info.world_size)) - set(stayed)  # other machines' ranks all new
         alone = bool(stayed)  # survivors keep what the setup cells made
         if not alone:
             self.shipping.forget()

@@ -10,7 +10,9 @@ result, never the values. What a new rank could not get is remembered, by its pr
 and checked before a cell that reads it (``check``): that cell fails, naming the names, on
 no rank's time, and the group stays.
 
-Only on one machine: a session across machines does not send namespaces yet.
+Across machines the survivors are the head's (a machine that joined starts its ranks again
+each round): the payloads reach the other machines' new ranks in the head's ``SessionCell``
+(signed link frames), and their answers come back in their ``CellReport``.
 """
 
 from __future__ import annotations
@@ -24,45 +26,52 @@ from ...wire.shipped import ShippedNamespace
 from ...worker import namespace_ship
 from ..policy import CellStep
 from .cell_runner import CellOutcome
+from .cells import OtherMachines
 from .engine import Engine
 
 Run = Callable[[Payload, Collection[int]], CellOutcome]
+Process = int | tuple[str, int]  # a pid here; (round id, rank) on another machine
 
 
 class NamespaceShipping:
     """What each rank that joined the session lacks of the survivors' namespace."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, others: OtherMachines) -> None:
         self.engine = engine
-        self.lacking: dict[int, dict[str, str]] = {}  # a rank's pid -> name -> why
+        self.others = others  # the other machines' answers
+        self.lacking: dict[Process, dict[str, str]] = {}  # a rank's process -> name -> why
 
     def _payload(self, fn: Callable[..., Any], *args: Any) -> Payload:
         return step_payload(self.engine.payload, fn, *args)
 
     def _value(self, rank: int) -> Any:
-        """The value rank ``rank`` answered the payload with (from its signed report)."""
+        """The value rank ``rank`` answered the payload with (from its signed report, or
+        its machine's signed CellReport)."""
         group = self.engine.group
         assert group is not None
-        worker = next(w for w in group.workers if w.global_rank == rank)
-        assert worker.result is not None
-        value = pickle.loads(worker.result.value)  # a signed frame: the worker's
-        worker.result = None  # not the next cell's value
-        return value
+        worker = next((w for w in group.workers if w.global_rank == rank), None)
+        result = self.others.results()[rank] if worker is None else worker.result
+        if worker is not None:
+            worker.result = None  # not the next cell's value
+        assert result is not None
+        return pickle.loads(result.value)
 
-    def _pids(self) -> dict[int, int]:
-        group = self.engine.group
-        assert group is not None
-        return {w.global_rank: w.pid for w in group.workers}
+    def _processes(self) -> dict[int, Process]:
+        """Each rank's process as this machine can name it: its pid here; on another
+        machine, its rank in this round (the ranks there start again every round)."""
+        group, info = self.engine.group, self.engine.round
+        assert group is not None and info is not None
+        here: dict[int, Process] = {w.global_rank: w.pid for w in group.workers}
+        return {r: here.get(r, (info.round_id, r)) for r in range(info.world_size)}
 
     def ship(self, run: Run, stayed: Collection[int], new: Collection[int]) -> CellOutcome:
         """The survivors' namespace to the ``new`` ranks, after their setup cells: the
         first outcome that is not a success, or the last."""
-        pids = self._pids()
+        pids = self._processes()
         self.lacking = {pid: names for pid, names in self.lacking.items()
                         if pid in pids.values()}
         done = CellOutcome(CellStep.DONE, [])
-        info = self.engine.round
-        if not new or not stayed or info is None or info.nnodes > 1:
+        if not new or not stayed:
             return done
         source = min(stayed, key=lambda r: (len(self.lacking.get(pids[r], {})), r))
         to = tuple(sorted(new))
@@ -96,7 +105,7 @@ class NamespaceShipping:
         check on the ranks that lack names it reads (failed: naming them)."""
         if not self.lacking or payload.source is None:
             return None
-        pids = self._pids()
+        pids = self._processes()
         ranks = tuple(sorted(r for r, pid in pids.items() if pid in self.lacking))
         if not ranks:
             self.lacking = {}
