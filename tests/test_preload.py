@@ -247,20 +247,46 @@ def test_a_module_that_leaves_a_file_open_or_reads_the_rank_is_left_out(
     assert value["seen"] == {"keeps_a_file": False, "rank_reader": False}
 
 
-def test_lightning_keeps_each_ranks_own_rank_after_the_pool_learned_it(pool, log_dir):
-    """lightning_fabric sets rank_zero_only.rank from RANK when imported: once the pool
-    has learned what a cell importing it imported, rank 1 is still rank 1."""
-    pytest.importorskip("lightning_fabric")
+def test_lightning_is_preloaded_and_each_rank_keeps_its_own_rank(pool, log_dir):
+    """lightning_fabric sets rank_zero_only.rank from RANK when imported, torchmetrics its own
+    from LOCAL_RANK: once the pool has learned them, they are there before the cell starts
+    (a new rank no longer imports Lightning: 0.3 s here), and rank 1 is still rank 1."""
+    pytest.importorskip("pytorch_lightning")
     cell = textwrap.dedent("""
+        import sys
+        there = {m: m in sys.modules for m in ("pytorch_lightning", "torchmetrics")}
+        import pytorch_lightning
         from lightning_fabric.utilities.rank_zero import rank_zero_only
-        rank_zero_only.rank
+        from torchmetrics.utilities import prints
+        there, rank_zero_only.rank, prints.rank_zero_only.rank
     """)
-    for _ in range(2):
+    for learned in (False, True):
         result = em.launch(cell, nproc=2, backend="gloo", log_dir=log_dir,
                            render=lambda e: None)
-        assert result.values == {0: 0, 1: 1}
+        there = {"pytorch_lightning": learned, "torchmetrics": learned}
+        assert result.values == {0: (there, 0, 0), 1: (there, 1, 1)}
         assert pool.wait_rebuilt(REBUILD_TIMEOUT)
-    assert "reads " in pool.preload.left_out["lightning_fabric"]
+    assert not {"pytorch_lightning", "lightning_fabric", "torchmetrics"} & set(
+        pool.preload.left_out)
+
+
+@pytest.mark.unit
+def test_a_rank_read_is_excused_only_where_each_rank_sets_the_answer_again():
+    """Which module reads is the one whose code asked (through os.environ.get, os.getenv or
+    ``in``): Lightning's rank_zero module may read RANK, torchmetrics' prints LOCAL_RANK, and
+    nothing else; the reason names the module."""
+    def read(module: str, code: str) -> list[str]:
+        with import_checks.watched() as unsafe:
+            exec(code, {"__name__": module, "os": os})
+        return unsafe
+
+    assert read("lightning_fabric.utilities.rank_zero",
+                "os.environ.get('RANK'); os.getenv('LOCAL_RANK')") == []
+    assert read("torchmetrics.utilities.prints", "'LOCAL_RANK' in os.environ") == []
+    (why,) = read("torchmetrics.utilities.prints", "os.environ.get('RANK')")
+    assert why.startswith("reads RANK when imported (in torchmetrics.utilities.prints;")
+    (why,) = read("some_library", "os.getenv('WORLD_SIZE')")
+    assert "(in some_library;" in why
 
 
 @pytest.mark.unit

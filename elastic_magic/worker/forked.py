@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from . import rank_answers
+
 PR_SET_NAME = 15
 WORKER_FDS = 5  # what a rank is handed: control, report, stdout, stderr, notice pipes
 MAX_MESSAGE = 1 << 20  # a request, or a spare's job: the environment is the bulk
@@ -44,10 +46,12 @@ def detach(keep: set[int], stdout: int | None, stderr: int | None, name: bytes) 
 
 
 def take_job(env: dict[str, str], cwd: str) -> None:
-    """Wholly the job's environment, as exec would give it, and its directory."""
+    """Wholly the job's environment, as exec would give it, and its directory; what
+    preloaded modules answered from a rank's variables, answered again."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    rank_answers.set_again()
 
 
 def reseed() -> None:

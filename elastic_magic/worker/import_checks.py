@@ -7,9 +7,13 @@ its answer, such as lightning's ``rank_zero_only.rank``, would be wrong in every
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, MutableMapping
+
+from . import rank_answers
 
 # Variables a round gives each rank (environment/torchrun_env): they differ between workers
 # of one zygote, so the zygote is started without them and no module it imports may
@@ -35,11 +39,11 @@ class _Recording(MutableMapping[str, str]):
 
     def __init__(self, real: MutableMapping[str, str]) -> None:
         self.real = real
-        self.reads: set[str] | None = set()  # None once the import is done
+        self.reads: set[tuple[str, str]] | None = set()  # (module, variable); None: done
 
     def __getitem__(self, key: str) -> str:
         if self.reads is not None and is_per_round(key):
-            self.reads.add(key)
+            self.reads.add((_reader(), key))
         return self.real[key]
 
     def __setitem__(self, key: str, value: str) -> None:
@@ -59,6 +63,19 @@ class _Recording(MutableMapping[str, str]):
 
     def __repr__(self) -> str:
         return repr(self.real)
+
+
+# os.environ.get, os.getenv, ``in``: the mapping's plumbing between a module and the read
+_PLUMBING = frozenset({os.getenv.__code__.co_filename,  # "<frozen os>" where frozen
+                       collections.abc.Mapping.get.__code__.co_filename, __file__})
+
+
+def _reader() -> str:
+    """The module whose code reads the environment (what it reads through os excepted)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename in _PLUMBING:
+        frame = frame.f_back
+    return str(frame.f_globals.get("__name__", "?"))
 
 
 def _open_fds() -> set[int]:
@@ -105,9 +122,13 @@ def watched() -> Iterator[list[str]]:
             found.append(f"leaves {len(left)} file(s) open when imported ({files}); a "
                          "pooled worker has none of the pool's files, and a file the "
                          "cell opens would take its place")
+        reads = {(module, key) for module, key in reads
+                 if not rank_answers.excused(module, key)}
         if reads:
-            found.append(f"reads {', '.join(sorted(reads))} when imported (the pool has no "
-                         "rank: every rank would keep the pool's answer)")
+            keys = sorted({key for _, key in reads})
+            modules = sorted({module for module, _ in reads})
+            found.append(f"reads {', '.join(keys)} when imported (in {', '.join(modules)}; "
+                         "the pool has no rank: every rank would keep the pool's answer)")
 
 
 def _describe(fd: int) -> str:
