@@ -67,6 +67,8 @@ SCENARIOS = (
     Scenario("commit", elastic.commit, "s", "torch_save_fsync", "<= 0.5x torch.save+fsync"),
     Scenario("ddp", throughput.ddp, "steps/s", "torchrun", ">= 0.98x torchrun",
              higher_is_better=True),
+    Scenario("log_overhead", throughput.log_overhead, "steps/s", "without_log",
+             ">= 0.99x without elastic_magic.log", higher_is_better=True),
     Scenario("output", throughput.output, "s", "torchrun", "<= 1.1x torchrun, none lost"),
     Scenario("memory", memory.memory, "MB / CPU s", None, "idle pool: no CPU"),
     Scenario("join", join.join, "s", "torchrun_unshared_store", "<= 1 s beyond worker start"),

@@ -2,7 +2,8 @@
 
 - DDP: a 1.05M-parameter MLP (one 1024x1024 Linear), batch 64, SGD, gloo, 2 ranks;
   steps per second over the timed steps (higher is better). The kernel's agent, pumps and
-  polling share the workers' cores: this is where they would show.
+  polling share the workers' cores: this is where they would show. ``log_overhead``: the
+  same with ``elastic_magic.log`` every step, beside it without.
 - Output: each of 2 ranks prints its share of 1M lines; seconds from the first print to
   the last rank's last print (a pipe that is not drained in time blocks the printing rank),
   and every line must arrive (elastic_magic: its per-rank logs; torchrun: ``--redirects 3
@@ -11,14 +12,19 @@
 
 from __future__ import annotations
 
+import itertools
 import textwrap
 from pathlib import Path
 
 from .common import launch, scratch, stamps, torchrun
 
+_log_runs = itertools.count()
+
 DDP = textwrap.dedent("""
     import os, time, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+    if LOG:
+        import elastic_magic
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -28,8 +34,11 @@ DDP = textwrap.dedent("""
 
     def step():
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
         optimizer.step()
+        if LOG:
+            elastic_magic.log(loss=loss.item())
 
     for _ in range(20):
         step()
@@ -67,9 +76,27 @@ def _script(code: str, **constants: object) -> str:
 def ddp(nproc: int, quick: bool) -> dict[str, float]:
     steps = 100 if quick else 400
     ours, theirs = scratch(), scratch()
-    launch(DDP, nproc, namespace={"OUT": str(ours), "STEPS": steps}, init_process_group=False)
-    torchrun(Path(_script(DDP, STEPS=steps)), nproc, str(theirs))
+    launch(DDP, nproc, namespace={"OUT": str(ours), "STEPS": steps, "LOG": False},
+           init_process_group=False)
+    torchrun(Path(_script(DDP, STEPS=steps, LOG=False)), nproc, str(theirs))
     return {"elastic_magic": stamps(ours, "rate")[0], "torchrun": stamps(theirs, "rate")[0]}
+
+
+def log_overhead(nproc: int, quick: bool) -> dict[str, float]:
+    """The DDP cell with ``elastic_magic.log(loss=loss.item())`` every step, beside the same
+    cell without it, each in a job: steps per second (every point must arrive)."""
+    steps = 100 if quick else 400
+    rates = {}
+    sides = [("elastic_magic", True), ("without_log", False)]
+    for side, log in sides if next(_log_runs) % 2 == 0 else sides[::-1]:  # neither first always
+        out = scratch()
+        result = launch(DDP, nproc, namespace={"OUT": str(out), "STEPS": steps, "LOG": log},
+                        init_process_group=False)
+        logged = len(result.metrics.get("loss", ()))
+        if logged != (steps + 20 if log else 0):  # the warm-up's steps log too
+            raise RuntimeError(f"{side}: {logged} of {steps + 20} points arrived")
+        rates[side] = stamps(out, "rate")[0]
+    return rates
 
 
 def output(nproc: int, quick: bool) -> dict[str, float]:

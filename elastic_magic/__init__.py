@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .result import JobFailedError, JobResult, RankFailure
     from .spec import JobSpec, SpecError
     from .training.data import DataLoader, ElasticSampler
+    from .training.log import log
     from .training.resume import run
     from .training.state import State
     from .wire.events import JobState
@@ -47,6 +48,7 @@ _EXPORTS = {
     "ElasticSampler": ".training.data",
     "State": ".training.state",
     "launch": ".notebook.api",
+    "log": ".training.log",
     "run": ".training.resume",
 }
 
@@ -67,6 +69,7 @@ __all__ = [
     "State",
     "launch",
     "load_ipython_extension",
+    "log",
     "run",
     "unload_ipython_extension",
 ]

@@ -34,13 +34,14 @@ from typing import Any
 from .checks import cuda_device_count, resolve_nproc
 from .spec import JobSpec, SpecError
 from .wire.events import Event, JobState, NetworkChosen, Output, WorkerFailed
+from .wire.metrics import Logged
 
 # A stop that reaches this machine comes from the head: the job is over, not failed here.
 _EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 0}
 _INTERRUPTED = 130
-# What a node shows in the notebook: its ranks' lines and failures, and the network its
-# workers use. Its own states, restarts and rounds stay on this terminal.
-_FORWARDED = (Output, WorkerFailed, NetworkChosen)
+# What a node shows in the notebook: its ranks' lines, failures and logged scalars, and the
+# network its workers use. Its own states, restarts and rounds stay on this terminal.
+_FORWARDED = (Output, WorkerFailed, NetworkChosen, Logged)
 TOKEN_VARIABLE = "ELASTIC_MAGIC_TOKEN"
 ALLOCATION_VARIABLE = "ELASTIC_MAGIC_ALLOCATION"  # set by a launcher (ssh); Slurm's job id
 

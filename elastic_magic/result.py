@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
-
-import cloudpickle
+from typing import Any
 
 from .logs import rank_log
-from .result_parts import MemorySnapshot, Unpicklable
+from .result_parts import MemorySnapshot, MetricSeries
 
 
 class JobState(str, Enum):
@@ -119,6 +115,7 @@ class JobResult:
         stacks: Failed by a timeout or a stall: each stuck rank's stacks, before the teardown.
         excluded: Machines and worker slots it lost or gave up on, and why, in order.
         started: When it began, in epoch seconds (a session's cell: when the session took it).
+        metrics: What the cell logged with ``elastic_magic.log``, by name (``metrics_frame``).
     """
 
     run_id: str
@@ -141,6 +138,20 @@ class JobResult:
     stacks: dict[int, str] = field(default_factory=dict, repr=False)
     excluded: list[str] = field(default_factory=list)
     started: float = 0.0
+    metrics: dict[str, MetricSeries] = field(default_factory=dict, repr=False)
+
+    def metrics_frame(self) -> Any:
+        """``metrics`` as a pandas DataFrame.
+
+        Returns:
+            A row per point; columns name, rank, step, value and time.
+
+        Raises:
+            ImportError: pandas is not installed (``metrics`` holds plain lists).
+        """
+        from .wire.metrics import as_frame
+
+        return as_frame(self.metrics)
 
     @property
     def ok(self) -> bool:
@@ -201,54 +212,6 @@ class JobResult:
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))
-
-
-class RankOutcome(Protocol):
-    """A rank's result as its worker sent it (``messages.Result``)."""
-
-    @property
-    def value(self) -> bytes: ...
-    @property
-    def pulled(self) -> dict[str, bytes]: ...
-    @property
-    def missing(self) -> tuple[str, ...]: ...
-
-
-def assemble_result(
-    *, run_id: str, state: JobState, world_size: int, restarts: int, max_restarts: int,
-    started: float, log_dir: Path, failures: list[RankFailure], stop_reason: str | None,
-    resizes: int, commit: dict[str, Any] | None, snapshot: bytes | MemorySnapshot | None,
-    ranks: Mapping[int, RankOutcome], tails: dict[int, list[str]],
-    stacks: Mapping[int, str] | None = None, excluded: Sequence[str] = (),
-) -> JobResult:
-    """The JobResult of a job that ended in ``state``: values and pulled variables only on
-    success, the root cause only on failure."""
-    failed = state is JobState.FAILED
-    result = JobResult(
-        run_id=run_id, state=state, world_size=world_size, restarts=restarts,
-        max_restarts=max_restarts, duration=time.time() - started, log_dir=log_dir,
-        failure=failures[0] if failed and failures else None,
-        failures=list(failures) if failed else [],
-        tails=dict(tails), stop_reason=stop_reason if state is JobState.STOPPED else None,
-        resizes=resizes, commit=dict(commit) if commit else None,
-        snapshot_source=snapshot,
-        stacks=dict(stacks or {}) if failed else {}, excluded=list(excluded),
-        started=started,
-    )
-    if state is JobState.SUCCEEDED:
-        for rank in sorted(ranks):
-            result.values[rank] = _load(ranks[rank].value)
-            for name, blob in ranks[rank].pulled.items():
-                result.pulled[name] = _load(blob)
-            result.missing_pulls += ranks[rank].missing
-    return result
-
-
-def _load(blob: bytes) -> Any:
-    try:
-        return cloudpickle.loads(blob)
-    except Exception as exc:  # e.g. a class the kernel cannot import
-        return Unpicklable("<value from worker>", f"{type(exc).__name__}: {exc}")
 
 
 # How a rank reports that a peer vanished (gloo, NCCL, the store), or that it waited for

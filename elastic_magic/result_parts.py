@@ -1,11 +1,12 @@
-"""What a JobResult holds in place of a value: a rank's value that could not travel back to
-the kernel, and a snapshot left in the agent's memory file (``result.py`` imports both)."""
+"""What a JobResult holds beside its values: a rank's value that could not travel back to
+the kernel, a snapshot left in the agent's memory file, and the scalars the cell logged
+(``result.py`` imports them)."""
 
 from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -37,3 +38,24 @@ class MemorySnapshot:
             raise OSError(f"the snapshot's memory file holds {len(data)} bytes, not "
                           f"{self.size}")
         return data
+
+
+@dataclass
+class MetricSeries:
+    """One scalar the cell logged with ``elastic_magic.log``: its points in the order they
+    came (each rank's in its own order), as plain lists of one length.
+
+    Attributes:
+        steps: The step of each point (the State's, or the rank's count of log calls).
+        values: The logged values, as floats.
+        times: When each was logged (seconds since the epoch, the rank's clock).
+        ranks: The rank that logged each.
+    """
+
+    steps: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.values)

@@ -15,7 +15,8 @@ import pytest
 from conftest import KILL_OWN_SHEPHERD, tagged_workers
 
 import elastic_magic as em
-from elastic_magic.result import JobResult, RankFailure, Unpicklable, describe_failure
+from elastic_magic.result import JobResult, RankFailure, describe_failure
+from elastic_magic.result_parts import Unpicklable
 from elastic_magic.wire.events import (
     JobFinished,
     JobState,

@@ -119,5 +119,8 @@ def test_survivors_across_machines_send_the_new_ranks_what_they_lack(tmp_path, l
             assert "lacks lock, which this cell uses" in err.value.result.failure.message
             assert s.run("lock = threading.Lock()\ntotal(1)").values == {
                 0: 9.0, 1: 9.0, 2: 9.0}
+            # what every machine's ranks log reaches the cell's result
+            logged = s.run("import elastic_magic\nelastic_magic.log(x=total(1), rank='all')")
+            assert sorted(logged.metrics["x"].ranks) == [0, 1, 2]
     finally:
         machines.reap()

@@ -40,7 +40,8 @@ from ..agent.inbox import CellRequest, InboxItem, InterruptCommand
 from ..agent.loop.assemble import session_agent
 from ..agent.loop.cells import SessionEndedError, session_payload
 from ..agent.status import JobStatus
-from ..result import JobFailedError, JobResult, JobState, Unpicklable
+from ..result import JobFailedError, JobResult, JobState
+from ..result_parts import Unpicklable
 from ..spec import JobSpec, options_help
 from ..ui.text import TextRenderer
 from ..wire.events import Event, JobFinished

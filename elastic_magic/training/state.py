@@ -51,11 +51,19 @@ _OWN = ("restored_step",)  # attributes of the State itself, not values
 # The State whose commits (or restore) the agent's latest snapshot is: the last one of
 # this process to commit or restore (a session may hold an older one, a trainer's too).
 _owner: weakref.ref[State] | None = None
+_latest: weakref.ref[State] | None = None  # made, committed or restored last
 
 
 def _owns_the_commits(state: State) -> None:
-    global _owner
-    _owner = weakref.ref(state)
+    global _owner, _latest
+    _owner = _latest = weakref.ref(state)
+
+
+def latest_step() -> Any:
+    """The step of this process's latest State (the one made, committed or restored last;
+    None without one): where ``elastic_magic.log`` puts its points."""
+    state = _latest() if _latest is not None else None
+    return None if state is None else state._values.get("step")
 
 
 def roll_back_kept_states() -> tuple[Any, Any] | None:
@@ -113,6 +121,8 @@ class State:
         object.__setattr__(self, "_kept", None)  # our own record of the last commit
         object.__setattr__(self, "_sharded", False)  # holds DTensors: cannot go on in place
         object.__setattr__(self, "_on_reset", [])
+        global _latest
+        _latest = weakref.ref(self)
         named = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                  "sampler": sampler}
         for name, value in {**named, **values}.items():

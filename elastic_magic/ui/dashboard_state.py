@@ -36,6 +36,7 @@ from ..wire.events import (
     WorkersStarted,
 )
 from . import ansi
+from .charts import Charts
 from .describe import count_of, describe
 
 RANK_LINES = 150  # per rank, in the browser; the full output is in the logs
@@ -71,6 +72,7 @@ class DashboardState:
     # Lines being rewritten with carriage returns (progress bars), as they show now: one
     # per rank and stream, after that rank's lines; replaced as they change.
     partial: dict[tuple[int, str], str] = field(default_factory=dict)
+    charts: Charts = field(default_factory=Charts)  # sizes, progress and logged scalars
 
     def __post_init__(self) -> None:
         self.header = {
@@ -86,6 +88,7 @@ class DashboardState:
 
     def apply(self, event: Event) -> None:
         self._update(event)
+        self.charts.apply(event)
         note = describe(event)
         if note is not None:  # in time order: another machine's word may come in late
             bisect.insort(self.timeline, {"time": event.time, "kind": note.kind,

@@ -12,6 +12,7 @@ from html import escape
 from typing import Any
 
 from . import ansi
+from .chart_svg import charts_svg
 from .dashboard_state import DashboardState
 from .describe import clock, count_of, duration
 
@@ -53,6 +54,9 @@ def record_text(state: DashboardState) -> str:
                   for o in f["others"]]
         lines += [f"  rank {c['rank']}: {c['text']}" for c in f.get("consequences", ())]
     lines += _stacks_text(state)
+    for name, points in state.charts.metrics.items():
+        step, value, rank = points[-1]
+        lines.append(f"logged {name}: {value:.6g} at step {step} (rank {rank})")
     for earlier in state.earlier:
         lines.append(f"=== earlier group (restarts {earlier['restart']}): {earlier['why']} ===")
         for rank, rank_lines in earlier["lines"].items():
@@ -118,6 +122,8 @@ def record_html(state: DashboardState) -> str:
                      "</code></div>")
     if state.failure:
         parts += _failure_html(state.failure)
+    if svg := charts_svg(state.charts, state.timeline):
+        parts += ["<details open><summary>Charts</summary>", svg, "</details>"]
     if state.stacks:
         parts.append(f"<details><summary>{escape(state.stacks['title']).capitalize()}"
                      "</summary>")

@@ -11,6 +11,7 @@ from typing import Any
 
 # JobState lives with JobResult; importing it from here keeps working.
 from ..result import JobResult, JobState, RankFailure
+from .metrics import Logged
 
 
 def _now() -> float:
@@ -272,7 +273,7 @@ Event = (
     StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
     | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
     | JobFinished | RanksFinished | NetworkChosen | Excluded | CellStarted | SessionBroken
-    | SessionReformed | MachinesChanged | CheckpointVanished | CheckpointMoved
+    | SessionReformed | MachinesChanged | CheckpointVanished | CheckpointMoved | Logged
 )
 EventSink = Callable[[Event], None]
 

@@ -6,8 +6,8 @@ Three conversations share this vocabulary, each over signed frames (``wire/proto
   :class:`DumpStacks`, :class:`Interrupt`;
 - worker -> agent (report pipe): :class:`Running`, :class:`Result`, :class:`Failed`,
   :class:`Resized`, :class:`Imported` (what the warm pool should preload), the State
-  requests :class:`StateGet`, :class:`CommitIntent` and :class:`Commit`, and
-  :class:`Progress` and :class:`Stacks` for hang diagnosis;
+  requests :class:`StateGet`, :class:`CommitIntent` and :class:`Commit`,
+  :class:`Progress` and :class:`Stacks` for hang diagnosis, ``metrics.Logged`` (scalars);
 - head <-> joined machine (a hub link): the ``LinkMessage`` union at the end (a session's
   cells and their reports among them) and ``chunk_messages``.
 
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..result import JobState, RankFailure
 from ..stacks import ThreadStack
 from .chunk_messages import ChunkKept, ChunkPiece, CommitTarget, Handoff
+from .metrics import Logged
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -182,7 +183,7 @@ class Stacks:
 
 StateRequest = StateGet | Commit | CommitIntent | CommitTarget
 WorkerMessage = (Running | Result | Failed | Resized | Parked | StateGet | Commit
-                 | CommitIntent | CommitTarget | Progress | Stacks | Imported)
+                 | CommitIntent | CommitTarget | Progress | Stacks | Imported | Logged)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """What a worker tells its agent so that a hang can be named: whether its main thread moves
-(sampled, a few reports a second at most) and, on request, every thread's stack."""
+(sampled, a few reports a second at most) and, on request, every thread's stack; and, on
+the same beat, what the cell logged with ``elastic_magic.log``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import time
 
 from elastic_magic.stacks import SERVICE_THREAD_PREFIX, ThreadStack, capture, position
+from elastic_magic.training import log as metrics_log
 from elastic_magic.wire.messages import Progress, Stacks
 from elastic_magic.worker.client import AgentClient
 
@@ -29,6 +31,11 @@ def report_progress(client: AgentClient) -> threading.Thread:
         while True:
             running.wait()
             time.sleep(SAMPLE_INTERVAL)
+            if (logged := metrics_log.take()) is not None:  # elastic_magic.log's points
+                try:
+                    client.send(logged)
+                except OSError:
+                    return
             where = position(sys._current_frames().get(main_id or 0))
             moved = moved or where != last
             last = where

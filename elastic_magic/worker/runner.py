@@ -18,8 +18,9 @@ from typing import Any
 import cloudpickle
 
 from elastic_magic import torch_internals
-from elastic_magic.result import Unpicklable
+from elastic_magic.result_parts import Unpicklable
 from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR
+from elastic_magic.training import log as metrics_log
 from elastic_magic.wire.messages import (
     ErrorInfo,
     Failed,
@@ -43,6 +44,7 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
     namespace: dict[str, Any] = {}
     value = None
     progress.running.set()
+    metrics_log.reset()
     leave.begin()
     leave.running(payload, stay)
     try:
@@ -80,6 +82,7 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
     if payload.session:
         session.end_output()
     report_imports(report)
+    send_logged(report)
     report.send(message)
     from elastic_magic.worker import default_group
 
@@ -225,6 +228,7 @@ def report_parked(report: AgentClient, exc: BaseException) -> None:
     with contextlib.suppress(BaseException):
         report.drain()
     progress.running.clear()
+    send_logged(report)
     if failed:
         info = describe_exception(exc, 1)
         sys.stderr.write(info.traceback)
@@ -261,9 +265,18 @@ def drop_cell(namespace: dict[str, Any]) -> None:
     leave_group(None)
 
 
+def send_logged(report: AgentClient) -> None:
+    """What the cell logged that no report has carried yet, before its end is told."""
+    logged = metrics_log.take()
+    if logged is not None:
+        with contextlib.suppress(OSError):  # the agent is gone; the lifeline ends us
+            report.send(logged)
+
+
 def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool = True) -> None:
     info = describe_exception(exc, exit_code)
     report_imports(report)
+    send_logged(report)
     if not leave:  # a session's cell: report, drop the frames, wait for the next cell
         with contextlib.suppress(BaseException):  # its last commit, sent or not
             report.drain()

@@ -15,6 +15,7 @@ from ...result import JobState
 from ...spec import JobSpec
 from ...wire.events import Event, EventSink
 from ...wire.messages import StopCommand
+from ...wire.metrics import MetricsKept
 from ...wire.payload import Payload, build_payload
 from ...worker import session_cells as worker_session
 from ..inbox import Inbox
@@ -48,15 +49,19 @@ def job_agent(spec: JobSpec, payload: Payload, run_id: str, emit: EventSink, inb
               board: StatusBoard, *, token: str | None = None,
               joined: JoinedJob | None = None) -> JobLoop:
     """A one-shot job's agent."""
+    metrics = MetricsKept()  # what the ranks logged, for the result
+    emit = metrics.tap(emit)
     role = role_for(spec, run_id, emit, inbox, payload, token=token, joined=joined,
                     board=board)
-    return JobLoop(_engine(Engine(spec, payload, run_id, emit, inbox, board, role)))
+    return JobLoop(_engine(Engine(spec, payload, run_id, emit, inbox, board, role), metrics))
 
 
-def _engine(engine: Engine) -> Engine:
+def _engine(engine: Engine, metrics: MetricsKept) -> Engine:
     """The role asks the engine whether its group commits State: a machine given back
     then leaves at the next commit rather than at once. Asked through a weak reference:
-    the engine holds its role, and a cycle would keep a finished job for the collector."""
+    the engine holds its role, and a cycle would keep a finished job for the collector.
+    The result's series are those ``metrics`` saw on the sink both were given."""
+    engine.metrics = metrics
     ref = weakref.ref(engine)
 
     def graceful() -> bool:
@@ -77,9 +82,10 @@ def session_agent(spec: JobSpec, run_id: str, inbox: Inbox, board: StatusBoard, 
     """A session's agent in the kernel (alone, or the head of several machines)."""
     events = CellEvents(inbox)
     ready = ready_payload(spec)
-    role = role_for(spec, run_id, events.route, inbox, ready, token=token, joined=None,
-                    board=board)
-    return SessionLoop(_engine(Engine(spec, ready, run_id, events.route, inbox, board, role)),
+    metrics = MetricsKept()  # what each cell's ranks logged, for its result
+    emit = metrics.tap(events.route)
+    role = role_for(spec, run_id, emit, inbox, ready, token=token, joined=None, board=board)
+    return SessionLoop(_engine(Engine(spec, ready, run_id, emit, inbox, board, role), metrics),
                        events)
 
 

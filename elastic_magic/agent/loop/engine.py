@@ -24,7 +24,7 @@ from pathlib import Path
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from ...logs import RunFolder, is_default, prune
-from ...result import JobResult, JobState, MemorySnapshot, RankFailure, assemble_result
+from ...result import JobResult, JobState, MemorySnapshot, RankFailure
 from ...spec import JobSpec
 from ...wire.events import (
     EventSink,
@@ -43,11 +43,13 @@ from ...wire.messages import (
     ScaleCommand,
     StopCommand,
 )
+from ...wire.metrics import Logged, MetricsKept
 from ...wire.payload import Payload
 from ...wire.protocol import new_secret
 from ..diagnosis.hangs import HangWatch
 from ..diagnosis.stack_requests import StackRequests
 from ..inbox import FromLink, Inbox, InboxItem, WorkerReport
+from ..job_result import assemble_result
 from ..machines.rendezvous import Rendezvous
 from ..machines.roles import SingleMachine
 from ..node.environment import torchrun_env
@@ -87,6 +89,7 @@ class Engine:
         self.board = board
         self.role = role
         self.new_group = new_group
+        self.metrics = MetricsKept()  # what the ranks logged: assemble's taps the sink
         self.switchboard = Switchboard(inbox, self._dispatch, self._check_store)
         self.key = new_secret()
         self.log_root = spec.log_dir / run_id
@@ -132,8 +135,9 @@ class Engine:
         assert self.rendezvous is not None
         try:
             info = self.rendezvous.next_round_unless(
-                self.membership.nproc, self._stop_waiting, self.spec.monitor_interval,
-                cancel=self.role.hosts_rendezvous)
+                self.membership.nproc,
+                lambda: self.switchboard.drain() in _ENDS_WAIT or self.role.leaves_before_round(),
+                self.spec.monitor_interval, cancel=self.role.hosts_rendezvous)
         except RendezvousClosedError:
             if self.role.hosts_rendezvous:
                 raise
@@ -141,13 +145,9 @@ class Engine:
             return None
         if info is not None:
             self.round = info
-            self.emit(RendezvousCompleted(info.round, info.node_rank, info.nnodes,
-                                          info.world_size, info.master_addr,
-                                          info.master_port))
+            self.emit(RendezvousCompleted(info.round, info.node_rank, info.nnodes, info.world_size,
+                                          info.master_addr, info.master_port))
         return info
-
-    def _stop_waiting(self) -> bool:
-        return self.switchboard.drain() in _ENDS_WAIT or self.role.leaves_before_round()
 
     def start_group(self, info: RoundInfo) -> None:
         """This machine's workers of round ``info``, running ``payload``."""
@@ -229,6 +229,8 @@ class Engine:
                 if verdict is not Resize.NONE:
                     self.emit(ResizeRequested(nproc, verdict is Resize.AT_COMMIT))
                 return Action.REGROUP if verdict is Resize.NOW else None
+            case WorkerReport(message=Logged() as logged):
+                self.emit(logged)  # the dashboard's charts; the result's series
             case WorkerReport() if group is not None:
                 if self.hangs.note(item, group):  # progress: for the hang watch alone
                     return None
@@ -282,7 +284,7 @@ class Engine:
             resizes=self.membership.resizes, commit=self.elastic_state.snapshots.meta,
             snapshot=snapshot, ranks={**ranks, **other_ranks},
             tails={**tails, **other_tails}, stacks=self.hangs.kept,
-            excluded=self.recovery.excluded())
+            excluded=self.recovery.excluded(), metrics=self.metrics.take())
 
     def finish(self, final: JobState) -> JobResult:
         """Release everything the job held and tell the other machines, each step even when

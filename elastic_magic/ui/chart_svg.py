@@ -1,0 +1,146 @@
+"""The charts of a finished cell's record as inline SVG: readable without JavaScript, in the
+notebook's theme (text and axes in ``currentColor``, series in colours that read on light
+and dark backgrounds), a sentence on hover (``<title>``) for every mark and series.
+
+Panels, top to bottom, each drawn only when it has something to show: the world size (and
+the machines, where there were several) over time with the timeline's marks (failures,
+restarts, resizes, machines joining or leaving, survivors staying); steps per second
+between commits on the same time axis; each scalar the cell logged, over its steps."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+from .charts import Charts, marks
+from .describe import clock
+
+WIDTH, PANEL, LEFT, RIGHT, TOP, GAP = 640, 110, 48, 12, 18, 34
+SERIES = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#e377c2", "#17becf")
+MARK_COLORS = {"failed": "#d62728", "restart": "#d62728", "resize": "#9467bd",
+               "machines": "#2ca02c", "excluded": "#8c564b", "re-formed": "#ff7f0e",
+               "started": "#ff7f0e"}
+
+
+class _Panel:
+    """One chart: its place, its axes' ranges, and what it maps a point to."""
+
+    def __init__(self, top: float, x: tuple[float, float], y: tuple[float, float]) -> None:
+        low, high = y[0], y[1] if y[1] > y[0] else y[0] + 1
+        self.top, self.x, self.low, self.high = top, x, low, high
+        self.y = (low, high + (high - low) * 0.08)  # the highest point below the frame's top
+
+    def px(self, x: float) -> float:
+        span = self.x[1] - self.x[0] or 1.0
+        return LEFT + (x - self.x[0]) / span * (WIDTH - LEFT - RIGHT)
+
+    def py(self, y: float) -> float:
+        return self.top + PANEL - (y - self.y[0]) / (self.y[1] - self.y[0]) * PANEL
+
+    def frame(self, title: str, x_labels: tuple[str, str], name: str) -> list[str]:
+        bottom, right = self.top + PANEL, WIDTH - RIGHT
+        return [f'<g class="elastic-chart" data-chart="{escape(name)}">',
+                f'<text x="{LEFT}" y="{self.top - 5:.0f}" font-weight="bold">'
+                f'{escape(title)}</text>',
+                f'<path d="M{LEFT},{self.top} V{bottom} H{right}" fill="none" '
+                'stroke="currentColor" stroke-opacity="0.5"/>',
+                _text(LEFT - 4, self.py(self.high) + 4, _number(self.high), "end"),
+                _text(LEFT - 4, bottom, _number(self.low), "end"),
+                _text(LEFT, bottom + 13, x_labels[0], "start"),
+                _text(right, bottom + 13, x_labels[1], "end")]
+
+
+def _text(x: float, y: float, text: str, anchor: str) -> str:
+    return (f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" fill-opacity="0.75">'
+            f'{escape(text)}</text>')
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _steps(panel: _Panel, points: list[tuple[float, float]]) -> str:
+    """A step line: each value holds until the next point."""
+    d = f"M{panel.px(points[0][0]):.1f},{panel.py(points[0][1]):.1f}"
+    for x, y in points[1:]:
+        d += f" H{panel.px(x):.1f} V{panel.py(y):.1f}"
+    return d
+
+
+def _line(panel: _Panel, points: list[tuple[float, float]]) -> str:
+    return " ".join(f"{panel.px(x):.1f},{panel.py(y):.1f}" for x, y in points)
+
+
+def _time_panels(charts: Charts, timeline: list[dict[str, Any]], top: float) -> list[str]:
+    times = [t for t, _, _ in charts.sizes] + [t for t, _ in charts.rates]
+    span = (min(times), max(times))
+    labels = (clock(span[0]), clock(span[1]))
+    parts: list[str] = []
+    if len(charts.sizes) >= 2:
+        most = max(size for _, size, _ in charts.sizes)
+        panel = _Panel(top, span, (0, most))
+        parts += panel.frame("world size", labels, "world_size")
+        sizes = [(t, float(size)) for t, size, _ in charts.sizes]
+        parts.append(f'<path d="{_steps(panel, sizes)}" fill="none" stroke="{SERIES[0]}" '
+                     f'stroke-width="2"><title>world size: {charts.sizes[-1][1]} at the '
+                     'end</title></path>')
+        if max(machines for _, _, machines in charts.sizes) > 1:
+            machines = [(t, float(m)) for t, _, m in charts.sizes]
+            parts.append(f'<path d="{_steps(panel, machines)}" fill="none" '
+                         f'stroke="{SERIES[2]}" stroke-dasharray="4 3"><title>machines'
+                         '</title></path>')
+        for when, label, sentence in marks(timeline):
+            if span[0] <= when <= span[1]:
+                x, color = panel.px(when), MARK_COLORS.get(label, "currentColor")
+                said = sentence if len(sentence) <= 200 else sentence[:199] + "…"
+                parts += [f'<g class="elastic-mark" data-kind="{escape(label)}">',
+                          f"<title>{clock(when)} {escape(said)}</title>",
+                          f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top:.1f}" '
+                          f'y2="{top + PANEL:.1f}" stroke="{color}" stroke-dasharray="3 2"/>',
+                          f'<circle cx="{x:.1f}" cy="{top + 4:.1f}" r="3.5" fill="{color}"/>',
+                          "</g>"]
+        parts.append("</g>")
+        top += PANEL + GAP
+    if len(charts.rates) >= 2:
+        panel = _Panel(top, span, (0, max(rate for _, rate in charts.rates)))
+        parts += panel.frame("steps/s between commits", labels, "steps_per_second")
+        parts.append(f'<polyline points="{_line(panel, charts.rates)}" fill="none" '
+                     f'stroke="{SERIES[1]}" stroke-width="1.5"><title>steps/s: '
+                     f'{_number(charts.rates[-1][1])} at the end</title></polyline></g>')
+    return parts
+
+
+def _metric_panel(name: str, points: list[tuple[int, float, int]], top: float) -> list[str]:
+    steps = [step for step, _, _ in points]
+    values = [value for _, value, _ in points]
+    panel = _Panel(top, (min(steps), max(steps)), (min(values), max(values)))
+    parts = panel.frame(name, (f"step {min(steps)}", f"step {max(steps)}"), name)
+    ranks = sorted({rank for _, _, rank in points})
+    for i, rank in enumerate(ranks):
+        mine = [(float(s), v) for s, v, r in points if r == rank]
+        who = f" (rank {rank})" if len(ranks) > 1 else ""
+        parts.append(f'<polyline points="{_line(panel, mine)}" fill="none" '
+                     f'stroke="{SERIES[i % len(SERIES)]}" stroke-width="1.5"><title>'
+                     f'{escape(name)}{who}: {_number(mine[-1][1])} at step '
+                     f'{mine[-1][0]:.0f}</title></polyline>')
+    return [*parts, "</g>"]
+
+
+def charts_svg(charts: Charts, timeline: list[dict[str, Any]]) -> str:
+    """The record's charts, or "" when there is nothing to draw."""
+    if charts.empty:
+        return ""
+    parts: list[str] = []
+    top = float(TOP)
+    if len(charts.sizes) >= 2 or len(charts.rates) >= 2:
+        parts += _time_panels(charts, timeline, top)
+        top += (PANEL + GAP) * ((len(charts.sizes) >= 2) + (len(charts.rates) >= 2))
+    for name, points in charts.metrics.items():
+        parts += _metric_panel(name, points, top)
+        top += PANEL + GAP
+    height = top - GAP + 20
+    # One element a line, as the rest of the record (a markdown export keeps it one block)
+    return "\n".join([f'<svg class="elastic-charts" xmlns="http://www.w3.org/2000/svg" '
+                      f'viewBox="0 0 {WIDTH} {height:.0f}" width="{WIDTH}" '
+                      f'height="{height:.0f}" font-family="sans-serif" font-size="11" '
+                      'fill="currentColor" role="img">', *parts, "</svg>"])

@@ -1,0 +1,79 @@
+"""Scalars a cell logs with ``elastic_magic.log``: what a rank reports (a batch of points,
+sent at most twice a second and when its cell ends), told to the dashboard as an event of
+the same shape, and the series a job keeps of them (``JobResult.metrics``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..result_parts import MetricSeries
+
+Point = tuple[float, int, str, float]  # (time, step, name, value)
+# Points a job keeps of one scalar: past it, every other point is dropped (the series keeps
+# its shape over the whole run, at half the detail).
+MAX_POINTS = 100_000
+
+
+@dataclass(frozen=True)
+class Logged:
+    """Rank ``rank`` logged ``points`` (a worker's report, and the event that tells it)."""
+
+    rank: int
+    points: tuple[Point, ...]
+
+    @property
+    def time(self) -> float:
+        """When the last of them was logged (as every event has a time)."""
+        return self.points[-1][0] if self.points else 0.0
+
+
+class MetricsKept:
+    """The series, by name, of the Logged events that pass the sink it taps (this
+    machine's ranks' and, on a head, the other machines')."""
+
+    def __init__(self) -> None:
+        self.series: dict[str, MetricSeries] = {}
+        self._lock = threading.Lock()  # events come from the agent's and the pumps' threads
+
+    def tap(self, sink: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``sink``, noting each Logged event on its way."""
+        def tapped(event: Any) -> None:
+            if isinstance(event, Logged):
+                self.add(event)
+            sink(event)
+        return tapped
+
+    def add(self, logged: Logged) -> None:
+        with self._lock:
+            for when, step, name, value in logged.points:
+                series = self.series.setdefault(name, MetricSeries())
+                series.steps.append(step)
+                series.values.append(value)
+                series.times.append(when)
+                series.ranks.append(logged.rank)
+                if len(series) > MAX_POINTS:
+                    for column in (series.steps, series.values, series.times, series.ranks):
+                        del column[1::2]
+
+    def take(self) -> dict[str, MetricSeries]:
+        """The series so far; the next take starts empty (a session's next cell)."""
+        with self._lock:
+            series, self.series = self.series, {}
+        return series
+
+
+def as_frame(series: dict[str, MetricSeries]) -> Any:
+    """A pandas DataFrame of every point: columns name, rank, step, value, time."""
+    try:
+        import pandas  # type: ignore[import-untyped]  # optional, untyped
+    except ImportError:
+        raise ImportError("metrics_frame() needs pandas (pip install pandas); "
+                          "result.metrics holds the same points as plain lists") from None
+
+    rows = [(name, rank, step, value, when) for name, s in series.items()
+            for rank, step, value, when in zip(s.ranks, s.steps, s.values, s.times,
+                                                 strict=True)]
+    return pandas.DataFrame(rows, columns=["name", "rank", "step", "value", "time"])

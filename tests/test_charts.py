@@ -1,0 +1,78 @@
+"""The charts' series and the record's SVG, from events recorded from a real job (a rank
+fails, the group restarts) and from commits and logged scalars: what is drawn, where, and
+the sentence each mark says on hover. No process is started."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+from recorded_jobs import restart_job
+
+from elastic_magic.ui import charts as charts_module
+from elastic_magic.ui.chart_svg import charts_svg
+from elastic_magic.ui.charts import Charts
+from elastic_magic.ui.dashboard_state import DashboardState
+from elastic_magic.ui.record import record_html, record_text
+from elastic_magic.wire.events import Committed
+from elastic_magic.wire.metrics import Logged
+
+pytestmark = pytest.mark.unit
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def restarted(tmp_path) -> DashboardState:
+    recorded = restart_job(tmp_path)
+    state = DashboardState(recorded.run_id, str(recorded.log_dir), recorded.max_restarts)
+    for event in recorded.events:
+        state.apply(event)
+    return state
+
+
+def test_the_world_size_drops_while_a_group_is_down_and_holds_to_the_end(tmp_path):
+    state = restarted(tmp_path)
+    sizes = [(size, machines) for _, size, machines in state.charts.sizes]
+    assert sizes == [(2, 1), (0, 0), (2, 1), (2, 1)]  # formed, failed, formed again, end
+    times = [t for t, _, _ in state.charts.sizes]
+    assert times == sorted(times)
+
+
+def test_the_record_draws_the_size_and_marks_the_failure_and_the_restart(tmp_path):
+    state = restarted(tmp_path)
+    t0 = state.charts.sizes[0][0]
+    for i, step in enumerate((10, 20, 40)):  # commits 1 s apart: 10, then 20 steps/s
+        state.apply(Committed(step=step, world_size=2, nbytes=8, time=t0 + i))
+    state.apply(Logged(0, tuple((t0 + s, s, "loss", 1.0 / s) for s in range(1, 51))))
+    state.apply(Logged(1, ((t0, 1, "loss", 2.0), (t0 + 1, 2, "loss", 1.5))))
+    svg = ET.fromstring(charts_svg(state.charts, state.timeline))
+    panels = {g.get("data-chart"): g for g in svg.iter(f"{SVG}g")
+              if g.get("class") == "elastic-chart"}
+    assert list(panels) == ["world_size", "steps_per_second", "loss"]
+    marks = [(g.get("data-kind"), g.find(f"{SVG}title").text)
+             for g in panels["world_size"].iter(f"{SVG}g") if g.get("class") == "elastic-mark"]
+    assert [kind for kind, _ in marks] == ["failed", "restart"]
+    assert marks[0][1].endswith(" rank 1 failed: ValueError: first attempt breaks (cell line "
+                                "10)")
+    assert "restarting the group (1/1) after rank 1" in marks[1][1]
+    size_line = panels["world_size"].find(f"{SVG}path[@stroke='#1f77b4']")
+    assert re.fullmatch(r"M[\d.]+,[\d.]+( H[\d.]+ V[\d.]+){3}", size_line.get("d"))
+    rates = panels["steps_per_second"].find(f"{SVG}polyline")
+    assert len(rates.get("points").split()) == 2
+    assert "steps/s: 20 at the end" in rates.find(f"{SVG}title").text
+    lines = panels["loss"].findall(f"{SVG}polyline")
+    assert [len(p.get("points").split()) for p in lines] == [50, 2]  # one a rank
+    assert lines[0].find(f"{SVG}title").text == "loss (rank 0): 0.02 at step 50"
+    assert 'fill="currentColor"' in ET.tostring(svg, encoding="unicode")  # the theme's text
+    html = record_html(state)
+    assert "<summary>Charts</summary>" in html and "<svg" in html
+    assert "logged loss: 1.5 at step 2 (rank 1)" in record_text(state)
+
+
+def test_no_chart_without_a_story_and_a_long_run_keeps_its_shape(monkeypatch):
+    charts = Charts()
+    assert charts.empty and charts_svg(charts, []) == ""
+    monkeypatch.setattr(charts_module, "CHART_POINTS", 100)
+    charts.apply(Logged(0, tuple((float(s), s, "x", float(s)) for s in range(1000))))
+    kept = [step for step, _, _ in charts.metrics["x"]]
+    assert len(kept) <= 100 and kept[0] == 0 and kept[-1] == 999 and kept == sorted(kept)
