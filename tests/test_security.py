@@ -420,6 +420,33 @@ def test_the_join_command_the_notebook_shows_names_a_private_token_file_not_the_
 
 
 @pytest.mark.unit
+def test_a_token_file_a_killed_kernel_left_is_removed_by_the_next_job(tmp_path):
+    """A kernel SIGKILLed mid-job leaves its token file (a dead job's key). The next job on
+    the host removes those of this host's processes that are gone, or whose pid now names
+    another process; a live job's file, another host's (a home folder a cluster shares)
+    and any other file stay."""
+    from elastic_magic.agent.machines import token_file
+    from elastic_magic.agent.machines.token_file import TokenFile
+
+    folder = tmp_path / "tokens"
+    live = TokenFile("em-live", "a" * 32, folder=folder)
+    assert live.path is not None
+    host = socket.gethostname()
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text())  # never a process's pid
+    mine = token_file._process_mark(os.getpid())
+    stale = [f"em-dead-0123abcd.{gone}.77@{host}",
+             f"em-reused-0123abcd.{os.getpid()}.1@{host}"]  # this pid, another start
+    kept = [f"em-far-0123abcd.{gone}.77@another-host", "notes.txt"]
+    for name in stale + kept:
+        (folder / name).write_text("x")
+    assert live.path.name.endswith(f".{mine}@{host}")
+    TokenFile("em-next", "b" * 32, folder=folder)
+    left = {p.name for p in folder.iterdir()}
+    assert not left & set(stale)
+    assert set(kept) | {live.path.name} <= left and len(left) == len(kept) + 2
+
+
+@pytest.mark.unit
 def test_a_worker_store_address_replayed_from_an_earlier_round_is_refused(monkeypatch):
     """The head signs each round's worker-store address for that round only: someone who
     copies round 0's signed value (an old store's port, which another user may hold by now)

@@ -3,14 +3,18 @@ out of it. A notebook's outputs are saved, shared and committed (autosaved into 
 folder, say), and the token lets whoever holds it run code in the kernel; so the head writes
 it to a file only the user can read, which the command names (``--token-file``). A cluster's
 machines usually share the home folder that holds it; elsewhere the file is copied over, or
-its content given as ``ELASTIC_MAGIC_TOKEN``. The file goes when the job ends."""
+its content given as ``ELASTIC_MAGIC_TOKEN``. The file goes when the job ends; one that a
+killed kernel left is removed by the next job on that host (its name says which host and
+which process wrote it, so a home folder shared by a cluster's hosts keeps theirs)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shlex
+import socket
 from pathlib import Path
 
 from ... import folders
@@ -29,7 +33,8 @@ class TokenFile:
         except (folders.NotPrivate, OSError) as exc:
             self.problem = str(exc)
             return
-        name = f"{run_id}-{secrets.token_hex(4)}"
+        _remove_stale(fd)
+        name = f"{run_id}-{secrets.token_hex(4)}.{_process_mark(os.getpid())}@{_HOST}"
         try:
             with os.fdopen(folders.new_file(fd, name), "w") as file:
                 file.write(token)
@@ -51,3 +56,27 @@ class TokenFile:
         if path is not None:
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+_HOST = socket.gethostname()
+_NAME = re.compile(r".+-[0-9a-f]{8}\.(\d+)\.(\d+)@(.+)")
+
+
+def _process_mark(pid: int) -> str:
+    """``pid.start``: its start time (clock ticks since boot) tells a pid used again."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return f"{pid}.{stat.read().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return f"{pid}.0"
+
+
+def _remove_stale(folder: int) -> None:
+    """The token files of this host's processes that are gone (a kernel killed before its
+    job could remove its file): a dead job's token serves nobody."""
+    for name in os.listdir(folder):
+        match = _NAME.fullmatch(name)
+        if match and match[3] == _HOST and \
+                _process_mark(int(match[1])) != f"{match[1]}.{match[2]}":
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=folder)
