@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -23,10 +24,29 @@ def execute(name: str, tmp_path: Path, timeout: int = 300):
     may be left in notebooks/."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     before = sorted(p.name for p in NOTEBOOKS.iterdir())
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}})
+    heard = Heard()
+    client.log.addHandler(heard)
+    try:
+        client.execute()
+    finally:
+        client.log.removeHandler(heard)
     assert sorted(p.name for p in NOTEBOOKS.iterdir()) == before  # nothing left behind
+    # the extension's comm is the frontend's to open: a headless run hears nothing of it
+    assert not [m for m in heard.messages if "comm target" in m], heard.messages
     return nb
+
+
+class Heard(logging.Handler):
+    """What nbclient warned about while it ran a notebook."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def shown(nb) -> str:

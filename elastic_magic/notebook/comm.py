@@ -1,6 +1,7 @@
 """The kernel side of the JupyterLab extension (labextension/): one comm target,
 ``elastic_magic``, over which the "Elastic jobs" panel gets this kernel's jobs and sends
-actions (stop, resize, stacks).
+actions (stop, resize, stacks). The frontend opens the comm: the kernel announces the target
+when the extension loads (and at a job's start while no frontend has opened one).
 
 Only a frontend connected to this kernel's own channels (authenticated by the kernel's
 connection key) can open or write to a comm, so the actions need no other check. Items are a
@@ -13,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 from ..spec import SpecError
 
 TARGET = "elastic_magic"
+# The announcement's display id and type: a frontend with the extension opens a comm on it.
+ANNOUNCE = "application/vnd.elastic-magic.channel+json"
 TICK = 1.0  # seconds between updates while a job runs (elapsed time moves)
 
 
@@ -104,8 +107,8 @@ class JobsChannel:
     """The comms of this kernel's panel(s) and the thread that updates them while a job
     runs. The thread ends when no tracked job runs: a finished job holds no thread."""
 
-    def __init__(self, make_comm: Callable[..., Any] | None = None) -> None:
-        self._make_comm = make_comm
+    def __init__(self) -> None:
+        self._shell: Any = None  # a Jupyter kernel's: where the announcement goes
         self._comms: list[Any] = []
         self._items: dict[str, ListedJob] = {}
         self._lock = threading.Lock()
@@ -116,18 +119,31 @@ class JobsChannel:
     # -- set-up ---------------------------------------------------------------------------
 
     def open(self, shell: Any) -> bool:
-        """In a Jupyter kernel: accept the frontend's comms, and open one towards it (a
-        frontend without the extension closes it at once). False elsewhere."""
+        """In a Jupyter kernel: accept the frontends' comms, and tell them the channel is
+        here (``announce``). False elsewhere."""
         if getattr(shell, "kernel", None) is None:
             return False
         try:
-            from comm import create_comm, get_comm_manager
+            from comm import get_comm_manager
         except ImportError:
             return False
         get_comm_manager().register_target(TARGET, self._accept)
-        self._make_comm = create_comm
-        self._attach(create_comm(target_name=TARGET, data=self.message()))
+        self._shell = shell
+        self.announce()
         return True
+
+    def announce(self) -> None:
+        """Tell every frontend on the kernel's channels that the panel's comm target is
+        here; the extension opens a comm to it (``_accept``). Said as an update of a display
+        that no cell shows, which nbconvert, papermill and a frontend without the extension
+        pass over in silence: a comm the kernel opened itself made each of them warn ("No
+        handler found for comm target 'elastic_magic'")."""
+        if self._shell is None:
+            return
+        with contextlib.suppress(Exception):  # the panel is a convenience: never fail a cell
+            from IPython.display import update_display
+
+            update_display({ANNOUNCE: {"target": TARGET}}, raw=True, display_id=ANNOUNCE)
 
     def close(self) -> None:
         with self._lock:
@@ -162,6 +178,9 @@ class JobsChannel:
               kind: str = "job") -> None:
         with self._lock:
             self._items[job.run_id] = ListedJob(number, job, cell_id, background, kind=kind)
+            unheard = not self._comms
+        if unheard:  # a page that loaded after %load_ext, and heard nothing yet
+            self.announce()
         self.wake()
 
     def wake(self) -> None:

@@ -4,10 +4,21 @@ import { Action, IItem, KernelMessage } from './model';
 
 /** The comm target that elastic_magic registers in the kernel (elastic_magic/notebook/comm.py). */
 export const TARGET = 'elastic_magic';
+/** The display id of the kernel's announcement that the target is there. */
+export const ANNOUNCE = 'application/vnd.elastic-magic.channel+json';
+
+/** Whether an iopub message is the kernel's announcement (an update of no shown display). */
+export function isAnnouncement(msg: KM.IIOPubMessage): boolean {
+  const content = msg.content as { transient?: { display_id?: string } };
+  return (
+    msg.header.msg_type === 'update_display_data' && content.transient?.display_id === ANNOUNCE
+  );
+}
 
 /**
- * One kernel's jobs, through the comm elastic_magic opens when it loads, or that this side
- * opens when the page loads after it (the kernel lists its comms of our target).
+ * One kernel's jobs, through the comm this side opens: when the kernel announces its target
+ * (elastic_magic loaded, or a job started while no page had a comm), or when the page loads
+ * after it did (the kernel lists its comms of our target).
  */
 export class KernelChannel {
   items: IItem[] = [];
@@ -23,6 +34,11 @@ export class KernelChannel {
     kernel.registerCommTarget(TARGET, (comm, msg) => {
       this.attach(comm);
       this.receive(msg.content.data as unknown as KernelMessage);
+    });
+    kernel.iopubMessage.connect((_, msg) => {
+      if (isAnnouncement(msg) && this.comms.length === 0) {
+        this.open();
+      }
     });
     kernel.statusChanged.connect((_, status) => {
       if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
@@ -40,13 +56,17 @@ export class KernelChannel {
       const reply = await this.kernel.requestCommInfo({ target_name: TARGET });
       const content = reply.content as { comms?: Record<string, unknown> };
       if (Object.keys(content.comms ?? {}).length > 0 && this.comms.length === 0) {
-        const comm = this.kernel.createComm(TARGET);
-        this.attach(comm);
-        comm.open({});
+        this.open();
       }
     } catch {
       // a kernel without comm_info, or one that went away: nothing to show
     }
+  }
+
+  private open(): void {
+    const comm = this.kernel.createComm(TARGET);
+    this.attach(comm);
+    comm.open({});
   }
 
   send(action: Action): void {
