@@ -342,6 +342,16 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
                ).to_contain_text("JobFailedError")
         traceback = cell.locator(".elastic-record pre").first
         assert heading.evaluate(CONTRAST) >= 3 and traceback.evaluate(CONTRAST) >= 4.5
+        # The record's chart: the world size over the job, the failure marked on it with
+        # its sentence on hover; its text in the theme's colour, in light and dark.
+        chart = cell.locator(".elastic-record svg.elastic-charts")
+        expect(chart.locator("[data-chart=world_size]")).to_have_count(1)
+        mark = chart.locator(".elastic-mark[data-kind=failed] title")
+        expect(mark).to_have_count(1)
+        assert "rank 0 failed: " in mark.text_content()
+        label = chart.locator("text").first
+        assert label.evaluate(CONTRAST) >= 4.5
+        chart.screenshot(path=str(ARTIFACTS / "record-chart-light.png"))
         page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
         page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
         page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^JupyterLab Dark$")).click()
@@ -350,6 +360,8 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         dark = heading.evaluate(CONTRAST), traceback.evaluate(CONTRAST)
         cell.screenshot(path=str(ARTIFACTS / "record-dark.png"))
         assert dark[0] >= 3 and dark[1] >= 4.5, dark
+        assert label.evaluate(CONTRAST) >= 4.5  # the chart's text follows the theme
+        chart.screenshot(path=str(ARTIFACTS / "record-chart-dark.png"))
 
         # The kernel's session is listed too, and its actions reach it.
         run_cell(page, 4)

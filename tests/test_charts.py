@@ -73,6 +73,16 @@ def test_no_chart_without_a_story_and_a_long_run_keeps_its_shape(monkeypatch):
     charts = Charts()
     assert charts.empty and charts_svg(charts, []) == ""
     monkeypatch.setattr(charts_module, "CHART_POINTS", 100)
+    charts = Charts()
     charts.apply(Logged(0, tuple((float(s), s, "x", float(s)) for s in range(1000))))
     kept = [step for step, _, _ in charts.metrics["x"]]
-    assert len(kept) <= 100 and kept[0] == 0 and kept[-1] == 999 and kept == sorted(kept)
+    assert len(kept) <= 101 and kept[0] == 0 and kept[-1] == 999 and kept == sorted(kept)
+    # a diverged value (nan, inf) is left out of the chart, not the whole line
+    charts.apply(Logged(0, ((0.0, 1000, "x", float("nan")), (0.0, 1001, "x", float("inf")),
+                            (0.0, 1002, "x", 5.0))))
+    assert charts.metrics["x"][-1] == (1002, 5.0, 0)
+    assert "nan" not in charts_svg(charts, []) and "inf" not in charts_svg(charts, [])
+    two_commits = Charts()  # a rate needs two: one commit draws nothing
+    two_commits.apply(Committed(step=1, world_size=1, nbytes=1, time=1.0))
+    two_commits.apply(Committed(step=2, world_size=1, nbytes=1, time=2.0))
+    assert two_commits.empty and charts_svg(two_commits, []) == ""

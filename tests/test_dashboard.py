@@ -438,6 +438,10 @@ def test_jobs_list_stops_the_clock_of_a_finished_job(ip, log_dir, capsys):
     ip.run_line_magic("elastic", "jobs")
     assert capsys.readouterr().out == first and "succeeded" in first
     assert re.search(r"restarts 0/0  \d+\.\ds\n", first)
+    # a job by its number as the list and the panel write it, a comment after it
+    number, run_id = first.splitlines()[-1].split()[:2]
+    ip.run_line_magic("elastic", f"status #{number}   # the one that said hi")
+    assert run_id in capsys.readouterr().out
 
 
 @pytest.mark.unit

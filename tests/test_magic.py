@@ -177,6 +177,8 @@ def test_unload_stops_background_jobs_and_removes_both_magics(log_dir):
     ("# all of it", []),
     ("--env X=a#b --args '# not a comment' \"#x\"", ["--env", "X=a#b", "--args",
                                                      "# not a comment", "#x"]),
+    ("stop #2   # job 2, as the panel names it", ["stop", "#2"]),
+    ('--args "a \\" # b" # c', ["--args", 'a " # b']),
 ])
 def test_a_hash_that_starts_a_word_outside_quotes_starts_a_comment(line, words):
     """As in a shell: IPython hands a line magic its comment too."""

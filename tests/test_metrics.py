@@ -65,10 +65,13 @@ def test_the_step_is_the_states_and_a_flood_is_thinned(rank, monkeypatch):
     em.log(loss=2.0)
     assert [step for step, _, _ in points(metrics_log.take())] == [40, 41]
     monkeypatch.setattr(metrics_log, "MAX_BUFFERED", 10)
+    metrics_log.reset()
     for i in range(25):
-        em.log(i, x=float(i))
+        em.log(i, x=float(i), y=-float(i))
     kept = points(metrics_log.take())
-    assert len(kept) <= 10 and kept[0][0] == 0 and kept[-1][0] == 24  # both ends kept
+    steps = [step for step, name, _ in kept if name == "x"]
+    assert steps == [step for step, name, _ in kept if name == "y"]  # whole calls thinned
+    assert len(steps) <= 11 and steps[0] == 0 and steps[-1] == 24 and steps == sorted(steps)
 
 
 @pytest.mark.unit
@@ -83,10 +86,12 @@ def test_a_job_keeps_its_series_thinned_past_its_bound_and_a_cell_takes_its_own(
             series["loss"].times) == ([1, 2], [0.5, 0.4], [1, 0], [10.0, 11.0])
     assert kept.take() == {}  # a session's next cell starts empty
     monkeypatch.setattr(metrics, "MAX_POINTS", 8)
-    for step in range(20):
+    for step in range(100):
         kept.add(Logged(0, ((float(step), step, "x", float(step)),)))
     steps = kept.take()["x"].steps
-    assert len(steps) <= 8 and steps[0] == 0 and steps == sorted(steps)
+    assert len(steps) <= 9 and steps[0] == 0 and steps[-1] == 99 and steps == sorted(steps)
+    gaps = {b - a for a, b in zip(steps[:-2], steps[1:-1], strict=True)}
+    assert len(gaps) == 1, steps  # evenly over the run, not thinned at its start only
     result = em.JobResult("em-x", em.JobState.SUCCEEDED, 1, 0, 0, 0.0, Path("logs"),
                           metrics=series)
     frame = result.metrics_frame()

@@ -287,6 +287,10 @@ def test_a_rank_read_is_excused_only_where_each_rank_sets_the_answer_again():
     assert why.startswith("reads RANK when imported (in torchmetrics.utilities.prints;")
     (why,) = read("some_library", "os.getenv('WORLD_SIZE')")
     assert "(in some_library;" in why
+    # a module that caches what Lightning's function reads for it is the one that reads
+    (why,) = read("caches_the_rank", "from lightning_fabric.utilities import rank_zero\n"
+                                     "RANK = rank_zero._get_rank()")
+    assert "(in caches_the_rank;" in why
 
 
 @pytest.mark.unit

@@ -431,7 +431,8 @@ def test_a_token_file_a_killed_kernel_left_is_removed_by_the_next_job(tmp_path):
     folder = tmp_path / "tokens"
     live = TokenFile("em-live", "a" * 32, folder=folder)
     assert live.path is not None
-    host = socket.gethostname()
+    host = token_file._HOST  # its name and pid namespace
+    assert host.startswith(socket.gethostname() + "+")
     gone = int(Path("/proc/sys/kernel/pid_max").read_text())  # never a process's pid
     mine = token_file._process_mark(os.getpid())
     stale = [f"em-dead-0123abcd.{gone}.77@{host}",

@@ -81,7 +81,7 @@ class JobCommands:
             raise UsageError("%elastic: no job has run in this kernel yet.")
         if not words:
             return self.jobs[max(self.jobs)]
-        key = words[0]
+        key = words[0].removeprefix("#")  # "#2", as the panel and %elastic jobs number it
         if key.isdigit() and int(key) in self.jobs:
             return self.jobs[int(key)]
         for job in self.jobs.values():

@@ -17,7 +17,8 @@ from ..wire.payload import uses_ipython_syntax
 def magic_words(line: str, what: str) -> list[str]:
     """A magic's line split as a shell would (IPython's own parse_argstring keeps quotes:
     ``--args "--lr 1"`` would reach the script as one word), and as a shell, a ``#`` that
-    starts a word outside quotes starts a comment (IPython hands it to the magic)."""
+    starts a word outside quotes starts a comment (IPython hands it to the magic), but for
+    a job's number (``#2``)."""
     try:
         return shlex.split(_without_comment(line))
     except ValueError as exc:  # shlex: unbalanced quotes
@@ -25,13 +26,20 @@ def magic_words(line: str, what: str) -> list[str]:
 
 
 def _without_comment(line: str) -> str:
-    quote = ""
+    """``line`` up to a comment: a ``#`` that starts a word outside quotes, unless a digit
+    follows (``#2`` is job 2, as the panel names it)."""
+    quote, escaped = "", False
     for index, char in enumerate(line):
-        if quote:
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
             quote = "" if char == quote else quote
         elif char in "'\"":
             quote = char
-        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+        elif char == "#" and (index == 0 or line[index - 1].isspace()) and \
+                not line[index + 1:index + 2].isdigit():
             return line[:index]
     return line
 

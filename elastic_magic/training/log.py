@@ -1,30 +1,36 @@
-"""``elastic_magic.log``: scalars for the job's charts and ``JobResult.metrics``, from any
+"""``elastic_magic.log``: scalars for the record's charts and ``JobResult.metrics``, from any
 cell. A call appends to this rank's buffer (a few microseconds: log every step); the
 progress thread sends what gathered at most twice a second, and the rank sends the rest
-before its cell's result (or failure), so the series is whole when the cell ends."""
+before its cell's result (or failure, or its exit at a resize), each batch whole and in
+order (``flush``), so the series is whole when the cell ends."""
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..wire.metrics import Logged, Point
+from ..wire.metrics import Logged, Point, Thinned
 
-# A rank that logs faster than its reports leave keeps at most this many points between
-# two reports: past it, every other point is dropped.
+if TYPE_CHECKING:
+    from ..worker.client import AgentClient
+
+# A rank that logs faster than its reports leave keeps at most this many calls between two
+# reports, evenly (``Thinned``).
 MAX_BUFFERED = 20_000
 
 _lock = threading.Lock()  # a cell may log from several threads
-_buffer: list[Point] = []
+_sending = threading.Lock()  # one batch on its way at a time: they arrive in order
+_buffer: Thinned[tuple[Point, ...]] = Thinned(MAX_BUFFERED)  # a call's points each
 _calls = 0  # this rank's log calls: the step where no State has one
 
 
 def log(step: int | None = None, *, rank: int | str = 0, **scalars: Any) -> None:
-    """Log scalars (``loss=..., lr=...``) at a step: the dashboard charts them live, the
-    saved record keeps the chart, and ``result.metrics`` holds every point.
+    """Log scalars (``loss=..., lr=...``) at a step: the cell's record charts them, and
+    ``result.metrics`` holds every point.
 
     Args:
         step: The x of these points. None: the step of this rank's ``State`` (the one that
@@ -52,9 +58,7 @@ def log(step: int | None = None, *, rank: int | str = 0, **scalars: Any) -> None
         _calls += 1
         at = _current_step() if step is None else step
         at = _calls if at is None else int(at)
-        _buffer.extend((now, at, name, value) for name, value in points)
-        if len(_buffer) > MAX_BUFFERED:
-            del _buffer[1::2]
+        _buffer.add(tuple((now, at, name, value) for name, value in points))
 
 
 def _number(name: str, value: Any) -> float:
@@ -75,16 +79,26 @@ def _current_step() -> int | None:
 
 def take() -> Logged | None:
     """What this rank logged since the last take (the report to send), if anything."""
+    global _buffer
     with _lock:
-        if not _buffer:
-            return None
-        points, _buffer[:] = tuple(_buffer), []
-    return Logged(int(os.environ.get("RANK", "0")), points)
+        calls, _buffer = _buffer.items(), Thinned(MAX_BUFFERED)
+    points = tuple(point for call in calls for point in call)
+    return Logged(int(os.environ.get("RANK", "0")), points) if points else None
+
+
+def flush(client: AgentClient) -> None:
+    """Send what was logged since the last flush (from the progress thread, and before the
+    cell's end is told): one batch at a time, so they arrive in the order logged."""
+    with _sending:
+        logged = take()
+        if logged is not None:
+            with contextlib.suppress(OSError):  # the agent is gone; the lifeline ends us
+                client.send(logged)
 
 
 def reset() -> None:
     """A new cell's calls count from zero (a session's rank runs many)."""
-    global _calls
+    global _calls, _buffer
     with _lock:
         _calls = 0
-        _buffer.clear()
+        _buffer = Thinned(MAX_BUFFERED)

@@ -6,7 +6,7 @@ Bounded: a long job keeps its shape at less detail."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
 from typing import Any
 
 from ..wire.events import (
@@ -17,10 +17,10 @@ from ..wire.events import (
     Restarting,
     StateChanged,
 )
-from ..wire.metrics import Logged
+from ..wire.metrics import Logged, Thinned
 
-# Points kept of a series for the charts (the result keeps more): past it, every other one
-# is dropped. Thousands draw at once; more would only be wider than the chart.
+# Points kept of a series for the charts (the result keeps more): thousands draw at once,
+# and more would only be wider than the chart.
 CHART_POINTS = 2_000
 # Timeline kinds marked on the time axis (``describe``'s words).
 MARKED = {"failure": "failed", "restart": "restart", "resize": "resize",
@@ -28,43 +28,51 @@ MARKED = {"failure": "failed", "restart": "restart", "resize": "resize",
           "reformed": "re-formed", "start": "started", "failed": "failed"}
 
 
-def _add(points: list[Any], point: Any) -> None:
-    points.append(point)
-    if len(points) > CHART_POINTS:
-        del points[1:-1:2]  # the first and the latest stay
-
-
-@dataclass
 class Charts:
     """What the charts draw: ``sizes`` [(time, world size, machines)] as a step line (0 while
     a group is down), ``rates`` [(time, steps per second)] between commits, ``metrics``
-    {name: [(step, value, rank)]}."""
+    {name: [(step, value, rank)]}, each thinned evenly past ``CHART_POINTS``."""
 
-    sizes: list[tuple[float, int, int]] = field(default_factory=list)
-    rates: list[tuple[float, float]] = field(default_factory=list)
-    metrics: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
-    _commit: tuple[float, int] | None = None  # the last commit: (time, step)
+    def __init__(self) -> None:
+        self._sizes: Thinned[tuple[float, int, int]] = Thinned(CHART_POINTS)
+        self._rates: Thinned[tuple[float, float]] = Thinned(CHART_POINTS)
+        self._metrics: dict[str, Thinned[tuple[int, float, int]]] = {}
+        self._commit: tuple[float, int] | None = None  # the last commit: (time, step)
 
     def apply(self, event: Event) -> None:
         match event:
             case RendezvousCompleted(world_size=size, nnodes=machines):
-                _add(self.sizes, (event.time, size, machines))
-            case Restarting() | MembershipChanged() if self.sizes:
-                _add(self.sizes, (event.time, 0, 0))  # down until the next round forms
-            case StateChanged(state=state) if state.is_final and self.sizes:
-                _add(self.sizes, (event.time, *self.sizes[-1][1:]))  # to the end
+                self._sizes.add((event.time, size, machines))
+            case Restarting() | MembershipChanged() if self._sizes.latest:
+                self._sizes.add((event.time, 0, 0))  # down until the next round forms
+            case StateChanged(state=state) if state.is_final and self._sizes.latest:
+                self._sizes.add((event.time, *self._sizes.latest[1:]))  # to the end
             case Committed(step=int(step)):
                 last = self._commit
                 if last is not None and event.time > last[0] and step >= last[1]:
-                    _add(self.rates, (event.time, (step - last[1]) / (event.time - last[0])))
+                    self._rates.add((event.time, (step - last[1]) / (event.time - last[0])))
                 self._commit = (event.time, step)
             case Logged(rank=rank, points=points):
                 for _, step, name, value in points:
-                    _add(self.metrics.setdefault(name, []), (step, value, rank))
+                    if math.isfinite(value):  # a diverged loss's nan or inf: not drawable
+                        self._metrics.setdefault(name, Thinned(CHART_POINTS)).add(
+                            (step, value, rank))
+
+    @property
+    def sizes(self) -> list[tuple[float, int, int]]:
+        return self._sizes.items()
+
+    @property
+    def rates(self) -> list[tuple[float, float]]:
+        return self._rates.items()
+
+    @property
+    def metrics(self) -> dict[str, list[tuple[int, float, int]]]:
+        return {name: series.items() for name, series in self._metrics.items()}
 
     @property
     def empty(self) -> bool:
-        return len(self.sizes) < 2 and not self.metrics and not self.rates
+        return len(self._sizes) < 2 and len(self._rates) < 2 and not self._metrics
 
 
 def marks(timeline: list[dict[str, Any]]) -> list[tuple[float, str, str]]:

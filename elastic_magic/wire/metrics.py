@@ -7,14 +7,44 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ..result_parts import MetricSeries
 
 Point = tuple[float, int, str, float]  # (time, step, name, value)
-# Points a job keeps of one scalar: past it, every other point is dropped (the series keeps
-# its shape over the whole run, at half the detail).
+# Points a job keeps of one scalar: past it, the series thins (``Thinned``).
 MAX_POINTS = 100_000
+T = TypeVar("T")
+
+
+class Thinned(Generic[T]):
+    """Items kept within a bound, evenly over the whole run, the latest always among them:
+    past ``most``, every other one kept is dropped, and from then on one new item in twice
+    as many as before is kept (halving again would thin the early part only)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.kept: list[T] = []
+        self.latest: T | None = None  # kept or not
+        self._stride, self._seen = 1, 0
+
+    def add(self, item: T) -> None:
+        if self._seen % self._stride == 0:
+            self.kept.append(item)
+            if len(self.kept) > self.most:
+                del self.kept[1::2]
+                self._stride *= 2
+        self._seen += 1
+        self.latest = item
+
+    def items(self) -> list[T]:
+        """What was kept, the latest last."""
+        if self.latest is None or (self.kept and self.kept[-1] is self.latest):
+            return list(self.kept)
+        return [*self.kept, self.latest]
+
+    def __len__(self) -> int:
+        return self._seen
 
 
 @dataclass(frozen=True)
@@ -35,7 +65,7 @@ class MetricsKept:
     machine's ranks' and, on a head, the other machines')."""
 
     def __init__(self) -> None:
-        self.series: dict[str, MetricSeries] = {}
+        self._series: dict[str, Thinned[tuple[int, float, float, int]]] = {}
         self._lock = threading.Lock()  # events come from the agent's and the pumps' threads
 
     def tap(self, sink: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -49,20 +79,22 @@ class MetricsKept:
     def add(self, logged: Logged) -> None:
         with self._lock:
             for when, step, name, value in logged.points:
-                series = self.series.setdefault(name, MetricSeries())
-                series.steps.append(step)
-                series.values.append(value)
-                series.times.append(when)
-                series.ranks.append(logged.rank)
-                if len(series) > MAX_POINTS:
-                    for column in (series.steps, series.values, series.times, series.ranks):
-                        del column[1::2]
+                series = self._series.setdefault(name, Thinned(MAX_POINTS))
+                series.add((step, value, when, logged.rank))
 
     def take(self) -> dict[str, MetricSeries]:
         """The series so far; the next take starts empty (a session's next cell)."""
         with self._lock:
-            series, self.series = self.series, {}
-        return series
+            taken, self._series = self._series, {}
+        result = {}
+        for name, thinned in taken.items():
+            series = result[name] = MetricSeries()
+            for step, value, when, rank in thinned.items():
+                series.steps.append(step)
+                series.values.append(value)
+                series.times.append(when)
+                series.ranks.append(rank)
+        return result
 
 
 def as_frame(series: dict[str, MetricSeries]) -> Any:

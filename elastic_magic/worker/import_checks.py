@@ -12,6 +12,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 from . import rank_answers
 
@@ -71,11 +72,15 @@ _PLUMBING = frozenset({os.getenv.__code__.co_filename,  # "<frozen os>" where fr
 
 
 def _reader() -> str:
-    """The module whose code reads the environment (what it reads through os excepted)."""
-    frame = sys._getframe(2)
+    """The module being imported that reads the environment: the nearest module body on the
+    stack (a function it calls, of its own or another module's, reads for it)."""
+    frame: Any = sys._getframe(2)
     while frame.f_back is not None and frame.f_code.co_filename in _PLUMBING:
         frame = frame.f_back
-    return str(frame.f_globals.get("__name__", "?"))
+    body = frame
+    while body is not None and body.f_code.co_name != "<module>":
+        body = body.f_back
+    return str((body or frame).f_globals.get("__name__", "?"))
 
 
 def _open_fds() -> set[int]:

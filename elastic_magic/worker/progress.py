@@ -31,11 +31,7 @@ def report_progress(client: AgentClient) -> threading.Thread:
         while True:
             running.wait()
             time.sleep(SAMPLE_INTERVAL)
-            if (logged := metrics_log.take()) is not None:  # elastic_magic.log's points
-                try:
-                    client.send(logged)
-                except OSError:
-                    return
+            metrics_log.flush(client)  # what elastic_magic.log gathered meanwhile
             where = position(sys._current_frames().get(main_id or 0))
             moved = moved or where != last
             last = where

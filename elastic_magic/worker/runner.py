@@ -58,6 +58,7 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
     except leave.RerunCell:  # a survivor that went on in its cell must start it again
         return drop_cell(namespace)
     except ResizeExit as exc:  # a resize was applied at a commit: leave cleanly
+        metrics_log.flush(report)
         report.send(Resized(exc.step, time.time()))
         if stay:
             return _park(report, exc, namespace)
@@ -82,7 +83,7 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
     if payload.session:
         session.end_output()
     report_imports(report)
-    send_logged(report)
+    metrics_log.flush(report)
     report.send(message)
     from elastic_magic.worker import default_group
 
@@ -228,7 +229,7 @@ def report_parked(report: AgentClient, exc: BaseException) -> None:
     with contextlib.suppress(BaseException):
         report.drain()
     progress.running.clear()
-    send_logged(report)
+    metrics_log.flush(report)
     if failed:
         info = describe_exception(exc, 1)
         sys.stderr.write(info.traceback)
@@ -265,18 +266,10 @@ def drop_cell(namespace: dict[str, Any]) -> None:
     leave_group(None)
 
 
-def send_logged(report: AgentClient) -> None:
-    """What the cell logged that no report has carried yet, before its end is told."""
-    logged = metrics_log.take()
-    if logged is not None:
-        with contextlib.suppress(OSError):  # the agent is gone; the lifeline ends us
-            report.send(logged)
-
-
 def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool = True) -> None:
     info = describe_exception(exc, exit_code)
     report_imports(report)
-    send_logged(report)
+    metrics_log.flush(report)
     if not leave:  # a session's cell: report, drop the frames, wait for the next cell
         with contextlib.suppress(BaseException):  # its last commit, sent or not
             report.drain()

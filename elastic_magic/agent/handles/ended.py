@@ -26,7 +26,7 @@ class EndedJob:
     spec: JobSpec
     status_snapshot: JobStatus
     log_dir: Path
-    result: JobResult | None  # without values, pulled variables, snapshot and tails
+    result: JobResult | None  # without values, pulled variables, snapshot, tails, metrics
     _status: dict[str, Any]
 
     @classmethod
@@ -34,7 +34,7 @@ class EndedJob:
         result = job.result
         if result is not None:
             result = dataclasses.replace(result, values={}, pulled={}, snapshot_source=None,
-                                         tails={})
+                                         tails={}, metrics={})
         return cls(job.run_id, job.spec, job.status_snapshot, job.log_dir, result,
                    job.status())
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ...result import RankFailure
 from ...wire.events import Event, Output
 from ...wire.messages import CellReport, InterruptCell, Result, SessionCell
+from ...wire.metrics import Logged
 from ...wire.payload import Payload
 from ..inbox import CellRequest, Inbox, OutputEnded
 
@@ -116,7 +117,7 @@ class CellEvents:
             self.forward(event)  # the notebook shows it; nothing is kept here
         elif cell is not None:
             cell.events.put(event)
-        else:
+        elif not isinstance(event, Logged):  # between cells: a death must not be pushed out
             self.idle.append(event)
 
     def begin(self, cell: CellRequest) -> None:

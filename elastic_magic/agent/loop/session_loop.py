@@ -172,6 +172,7 @@ class SessionLoop:
         engine = self.engine
         group, info = engine.group, engine.round
         assert group is not None and info is not None
+        engine.metrics.take()  # what setup replays logged is not this cell's
         engine.emit(CellStarted(group.attempt, group.ranks, info.world_size, info.nnodes,
                                 info.round, engine.restarts, began=self.cell_started))
 

@@ -4,8 +4,8 @@ folder, say), and the token lets whoever holds it run code in the kernel; so the
 it to a file only the user can read, which the command names (``--token-file``). A cluster's
 machines usually share the home folder that holds it; elsewhere the file is copied over, or
 its content given as ``ELASTIC_MAGIC_TOKEN``. The file goes when the job ends; one that a
-killed kernel left is removed by the next job on that host (its name says which host and
-which process wrote it, so a home folder shared by a cluster's hosts keeps theirs)."""
+killed kernel left is removed by the next job on that host (its name says which host, pid
+namespace and process wrote it, so a home folder shared by a cluster's hosts keeps theirs)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ class TokenFile:
         except (folders.NotPrivate, OSError) as exc:
             self.problem = str(exc)
             return
-        _remove_stale(fd)
         name = f"{run_id}-{secrets.token_hex(4)}.{_process_mark(os.getpid())}@{_HOST}"
         try:
+            _remove_stale(fd)
             with os.fdopen(folders.new_file(fd, name), "w") as file:
                 file.write(token)
             self.path = real / name
@@ -58,7 +58,17 @@ class TokenFile:
                 path.unlink()
 
 
-_HOST = socket.gethostname()
+def _host() -> str:
+    """This host as its processes' pids mean something: its name and pid namespace (two
+    containers of one name, sharing a home folder, have pids of their own)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    except OSError:
+        namespace = "0"
+    return f"{socket.gethostname()}+{namespace}"
+
+
+_HOST = _host()
 _NAME = re.compile(r".+-[0-9a-f]{8}\.(\d+)\.(\d+)@(.+)")
 
 
