@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -763,6 +764,9 @@ def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, reco
     endpoint = next(e.endpoint for e in recorder.events if type(e).__name__ == "AcceptingNodes")
     assert _processes_holding(endpoint) == []  # its join exited with the job
     assert job.status_snapshot.machines == ()
+    # the timeline names the machine by its address and the allocation it ran in
+    (joined,) = [e.peer for e in recorder.of(NodeConnected) if e.connected]
+    assert re.fullmatch(r"127\.0\.0\.1 \(local\S+\)", joined), joined
 
 
 def test_a_launcher_another_distribution_registers_drives_a_session(tmp_path, monkeypatch):

@@ -123,7 +123,7 @@ class Head(SingleMachine):
                 self.pids[item.node] = pid
                 self.greeted.add(item.node)
                 self.launched.arrived(item.node, allocation)
-                self.emit(NodeConnected(host, nproc, True))
+                self.emit(NodeConnected(self.launched.name(item.node, host), nproc, True))
             case RankEvents(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0
                 self.emit(dataclasses.replace(event, attempt=attempt)
@@ -178,10 +178,11 @@ class Head(SingleMachine):
         host, pid = self.names.pop(node, "?"), self.pids.pop(node, 0)
         rendezvous = self.rendezvous
         node_rank = rendezvous.remove_node(host, pid) if rendezvous else None
+        name = self.launched.name(node, host)
         if node_rank is None and not failures:
-            self.emit(NodeConnected(host, 0, False, why))  # it was in no group yet
+            self.emit(NodeConnected(name, 0, False, why))  # it was in no group yet
             return None
-        what = f"machine {host}" + (f" (node {node_rank})" if node_rank is not None else "")
+        what = f"machine {name}" + (f" (node {node_rank})" if node_rank is not None else "")
         goes_on = 1 + len(self.pids) >= self.spec.min_nodes
         self.emit(Excluded(what, why, goes_on))
         if goes_on:
@@ -233,13 +234,15 @@ class Head(SingleMachine):
         host, pid = self.names.pop(node, "?"), self.pids.pop(node, 0)
         reason = self.launched.gone(node)
         node_rank = self.rendezvous.remove_node(host, pid) if self.rendezvous else None
-        self.emit(NodeConnected(host, 0, False, f"left at a commit: {reason}"))
+        self.emit(NodeConnected(self.launched.name(node, host), 0, False,
+                                f"left at a commit: {reason}"))
         return Action.REGROUP if node_rank is not None else None
 
     def _left(self, node: int, peer: str = "", reason: str | None = None) -> None:
         """A machine left; one whose link failed is reported even if it never said hello."""
         if node in self.names or reason:
-            self.emit(NodeConnected(self.names.pop(node, peer), 0, False, reason or ""))
+            name = self.launched.name(node, self.names.pop(node, peer))
+            self.emit(NodeConnected(name, 0, False, reason or ""))
 
     def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
         return rendezvous.num_nodes_waiting() > 0

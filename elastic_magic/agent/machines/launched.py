@@ -35,6 +35,7 @@ class Launched:
         # where the allocations are shown (the job's status board, set by the assembly)
         self.publish: Callable[[tuple[str, ...]], None] = lambda lines: None
         self.allocations: dict[int, str] = {}  # hub connection -> its allocation
+        self.started_in: dict[int, str] = {}  # the same, kept after it ended (for names)
         self.released: dict[int, str] = {}  # connections leaving at a commit -> why
         self._due = False  # the group leaves at its next commit for them
         self.machines = spec.max_nodes - 1  # what the Cluster keeps (the head not counted)
@@ -63,6 +64,8 @@ class Launched:
     def arrived(self, node: int, allocation: str) -> None:
         """A machine said Hello from ``allocation`` (empty: started by hand)."""
         self.allocations[node] = allocation
+        if allocation:
+            self.started_in[node] = allocation
         cluster = self.cluster
         if cluster is not None and allocation:
             cluster.joined(allocation)
@@ -76,6 +79,12 @@ class Launched:
             return None
         cluster.cancel_later(allocation)
         return f"its allocation {allocation} was given back before it came up"
+
+    def name(self, node: int, host: str) -> str:
+        """How the job's timeline names a machine: its address, and the allocation it runs
+        in (machines a launcher started on one host share the address)."""
+        allocation = self.started_in.get(node)
+        return f"{host} ({allocation})" if allocation else host
 
     def link_ended(self, node: int) -> None:
         """A machine's link ended, after all it said: its allocation, if that has ended,
