@@ -82,6 +82,10 @@ def test_no_chart_without_a_story_and_a_long_run_keeps_its_shape(monkeypatch):
                             (0.0, 1002, "x", 5.0))))
     assert charts.metrics["x"][-1] == (1002, 5.0, 0)
     assert "nan" not in charts_svg(charts, []) and "inf" not in charts_svg(charts, [])
+    charts.apply(Logged(0, ((0.0, 1003, "x", float("nan")),)))
+    state = DashboardState("em-x", "/tmp/logs", 0)
+    state.charts = charts
+    assert "logged x: nan at step 1003 (rank 0)" in record_text(state)  # said, not hidden
     two_commits = Charts()  # a rate needs two: one commit draws nothing
     two_commits.apply(Committed(step=1, world_size=1, nbytes=1, time=1.0))
     two_commits.apply(Committed(step=2, world_size=1, nbytes=1, time=2.0))

@@ -172,19 +172,23 @@ def test_unload_stops_background_jobs_and_removes_both_magics(log_dir):
     assert "elastic" in shell.magics_manager.magics["line"]
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("line", "words"), [
-    ("session start --nproc 2     # the job flags", ["session", "start", "--nproc", "2"]),
-    ("# all of it", []),
+@pytest.mark.parametrize(("line", "words", "refs"), [
+    ("session start --nproc 2     # the job flags", ["session", "start", "--nproc", "2"],
+     True),
+    ("# all of it", [], True),
     ("--env X=a#b --args '# not a comment' \"#x\"", ["--env", "X=a#b", "--args",
-                                                     "# not a comment", "#x"]),
-    ("stop #2   # job 2, as the panel names it", ["stop", "#2"]),
-    ('--args "a \\" # b" # c', ["--args", 'a " # b']),
+                                                     "# not a comment", "#x"], False),
+    ("stop #2   # job 2, as the panel names it", ["stop", "#2"], True),
+    ("--nproc 2 #2 GPUs here", ["--nproc", "2"], False),  # a cell's flags: a comment
+    ("stop #2nd try", ["stop"], True),
+    ('--args "a \\" # b" # c', ["--args", 'a " # b'], False),
 ])
-def test_a_hash_that_starts_a_word_outside_quotes_starts_a_comment(line, words):
-    """As in a shell: IPython hands a line magic its comment too."""
+def test_a_hash_that_starts_a_word_outside_quotes_starts_a_comment(line, words, refs):
+    """As in a shell: IPython hands a line magic its comment too; but %elastic's
+    subcommands take a job as the panel numbers it (#2)."""
     from elastic_magic.notebook.magic_cells import magic_words
 
-    assert magic_words(line, "%elastic") == words
+    assert magic_words(line, "%elastic", job_refs=refs) == words
     with pytest.raises(UsageError, match="check the quotes"):
         magic_words("stop 'em-1", "%elastic")
 

@@ -93,6 +93,11 @@ def test_a_job_keeps_its_series_thinned_past_its_bound_and_a_cell_takes_its_own(
     assert len(steps) <= 9 and steps[0] == 0 and steps[-1] == 99 and steps == sorted(steps)
     gaps = {b - a for a, b in itertools.pairwise(steps[:-1])}  # the latest: kept anyway
     assert len(gaps) == 1, steps  # evenly over the run, not thinned at its start only
+    for step in range(100):  # two ranks in turn: each thinned apart, neither crowded out
+        for r in (0, 1):
+            kept.add(Logged(r, ((float(step), step, "y", float(r)),)))
+    y = kept.take()["y"]
+    assert y.ranks.count(0) == y.ranks.count(1) > 4 and y.steps[-2:] == [99, 99]
     result = em.JobResult("em-x", em.JobState.SUCCEEDED, 1, 0, 0, 0.0, Path("logs"),
                           metrics=series)
     frame = result.metrics_frame()

@@ -129,8 +129,15 @@ class JobsChannel:
             return False
         get_comm_manager().register_target(TARGET, self._accept)
         self._shell = shell
+        shell.events.register("post_run_cell", self._after_cell)
         self.announce()
         return True
+
+    def _after_cell(self, _result: Any) -> None:
+        """A page that missed the announcement (the extension loaded from IPython's config
+        before a frontend listened, or inside %%capture) hears it after the next cell."""
+        if not self._comms:
+            self.announce()
 
     def announce(self) -> None:
         """Tell every frontend on the kernel's channels that the panel's comm target is
@@ -155,6 +162,8 @@ class JobsChannel:
             from comm import get_comm_manager
 
             get_comm_manager().unregister_target(TARGET, self._accept)
+        with contextlib.suppress(Exception):  # not registered: never opened in a kernel
+            self._shell.events.unregister("post_run_cell", self._after_cell)
 
     def _accept(self, comm: Any, _open_msg: dict[str, Any]) -> None:
         """A frontend opened a comm (a page loaded after the extension)."""

@@ -4,6 +4,7 @@ printing of stacks. Each takes what it works on as arguments."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from typing import Any
@@ -14,20 +15,20 @@ from ..result import JobFailedError, JobResult, JobState
 from ..wire.payload import uses_ipython_syntax
 
 
-def magic_words(line: str, what: str) -> list[str]:
+def magic_words(line: str, what: str, job_refs: bool = False) -> list[str]:
     """A magic's line split as a shell would (IPython's own parse_argstring keeps quotes:
     ``--args "--lr 1"`` would reach the script as one word), and as a shell, a ``#`` that
-    starts a word outside quotes starts a comment (IPython hands it to the magic), but for
-    a job's number (``#2``)."""
+    starts a word outside quotes starts a comment (IPython hands it to the magic); with
+    ``job_refs`` (``%elastic``'s subcommands), but for a job's number (``stop #2``)."""
     try:
-        return shlex.split(_without_comment(line))
+        return shlex.split(_without_comment(line, job_refs))
     except ValueError as exc:  # shlex: unbalanced quotes
         raise UsageError(f"{what}: {exc}; check the quotes.") from None
 
 
-def _without_comment(line: str) -> str:
-    """``line`` up to a comment: a ``#`` that starts a word outside quotes, unless a digit
-    follows (``#2`` is job 2, as the panel names it)."""
+def _without_comment(line: str, job_refs: bool) -> str:
+    """``line`` up to a comment: a ``#`` that starts a word outside quotes, unless that word
+    is a job's number and ``job_refs`` (``#2`` is job 2, as the panel names it)."""
     quote, escaped = "", False
     for index, char in enumerate(line):
         if escaped:
@@ -38,8 +39,8 @@ def _without_comment(line: str) -> str:
             quote = "" if char == quote else quote
         elif char in "'\"":
             quote = char
-        elif char == "#" and (index == 0 or line[index - 1].isspace()) and \
-                not line[index + 1:index + 2].isdigit():
+        elif char == "#" and (index == 0 or line[index - 1].isspace()) and not (
+                job_refs and re.match(r"#\d+(\s|$)", line[index:])):
             return line[:index]
     return line
 

@@ -180,7 +180,7 @@ class ElasticMagics(Magics):
         %elastic logs RANK [JOB] [-n N] [--stderr] | stacks [JOB] | pool forget
         %elastic session start [flags] | stop | status; push|pull|gather NAME
         """
-        words = magic_words(line, "%elastic")
+        words = magic_words(line, "%elastic", job_refs=True)
         if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs", "stacks",
                                          "session", "push", "pull", "gather", "pool"):
             raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")

@@ -36,7 +36,8 @@ class Charts:
     def __init__(self) -> None:
         self._sizes: Thinned[tuple[float, int, int]] = Thinned(CHART_POINTS)
         self._rates: Thinned[tuple[float, float]] = Thinned(CHART_POINTS)
-        self._metrics: dict[str, Thinned[tuple[int, float, int]]] = {}
+        self._metrics: dict[tuple[str, int], Thinned[tuple[int, float]]] = {}  # name, rank
+        self.latest: dict[str, tuple[int, float, int]] = {}  # nan and inf too: (step, v, rank)
         self._commit: tuple[float, int] | None = None  # the last commit: (time, step)
 
     def apply(self, event: Event) -> None:
@@ -54,9 +55,10 @@ class Charts:
                 self._commit = (event.time, step)
             case Logged(rank=rank, points=points):
                 for _, step, name, value in points:
+                    self.latest[name] = (step, value, rank)
                     if math.isfinite(value):  # a diverged loss's nan or inf: not drawable
-                        self._metrics.setdefault(name, Thinned(CHART_POINTS)).add(
-                            (step, value, rank))
+                        self._metrics.setdefault((name, rank), Thinned(CHART_POINTS)).add(
+                            (step, value))
 
     @property
     def sizes(self) -> list[tuple[float, int, int]]:
@@ -68,7 +70,11 @@ class Charts:
 
     @property
     def metrics(self) -> dict[str, list[tuple[int, float, int]]]:
-        return {name: series.items() for name, series in self._metrics.items()}
+        """{name: [(step, value, rank)]}, rank by rank (each thinned on its own)."""
+        drawn: dict[str, list[tuple[int, float, int]]] = {}
+        for (name, rank), series in sorted(self._metrics.items()):
+            drawn.setdefault(name, []).extend((s, v, rank) for s, v in series.items())
+        return drawn
 
     @property
     def empty(self) -> bool:

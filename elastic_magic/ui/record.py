@@ -54,8 +54,7 @@ def record_text(state: DashboardState) -> str:
                   for o in f["others"]]
         lines += [f"  rank {c['rank']}: {c['text']}" for c in f.get("consequences", ())]
     lines += _stacks_text(state)
-    for name, points in state.charts.metrics.items():
-        step, value, rank = points[-1]
+    for name, (step, value, rank) in state.charts.latest.items():  # a nan said as nan
         lines.append(f"logged {name}: {value:.6g} at step {step} (rank {rank})")
     for earlier in state.earlier:
         lines.append(f"=== earlier group (restarts {earlier['restart']}): {earlier['why']} ===")

@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 from ..result_parts import MetricSeries
 
 Point = tuple[float, int, str, float]  # (time, step, name, value)
-# Points a job keeps of one scalar: past it, the series thins (``Thinned``).
+# Points a job keeps of one scalar, a rank: past it, the series thins (``Thinned``).
 MAX_POINTS = 100_000
 T = TypeVar("T")
 
@@ -65,7 +65,10 @@ class MetricsKept:
     machine's ranks' and, on a head, the other machines')."""
 
     def __init__(self) -> None:
-        self._series: dict[str, Thinned[tuple[int, float, float, int]]] = {}
+        # each rank's points of a scalar thinned apart, so that one rank's never crowd
+        # another's out: (arrival, step, value, time)
+        self._series: dict[tuple[str, int], Thinned[tuple[int, int, float, float]]] = {}
+        self._arrived = 0
         self._lock = threading.Lock()  # events come from the agent's and the pumps' threads
 
     def tap(self, sink: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -79,21 +82,25 @@ class MetricsKept:
     def add(self, logged: Logged) -> None:
         with self._lock:
             for when, step, name, value in logged.points:
-                series = self._series.setdefault(name, Thinned(MAX_POINTS))
-                series.add((step, value, when, logged.rank))
+                series = self._series.setdefault((name, logged.rank), Thinned(MAX_POINTS))
+                series.add((self._arrived, step, value, when))
+                self._arrived += 1
 
     def take(self) -> dict[str, MetricSeries]:
-        """The series so far; the next take starts empty (a session's next cell)."""
+        """The series so far, in the order they came; the next take starts empty (a
+        session's next cell)."""
         with self._lock:
             taken, self._series = self._series, {}
-        result = {}
-        for name, thinned in taken.items():
-            series = result[name] = MetricSeries()
-            for step, value, when, rank in thinned.items():
-                series.steps.append(step)
-                series.values.append(value)
-                series.times.append(when)
-                series.ranks.append(rank)
+        rows = sorted((arrived, name, rank, step, value, when)
+                      for (name, rank), thinned in taken.items()
+                      for arrived, step, value, when in thinned.items())
+        result: dict[str, MetricSeries] = {}
+        for _, name, rank, step, value, when in rows:
+            series = result.setdefault(name, MetricSeries())
+            series.steps.append(step)
+            series.values.append(value)
+            series.times.append(when)
+            series.ranks.append(rank)
         return result
 
 

@@ -36,8 +36,8 @@ export class KernelChannel {
       this.receive(msg.content.data as unknown as KernelMessage);
     });
     kernel.iopubMessage.connect((_, msg) => {
-      if (isAnnouncement(msg) && this.comms.length === 0) {
-        this.open();
+      if (isAnnouncement(msg) && !this.connected) {
+        void this.open();
       }
     });
     kernel.statusChanged.connect((_, status) => {
@@ -55,22 +55,43 @@ export class KernelChannel {
     try {
       const reply = await this.kernel.requestCommInfo({ target_name: TARGET });
       const content = reply.content as { comms?: Record<string, unknown> };
-      if (Object.keys(content.comms ?? {}).length > 0 && this.comms.length === 0) {
-        this.open();
+      if (Object.keys(content.comms ?? {}).length > 0 && !this.connected) {
+        await this.open();
       }
     } catch {
       // a kernel without comm_info, or one that went away: nothing to show
     }
   }
 
-  private open(): void {
+  /** Whether a comm of ours is open (one the kernel's restart disposed of is not). */
+  private get connected(): boolean {
+    this.comms = this.comms.filter(c => !c.isDisposed);
+    return this.comms.length > 0;
+  }
+
+  /**
+   * Open a comm to the kernel's target, on the comm target's subshell where the kernel has
+   * subshells: the main shell may be running a cell for hours (the job this panel would
+   * show), and an open sent there would wait for it.
+   */
+  private async open(): Promise<void> {
     const comm = this.kernel.createComm(TARGET);
     this.attach(comm);
-    comm.open({});
+    try {
+      await this.kernel.info;
+      if (this.kernel.supportsSubshells) {
+        await (comm as unknown as { subshellStarted: Promise<void> }).subshellStarted;
+      }
+    } catch {
+      // no subshell for it: the main shell takes the open once it is free
+    }
+    if (!comm.isDisposed) {
+      comm.open({});
+    }
   }
 
   send(action: Action): void {
-    const comm = this.comms[this.comms.length - 1];
+    const comm = this.comms.filter(c => !c.isDisposed).pop();
     comm?.send(action as unknown as KM.ICommMsgMsg['content']['data']);
   }
 

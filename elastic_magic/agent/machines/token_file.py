@@ -59,13 +59,18 @@ class TokenFile:
 
 
 def _host() -> str:
-    """This host as its processes' pids mean something: its name and pid namespace (two
-    containers of one name, sharing a home folder, have pids of their own)."""
+    """This host as its processes' pids mean something: its name, machine id and pid
+    namespace (hosts of one name, or containers, sharing a home folder, each have pids of
+    their own; the first pid namespace has the same number everywhere)."""
     try:
         namespace = os.readlink("/proc/self/ns/pid").strip("pid:[]")
     except OSError:
         namespace = "0"
-    return f"{socket.gethostname()}+{namespace}"
+    try:
+        machine = Path("/etc/machine-id").read_text().strip()[:12] or "0"
+    except OSError:
+        machine = "0"
+    return f"{socket.gethostname()}+{machine}+{namespace}"
 
 
 _HOST = _host()
