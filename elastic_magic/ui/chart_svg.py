@@ -71,21 +71,25 @@ def _line(panel: _Panel, points: list[tuple[float, float]]) -> str:
     return " ".join(f"{panel.px(x):.1f},{panel.py(y):.1f}" for x, y in points)
 
 
-def _time_panels(charts: Charts, timeline: list[dict[str, Any]], top: float) -> list[str]:
-    times = [t for t, _, _ in charts.sizes] + [t for t, _ in charts.rates]
+def _time_panels(charts: Charts, timeline: list[dict[str, Any]], top: float
+                 ) -> tuple[list[str], float]:
+    """The panels over time, if any has two points, and where the next panel goes."""
+    sizes, rates = charts.sizes, charts.rates
+    times = [t for t, _, _ in sizes] + [t for t, _ in rates]
+    parts: list[str] = []
+    if len(sizes) < 2 and len(rates) < 2:
+        return parts, top
     span = (min(times), max(times))
     labels = (clock(span[0]), clock(span[1]))
-    parts: list[str] = []
-    if len(charts.sizes) >= 2:
-        most = max(size for _, size, _ in charts.sizes)
-        panel = _Panel(top, span, (0, most))
+    if len(sizes) >= 2:
+        panel = _Panel(top, span, (0, max(size for _, size, _ in sizes)))
         parts += panel.frame("world size", labels, "world_size")
-        sizes = [(t, float(size)) for t, size, _ in charts.sizes]
-        parts.append(f'<path d="{_steps(panel, sizes)}" fill="none" stroke="{SERIES[0]}" '
-                     f'stroke-width="2"><title>world size: {charts.sizes[-1][1]} at the '
+        line = [(t, float(size)) for t, size, _ in sizes]
+        parts.append(f'<path d="{_steps(panel, line)}" fill="none" stroke="{SERIES[0]}" '
+                     f'stroke-width="2"><title>world size: {sizes[-1][1]} at the '
                      'end</title></path>')
-        if max(machines for _, _, machines in charts.sizes) > 1:
-            machines = [(t, float(m)) for t, _, m in charts.sizes]
+        if max(machines for _, _, machines in sizes) > 1:
+            machines = [(t, float(m)) for t, _, m in sizes]
             parts.append(f'<path d="{_steps(panel, machines)}" fill="none" '
                          f'stroke="{SERIES[2]}" stroke-dasharray="4 3"><title>machines'
                          '</title></path>')
@@ -101,13 +105,14 @@ def _time_panels(charts: Charts, timeline: list[dict[str, Any]], top: float) -> 
                           "</g>"]
         parts.append("</g>")
         top += PANEL + GAP
-    if len(charts.rates) >= 2:
-        panel = _Panel(top, span, (0, max(rate for _, rate in charts.rates)))
+    if len(rates) >= 2:
+        panel = _Panel(top, span, (0, max(rate for _, rate in rates)))
         parts += panel.frame("steps/s between commits", labels, "steps_per_second")
-        parts.append(f'<polyline points="{_line(panel, charts.rates)}" fill="none" '
+        parts.append(f'<polyline points="{_line(panel, rates)}" fill="none" '
                      f'stroke="{SERIES[1]}" stroke-width="1.5"><title>steps/s: '
-                     f'{_number(charts.rates[-1][1])} at the end</title></polyline></g>')
-    return parts
+                     f'{_number(rates[-1][1])} at the end</title></polyline></g>')
+        top += PANEL + GAP
+    return parts, top
 
 
 def _metric_panel(name: str, points: list[tuple[int, float, int]], top: float) -> list[str]:
@@ -130,11 +135,7 @@ def charts_svg(charts: Charts, timeline: list[dict[str, Any]]) -> str:
     """The record's charts, or "" when there is nothing to draw."""
     if charts.empty:
         return ""
-    parts: list[str] = []
-    top = float(TOP)
-    if len(charts.sizes) >= 2 or len(charts.rates) >= 2:
-        parts += _time_panels(charts, timeline, top)
-        top += (PANEL + GAP) * ((len(charts.sizes) >= 2) + (len(charts.rates) >= 2))
+    parts, top = _time_panels(charts, timeline, float(TOP))
     for name, points in charts.metrics.items():
         parts += _metric_panel(name, points, top)
         top += PANEL + GAP

@@ -7,12 +7,10 @@ its answer, such as lightning's ``rank_zero_only.rank``, would be wrong in every
 
 from __future__ import annotations
 
-import collections.abc
 import contextlib
 import os
 import sys
 from collections.abc import Iterator, MutableMapping
-from typing import Any
 
 from . import rank_answers
 
@@ -66,21 +64,13 @@ class _Recording(MutableMapping[str, str]):
         return repr(self.real)
 
 
-# os.environ.get, os.getenv, ``in``: the mapping's plumbing between a module and the read
-_PLUMBING = frozenset({os.getenv.__code__.co_filename,  # "<frozen os>" where frozen
-                       collections.abc.Mapping.get.__code__.co_filename, __file__})
-
-
 def _reader() -> str:
     """The module being imported that reads the environment: the nearest module body on the
-    stack (a function it calls, of its own or another module's, reads for it)."""
-    frame: Any = sys._getframe(2)
-    while frame.f_back is not None and frame.f_code.co_filename in _PLUMBING:
+    stack (``os.environ.get``, ``os.getenv`` and a function the module calls read for it)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_name != "<module>":
         frame = frame.f_back
-    body = frame
-    while body is not None and body.f_code.co_name != "<module>":
-        body = body.f_back
-    return str((body or frame).f_globals.get("__name__", "?"))
+    return str(frame.f_globals.get("__name__", "?"))
 
 
 def _open_fds() -> set[int]:
