@@ -37,7 +37,8 @@ CELLS = [
     "%load_ext elastic_magic",
     "%%elastic --nproc 2\nimport torch.distributed as dist\n"
     "print(f'\\x1b[32mhello\\x1b[0m from rank {dist.get_rank()}')",  # as FORCE_COLOR prints
-    "%%elastic --nproc 2 --max-nproc 3\nimport sys, time, torch.distributed as dist\n"
+    "%%elastic --nproc 2 --max-nproc 3 --max-restarts 1\n"
+    "import sys, time, torch.distributed as dist\n"
     "print(f'\\x1b[2K\\x1b[1;35mlong job\\x1b[0m rank {dist.get_rank()} ready', flush=True)\n"
     "print(f'a warning on rank {dist.get_rank()}', file=sys.stderr, flush=True)\n"
     "time.sleep(600)",
@@ -102,6 +103,10 @@ def jupyterlab(tmp_path: Path, cells: list[str]) -> Iterator[str]:
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
     nbformat.write(nb, tmp_path / "dashboard.ipynb")
+    # No "get notified about Jupyter news?" prompt over what the screenshots show.
+    news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    news.mkdir(parents=True)
+    (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     runtime = tmp_path / "runtime"
     data = tmp_path / "data"
     (data / "labextensions").mkdir(parents=True)
@@ -194,6 +199,16 @@ def open_notebook(page, url: str, cells: int) -> None:
                          f"{kernel.all_inner_texts()}")
 
 
+def use_theme(page, theme: str) -> None:
+    """Switch JupyterLab's theme through its Settings menu, as a user does."""
+    page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{theme}$")).click()
+    light = "false" if "Dark" in theme else "true"
+    expect(page.locator(f"body[data-jp-theme-light='{light}']")).to_have_count(1,
+                                                                             timeout=30_000)
+
+
 def run_cell(page, index: int) -> None:
     """Run one cell. A keypress that lands while JupyterLab is still settling (a
     notification taking focus) is lost: the prompt then stays "[ ]:", and we press again.
@@ -259,8 +274,37 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
                                                                  timeout=60_000)
         expect(dash.locator("[data-em=tab-2]")).to_be_visible()
         expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
-        expect(dash.locator("[data-em=restarts]")).to_have_text("restarts 0/0")
+        expect(dash.locator("[data-em=restarts]")).to_have_text("restarts 0/1")
+        workers = wait_for_workers(3)
+        assert len(workers) == 3
+
+        # A rank killed: the group restarts. The live chart marks the resize and the
+        # failure on the world size's time axis, each with its sentence on hover.
+        os.kill(workers[0].pid, signal.SIGKILL)  # a worker this test's job started
+        expect(dash.locator("[data-em=restarts]")).to_have_text("restarts 1/1",
+                                                                 timeout=60_000)
+        expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
         assert len(wait_for_workers(3)) == 3
+        world = dash.locator("[data-em=chart][data-chart=world_size]")
+        marks = world.locator("[data-em=mark]")
+        expect(marks.and_(page.locator("[data-kind='resize']"))).not_to_have_count(
+            0, timeout=30_000)
+        expect(marks.and_(page.locator("[data-kind='failed']"))).not_to_have_count(0)
+        resize = marks.and_(page.locator("[data-kind='resize']")).first
+        assert "3 workers" in resize.get_attribute("title"), resize.get_attribute("title")
+        failed = marks.and_(page.locator("[data-kind='failed']")).first
+        assert "rank" in failed.get_attribute("title"), failed.get_attribute("title")
+        failed.hover(force=True)  # the restart's mark lies on it; the legend reads there
+        expect(world.locator(".u-legend")).to_contain_text("world size")
+        assert int(world.get_attribute("data-points")) >= 4  # 2, down, 3, down, 3
+        dash.locator("[data-em=charts-box]").screenshot(
+            path=str(ARTIFACTS / "dashboard-live-chart-light.png"))
+        # In the dark theme the chart is drawn again in the theme's ink.
+        use_theme(page, "JupyterLab Dark")
+        ink = dash.evaluate("(el) => getComputedStyle(el).color")
+        expect(world).to_have_attribute("data-ink", ink, timeout=10_000)
+        dash.locator("[data-em=charts-box]").screenshot(
+            path=str(ARTIFACTS / "dashboard-live-chart-dark.png"))
 
         # Every rank's stacks while it runs; nothing stops (a subshell carries the click).
         dash.locator("[data-em=stacks-button]").click()
@@ -323,6 +367,11 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         row.locator(".em-panel-resize").click()
         page.locator(".jp-Notebook .jp-Cell").nth(2).click()  # leave the box: redraws
         expect(row).to_contain_text("world size 3", timeout=60_000)
+        # The row's chart: the world size over time, the resize marked with its sentence.
+        resized = row.locator(".em-panel-chart [data-em=chart][data-chart=world_size] "
+                              "[data-em=mark][data-kind=resize]")
+        expect(resized).not_to_have_count(0, timeout=30_000)
+        assert "3 workers" in resized.first.get_attribute("title")
         panel.screenshot(path=str(ARTIFACTS / "elastic-jobs-panel.png"))
 
         row.locator(".em-panel-stop").click()
@@ -367,11 +416,7 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         label = chart.locator("text").first
         assert label.evaluate(CONTRAST) >= 4.5
         chart.screenshot(path=str(ARTIFACTS / "record-chart-light.png"))
-        page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
-        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Theme$")).hover()
-        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^JupyterLab Dark$")).click()
-        expect(page.locator("body[data-jp-theme-light='false']")).to_have_count(1,
-                                                                               timeout=30_000)
+        use_theme(page, "JupyterLab Dark")
         dark = heading.evaluate(CONTRAST), traceback.evaluate(CONTRAST)
         cell.screenshot(path=str(ARTIFACTS / "record-dark.png"))
         assert dark[0] >= 3 and dark[1] >= 4.5, dark

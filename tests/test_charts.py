@@ -4,15 +4,18 @@ the sentence each mark says on hover. No process is started."""
 
 from __future__ import annotations
 
+import json
 import re
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from recorded_jobs import restart_job
 
 from elastic_magic.ui import charts as charts_module
 from elastic_magic.ui.chart_svg import charts_svg
-from elastic_magic.ui.charts import Charts
+from elastic_magic.ui.charts import MARK_COLORS, Charts
+from elastic_magic.ui.dashboard import widget_module
 from elastic_magic.ui.dashboard_state import DashboardState
 from elastic_magic.ui.record import record_html, record_text
 from elastic_magic.wire.events import Committed
@@ -20,6 +23,7 @@ from elastic_magic.wire.metrics import Logged
 
 pytestmark = pytest.mark.unit
 SVG = "{http://www.w3.org/2000/svg}"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def restarted(tmp_path) -> DashboardState:
@@ -90,3 +94,40 @@ def test_no_chart_without_a_story_and_a_long_run_keeps_its_shape(monkeypatch):
     two_commits.apply(Committed(step=1, world_size=1, nbytes=1, time=1.0))
     two_commits.apply(Committed(step=2, world_size=1, nbytes=1, time=2.0))
     assert two_commits.empty and charts_svg(two_commits, []) == ""
+
+
+def test_the_live_charts_get_the_same_story_small_and_json_ready(tmp_path):
+    """What the widget and the panel draw (Charts.live): the sizes, rates and marks of the
+    record, each rank's scalars thinned on their own to at most ``points`` with the first
+    and the last kept, numbers short; the panel's asks for no scalars."""
+    state = restarted(tmp_path)
+    t0 = state.charts.sizes[0][0]
+    for i, step in enumerate((10, 20, 40)):
+        state.apply(Committed(step=step, world_size=2, nbytes=8, time=t0 + i))
+    state.apply(Logged(0, tuple((t0 + s, s, "loss", 1.0 / 3 / s) for s in range(1, 1001))))
+    state.apply(Logged(1, ((t0, 1, "loss", 2.0), (t0 + 1, 2, "loss", 1.5))))
+    live = state.charts.live(state.timeline, final=True, points=50)
+    assert json.loads(json.dumps(live)) == live
+    assert [row[1:] for row in live["sizes"]] == [[2, 1], [0, 0], [2, 1], [2, 1]]
+    assert [rate for _, rate in live["rates"]] == [10.0, 20.0]
+    assert [label for _, label, _ in live["marks"]] == ["failed", "restart"]
+    assert "rank 1 failed: ValueError" in live["marks"][0][2]
+    rank0 = [p for p in live["metrics"]["loss"] if p[2] == 0]
+    assert len(rank0) == 50 and rank0[0][0] == 1 and rank0[-1][0] == 1000
+    assert rank0[0][1] == 0.333333  # six digits
+    assert [p[:2] for p in live["metrics"]["loss"] if p[2] == 1] == [[1, 2.0], [2, 1.5]]
+    assert live["colors"]["marks"]["failed"] == MARK_COLORS["failed"]  # the record's palette
+    panel = state.charts.live(state.timeline, final=False, metrics=False, points=2)
+    assert panel["metrics"] == {} and not panel["final"]
+    assert [row[1:] for row in panel["sizes"]] == [[2, 1], [2, 1]]  # first and last
+
+
+def test_the_widget_module_holds_upLot_the_shared_charts_and_the_dashboard():
+    """The widget's one module: the vendored uPlot is the version the extension bundles,
+    liveCharts is defined once and not exported (a module exports only the widget)."""
+    module = widget_module()
+    package = json.loads((ROOT / "labextension" / "package.json").read_text())
+    version = package["dependencies"]["uplot"].lstrip("^~")
+    assert module.startswith(f"/*! https://github.com/leeoniya/uPlot (v{version}) */")
+    assert module.count("function liveCharts(") == 1
+    assert re.findall(r"^export .*", module, re.MULTILINE) == ["export default { render };"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +37,7 @@ class ListedJob:
     background: bool
     announced: bool = False  # its end was sent as a "finished" message
     kind: str = "job"
+    chart: Callable[[], dict[str, Any]] | None = None  # its view's series, for the row's chart
 
 
 def current_cell_id(shell: Any) -> str | None:
@@ -95,6 +96,7 @@ def describe_job(item: ListedJob) -> dict[str, Any]:
         # a --launcher's allocations as the job's status has them ("ID: state (reason) on
         # WHERE"): those that wait, with the scheduler's reason (squeue's Reason)
         "machines": list(status.machines),
+        "chart": item.chart() if item.chart is not None else None,
     }
 
 
@@ -184,9 +186,11 @@ class JobsChannel:
     # -- jobs -----------------------------------------------------------------------------
 
     def track(self, number: int, job: Any, cell_id: str | None, background: bool,
-              kind: str = "job") -> None:
+              kind: str = "job", chart: Callable[[], dict[str, Any]] | None = None) -> None:
+        """List a job; ``chart``: where its row's chart comes from (its live view)."""
         with self._lock:
-            self._items[job.run_id] = ListedJob(number, job, cell_id, background, kind=kind)
+            self._items[job.run_id] = ListedJob(number, job, cell_id, background, kind=kind,
+                                                chart=chart)
             unheard = not self._comms
         if unheard:  # a page that loaded after %load_ext, and heard nothing yet
             self.announce()

@@ -142,8 +142,9 @@ class ElasticMagics(Magics):
         try:  # from here on, an interrupt or error anywhere must not orphan the job
             job.start()
             number = self.job_commands.remember(job)
-            self.channel.track(number, job, current_cell_id(self.shell), opts.bg)
             view = make_view(self.shell, job, opts.text)
+            self.channel.track(number, job, current_cell_id(self.shell), opts.bg,
+                               chart=getattr(view, "panel_chart", None))
             if opts.bg:
                 if opts.out:
                     self.shell.user_ns[opts.out] = job

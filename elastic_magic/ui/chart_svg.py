@@ -12,14 +12,10 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from .charts import Charts, marks
+from .charts import MARK_COLORS, SERIES, Charts, marks
 from .describe import clock
 
 WIDTH, PANEL, LEFT, RIGHT, TOP, GAP = 640, 110, 48, 12, 18, 34
-SERIES = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#e377c2", "#17becf")
-MARK_COLORS = {"failed": "#d62728", "restart": "#d62728", "resize": "#9467bd",
-               "machines": "#2ca02c", "excluded": "#8c564b", "re-formed": "#ff7f0e",
-               "started": "#ff7f0e"}
 
 
 class _Panel:

@@ -7,6 +7,7 @@ Bounded: a long job keeps its shape at less detail."""
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 from ..wire.events import (
@@ -22,18 +23,29 @@ from ..wire.metrics import Logged, Thinned
 # Points kept of a series for the charts (the result keeps more): thousands draw at once,
 # and more would only be wider than the chart.
 CHART_POINTS = 2_000
+# Points of a series the live charts get (resent whole at most once a second): a chart is
+# a few hundred pixels wide.
+LIVE_POINTS = 400
 # Timeline kinds marked on the time axis (``describe``'s words).
 MARKED = {"failure": "failed", "restart": "restart", "resize": "resize",
           "membership": "resize", "nodes": "machines", "excluded": "excluded",
           "reformed": "re-formed", "start": "started", "failed": "failed"}
+# The one palette of the record's SVG and the live charts: colours that read on light and
+# dark backgrounds alike.
+SERIES = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#e377c2", "#17becf")
+MARK_COLORS = {"failed": "#d62728", "restart": "#d62728", "resize": "#9467bd",
+               "machines": "#2ca02c", "excluded": "#8c564b", "re-formed": "#ff7f0e",
+               "started": "#ff7f0e"}
 
 
 class Charts:
     """What the charts draw: ``sizes`` [(time, world size, machines)] as a step line (0 while
     a group is down), ``rates`` [(time, steps per second)] between commits, ``metrics``
-    {name: [(step, value, rank)]}, each thinned evenly past ``CHART_POINTS``."""
+    {name: [(step, value, rank)]}, each thinned evenly past ``CHART_POINTS``. Fed on the
+    view's thread, read by the panel's too (``live``): a lock keeps the two apart."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._sizes: Thinned[tuple[float, int, int]] = Thinned(CHART_POINTS)
         self._rates: Thinned[tuple[float, float]] = Thinned(CHART_POINTS)
         self._metrics: dict[tuple[str, int], Thinned[tuple[int, float]]] = {}  # name, rank
@@ -41,6 +53,10 @@ class Charts:
         self._commit: tuple[float, int] | None = None  # the last commit: (time, step)
 
     def apply(self, event: Event) -> None:
+        with self._lock:
+            self._apply(event)
+
+    def _apply(self, event: Event) -> None:
         match event:
             case RendezvousCompleted(world_size=size, nnodes=machines):
                 self._sizes.add((event.time, size, machines))
@@ -79,6 +95,39 @@ class Charts:
     @property
     def empty(self) -> bool:
         return len(self._sizes) < 2 and len(self._rates) < 2 and not self._metrics
+
+    def live(self, timeline: list[dict[str, Any]], *, final: bool, metrics: bool = True,
+             points: int = LIVE_POINTS) -> dict[str, Any]:
+        """What the live charts draw (``live_charts.js``), JSON-friendly and small: each
+        series at most ``points`` long, times to the hundredth of a second, values to six
+        digits. ``final``: the job has ended (a running one's lines reach the present)."""
+        with self._lock:
+            sizes, rates = self.sizes, self.rates
+            logged: dict[str, list[list[Any]]] = {}
+            for (name, rank), series in sorted(self._metrics.items()) if metrics else ():
+                logged.setdefault(name, []).extend(
+                    [step, _short(value), rank] for step, value in evenly(series.items(), points))
+        return {
+            "final": final,
+            "sizes": [[round(t, 2), size, machines] for t, size, machines
+                      in evenly(sizes, points)],
+            "rates": [[round(t, 2), _short(rate)] for t, rate in evenly(rates, points)],
+            "marks": [[round(t, 2), label, sentence] for t, label, sentence in marks(timeline)],
+            "metrics": logged,  # {name: [[step, value, rank], ...]}, rank by rank
+            "colors": {"series": list(SERIES), "marks": MARK_COLORS},
+        }
+
+
+def evenly(items: list[Any], most: int) -> list[Any]:
+    """At most ``most`` of ``items``, spread evenly, the first and the last among them."""
+    if len(items) <= most:
+        return items
+    stride = (len(items) - 1) / (most - 1)
+    return [items[round(i * stride)] for i in range(most)]
+
+
+def _short(value: float) -> float:
+    return float(f"{value:.6g}")
 
 
 def marks(timeline: list[dict[str, Any]]) -> list[tuple[float, str, str]]:

@@ -1,6 +1,7 @@
 // Live dashboard of one elastic job (anywidget). State comes from the kernel a few times a
 // second; the only messages back are commands ({command: "stop"}, "scale", "stacks"), which
-// the kernel queues for the agent.
+// the kernel queues for the agent. `uPlot` and `liveCharts` come before this file in the
+// widget's module (ui/dashboard.py's widget_module).
 
 const h = (tag, attrs = {}, ...children) => {
   const node = document.createElement(tag);
@@ -75,7 +76,12 @@ function render({ model, el }) {
   const timeline = h("ol", { class: "em-timeline", "data-em": "timeline" });
   const details = h("details", { class: "em-timeline-box" },
                     h("summary", {}, "Timeline"), timeline);
-  el.append(header, join, commitLine, scaleError, failure, stacks, tabs, note, pane, earlier, details);
+  const chartBox = h("div", { class: "em-charts", "data-em": "charts" });
+  const chartsShown = h("details", { class: "em-charts-box", "data-em": "charts-box", open: "" },
+                        h("summary", {}, "Charts"), chartBox);
+  const charts = liveCharts(uPlot, chartBox);
+  el.append(header, join, commitLine, scaleError, failure, stacks, chartsShown, tabs, note, pane,
+            earlier, details);
   scaleButton.addEventListener("click", () => {
     typed = false;
     model.send({ command: "scale", nproc: Number(scaleInput.value) });
@@ -245,8 +251,15 @@ function render({ model, el }) {
         ` ${e.text}`)));
   }
 
+  function drawCharts() {
+    const chart = model.get("charts");
+    charts.update(chart);
+    chartsShown.hidden = !chart || chart.sizes === undefined || chartBox.hidden;
+  }
+
   function drawAll() {
-    drawHeader(); drawFailure(); drawStacks(); drawTabs(); drawLines(); drawEarlier(); drawTimeline();
+    drawHeader(); drawFailure(); drawStacks(); drawCharts(); drawTabs(); drawLines(); drawEarlier();
+    drawTimeline();
   }
   model.on("change:earlier", drawEarlier);
   model.on("change:header", drawHeader);
@@ -257,9 +270,15 @@ function render({ model, el }) {
   model.on("change:lines", drawLines);
   model.on("change:merged", drawLines);
   model.on("change:timeline", drawTimeline);
+  model.on("change:charts", drawCharts);
   drawAll();
-  const timer = setInterval(() => { clock.textContent = elapsed(model.get("header")); }, 500);
-  return () => { clearInterval(timer); if (resend) clearInterval(resend); };
+  let ticks = 0;
+  const timer = setInterval(() => {
+    clock.textContent = elapsed(model.get("header"));
+    // A running job's lines reach the present even while nothing happens.
+    if (++ticks % 4 === 0 && !FINAL.has(model.get("header").state)) drawCharts();
+  }, 500);
+  return () => { clearInterval(timer); if (resend) clearInterval(resend); charts.destroy(); };
 }
 
 export default { render };

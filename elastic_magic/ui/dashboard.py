@@ -18,8 +18,24 @@ from ..wire.events import Event
 from .dashboard_state import DashboardState
 from .record import record_bundle
 
-# At most this many state messages per second reach the frontend.
+# At most this many state messages per second reach the frontend; the charts' series (the
+# largest trait) at most once a second.
 SYNC_INTERVAL = 0.25
+CHARTS_INTERVAL = 1.0
+PANEL_POINTS = 120  # the panel's chart is a small one
+HERE = Path(__file__).parent
+
+
+def widget_module() -> str:
+    """The widget's ES module: uPlot (vendored from npm, the version the JupyterLab
+    extension bundles), the live charts shared with the extension, and the dashboard. A
+    module in one text: anywidget loads it without a bundler, offline."""
+    charts = (HERE / "live_charts.js").read_text()
+    shared = "export function liveCharts("
+    assert charts.count(shared) == 1, "live_charts.js exports liveCharts alone"
+    return "\n".join([(HERE / "vendor" / "uPlot.iife.min.js").read_text(),
+                      charts.replace(shared, "function liveCharts("),
+                      (HERE / "dashboard.js").read_text()])
 
 
 class Dashboard(anywidget.AnyWidget):
@@ -29,8 +45,9 @@ class Dashboard(anywidget.AnyWidget):
     # Text, not paths: anywidget connects every widget made from a path to that file's
     # change signal (for hot reload), which would keep every dashboard (and its job's
     # result) alive for the kernel's life.
-    _esm = Path(__file__).with_name("dashboard.js").read_text()
-    _css = Path(__file__).with_name("dashboard.css").read_text()
+    _esm = widget_module()
+    _css = "\n".join((HERE / name).read_text() for name in (
+        "vendor/uPlot.min.css", "live_charts.css", "dashboard.css"))
 
     header = traitlets.Dict().tag(sync=True)
     ranks = traitlets.List[int]().tag(sync=True)
@@ -43,6 +60,7 @@ class Dashboard(anywidget.AnyWidget):
     stacks = traitlets.Dict().tag(sync=True)  # {"title", "time", "ranks": {"0": text}}
     controls = traitlets.Dict().tag(sync=True)  # which controls are live
     earlier = traitlets.List[dict[str, Any]]().tag(sync=True)  # groups before a restart/resize
+    charts = traitlets.Dict().tag(sync=True)  # Charts.live(): series, marks, colours
 
     def __repr__(self) -> str:
         """The text a page that draws no widget shows (nbconvert, papermill, GitHub), not
@@ -70,6 +88,28 @@ def _keep_commands_on_subshells(widget: Dashboard) -> None:
             del comm._reply_subshell_id
 
 
+class PanelChart:
+    """The panel's small chart of one job (the world size and its marks), read from any
+    thread: drawn from its view's state while the view lives, then what it was when the
+    view finished (the panel then keeps no view, widget or output of the job)."""
+
+    def __init__(self, state: DashboardState) -> None:
+        self._state: DashboardState | None = state
+        self._final: dict[str, Any] | None = None
+
+    def __call__(self) -> dict[str, Any]:
+        state = self._state
+        if state is None:
+            assert self._final is not None
+            return self._final
+        return state.charts.live(list(state.timeline), final=state.final, metrics=False,
+                                 points=PANEL_POINTS)
+
+    def freeze(self) -> None:
+        self._final = self()
+        self._state = None
+
+
 class LiveView:
     """Shows a Dashboard for a job, throttled; at the end swaps it for the static record."""
 
@@ -82,8 +122,9 @@ class LiveView:
         # Comm messages may arrive on a kernel subshell while the cell runs: only enqueue.
         self.widget.on_msg(self._on_message)
         self._handle = display(self.widget, display_id=True)
-        self._dirty = False
-        self._synced_at = 0.0
+        self.panel_chart = PanelChart(self.state)
+        self._dirty = self._charts_stale = False
+        self._synced_at = self._charted_at = 0.0
         self._stacks: tuple[dict[int, str], float] | None = None  # arrived, not shown yet
 
     def _on_message(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
@@ -120,22 +161,31 @@ class LiveView:
         shown = self._show_stacks()  # first: a failure's kept stacks come after an answer
         for event in events:
             self.state.apply(event)
-        self._dirty = shown or self._dirty or bool(events)
-        due = time.monotonic() - self._synced_at >= SYNC_INTERVAL
-        if self._dirty and (due or self.state.final):
+        if shown or events:
+            self._dirty = self._charts_stale = True
+        now = time.monotonic()
+        due = now - self._synced_at >= SYNC_INTERVAL
+        charts_due = self._charts_stale and now - self._charted_at >= CHARTS_INTERVAL
+        if (self._dirty and (due or self.state.final)) or charts_due:
             self.sync()
 
     def sync(self) -> None:
+        now = time.monotonic()
+        charts = now - self._charted_at >= CHARTS_INTERVAL or self.state.final
         with self.widget.hold_sync():  # one message for all changed traits
-            for name, value in self.state.traits().items():
+            for name, value in self.state.traits(charts=charts).items():
                 if getattr(self.widget, name) != value:
                     setattr(self.widget, name, value)
         _keep_commands_on_subshells(self.widget)
         self._dirty = False
-        self._synced_at = time.monotonic()
+        self._synced_at = now
+        if charts:
+            self._charted_at, self._charts_stale = now, False
+
 
     def finish(self) -> None:
         """Replace the live widget with a record that needs no kernel and no widget state."""
         if self._handle is not None:
             self._handle.update(record_bundle(self.state), raw=True)
         self.widget.close()
+        self.panel_chart.freeze()

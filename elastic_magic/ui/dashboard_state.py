@@ -226,9 +226,11 @@ class DashboardState:
                     if r in self.local_ranks else elsewhere for s in ("stdout", "stderr")}
                 for r in self.lines}
 
-    def traits(self) -> dict[str, Any]:
-        """The widget's synced state (JSON-friendly; rank keys as strings)."""
-        return {
+    def traits(self, *, charts: bool = True) -> dict[str, Any]:
+        """The widget's synced state (JSON-friendly; rank keys as strings); ``charts``:
+        with the charts' series (the largest part, sent less often)."""
+        drawn = {"charts": self.charts.live(self.timeline, final=self.final)} if charts else {}
+        return {**drawn,
             "header": dict(self.header),
             "ranks": sorted(self.lines),
             "lines": {str(r): [shown(s, text=t) for s, t in self.shown_lines(r)]

@@ -28,6 +28,8 @@ export interface IItem {
   cells?: number; // a session's: the cells it ran
   // a --launcher's allocations, as `%elastic status` shows them: "ID: state (reason) on WHERE"
   machines?: string[];
+  // the world size over time and its marks (ui/charts.py's Charts.live), drawn by liveCharts
+  chart?: unknown;
 }
 
 /** One allocation line of a --launcher job, and its state for the eye (pending ones are

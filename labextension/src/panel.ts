@@ -1,7 +1,24 @@
 import { Widget } from '@lumino/widgets';
+import uPlot from 'uplot';
+
+// The live charts' one implementation, shared with the dashboard widget (plain JS there).
+// @ts-expect-error: a JS module without types, checked by its own browser tests
+import { liveCharts } from '../../elastic_magic/ui/live_charts.js';
 
 import { KernelChannel } from './channel';
 import { actionsFor, allocationsOf, describeItem, IItem, resizeRequest, titleOf } from './model';
+
+/** What liveCharts gives back: it draws the kernel's Charts.live() into its box. */
+interface ILiveCharts {
+  update(chart: unknown): void;
+  destroy(): void;
+}
+
+/** A row's chart: its box outlives the row's redraws (the chart is not made anew). */
+interface IRowChart {
+  box: HTMLDivElement;
+  charts: ILiveCharts;
+}
 
 /** Where a row's "cell" link leads: the notebook scrolls to the cell that started the job. */
 export type CellLink = (cellId: string) => void;
@@ -11,6 +28,7 @@ export class ElasticPanel extends Widget {
   private channel: KernelChannel | null = null;
   private goToCell: CellLink = () => undefined;
   private typed = new Map<string, string>(); // resize boxes, kept across re-renders
+  private charts = new Map<string, IRowChart>(); // job id -> its world size chart
 
   constructor() {
     super();
@@ -44,10 +62,38 @@ export class ElasticPanel extends Widget {
         ? 'No elastic jobs or sessions in this kernel yet.'
         : 'Open a notebook that ran %load_ext elastic_magic.';
       root.appendChild(empty);
+      this.dropCharts(new Set());
       return;
     }
     for (const item of items) {
       root.appendChild(this.row(item));
+    }
+    this.dropCharts(new Set(items.map(item => item.id)));
+  }
+
+  /** The row's world size over time, with the marks of its restarts and resizes. */
+  private chart(item: IItem): HTMLElement | null {
+    if (!item.chart) {
+      return null;
+    }
+    let chart = this.charts.get(item.id);
+    if (!chart) {
+      const box = document.createElement('div');
+      box.className = 'em-panel-chart';
+      const charts = liveCharts(uPlot, box, { height: 96, compact: true }) as ILiveCharts;
+      chart = { box, charts };
+      this.charts.set(item.id, chart);
+    }
+    chart.charts.update(item.chart);
+    return chart.box;
+  }
+
+  private dropCharts(keep: Set<string>): void {
+    for (const [id, chart] of this.charts) {
+      if (!keep.has(id)) {
+        chart.charts.destroy();
+        this.charts.delete(id);
+      }
     }
   }
 
@@ -87,6 +133,10 @@ export class ElasticPanel extends Widget {
         list.appendChild(line);
       }
       row.appendChild(list);
+    }
+    const chart = this.chart(item);
+    if (chart) {
+      row.appendChild(chart);
     }
     if (item.root_cause) {
       const cause = document.createElement('div');
