@@ -7,6 +7,7 @@
 // (bundled with uPlot from npm). uPlot is passed in, so this file imports nothing.
 
 const GRID = "rgba(128, 128, 128, 0.22)";
+const WHOLE = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 1e5];
 
 const two = (n) => String(n).padStart(2, "0");
 const clockAt = (t) => {
@@ -22,6 +23,7 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
   const plots = new Map(); // panel name -> { plot, shape, node }
   const sync = uPlot.sync(`em-${Math.random().toString(36).slice(2)}`); // one cursor in time
   let marks = [];
+  let span = null; // [from, to] of the time panels
   let colors = { series: ["#1f77b4"], marks: {} };
 
   const width = () => Math.max(120, (box.clientWidth || 640) - 4); // 640 until attached
@@ -65,11 +67,10 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
     const axis = { stroke: ink(), grid: { stroke: GRID, width: 1 },
                    ticks: { stroke: GRID, width: 1 },
                    ...(compact ? { font: "10px sans-serif" } : {}) };
-    const x = xLabel ? { ...axis, label: xLabel, labelSize: 14 }
+    const x = xLabel ? { ...axis, label: xLabel, labelSize: 14, incrs: WHOLE }
       : { ...axis, space: 70, values: (_u, splits, _axis, _space, step) =>
             splits.map((t) => (step < 1 ? `${clockAt(t)}.${Math.floor((t % 1) * 10)}` : clockAt(t))) };
-    const y = { ...axis, size: compact ? 30 : 48,
-                ...(counts ? { incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] } : {}) };
+    const y = { ...axis, size: compact ? 30 : 48, ...(counts ? { incrs: WHOLE } : {}) };
     return [compact ? { ...x, size: 22 } : x, y];
   }
 
@@ -122,7 +123,13 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
     const upToNow = (rows) => (chart.final || rows.length === 0 ? rows
       : [...rows, [Math.max(now, rows[rows.length - 1][0]), ...rows[rows.length - 1].slice(1)]]);
     const stepped = uPlot.paths.stepped({ align: 1 });
-    const time = { x: { time: true } };
+    // The time panels share one span (the world size's, reaching the present), so that a
+    // mark and the rate at that moment line up.
+    const times = [...upToNow(chart.sizes), ...chart.rates].map((row) => row[0]);
+    span = times.length ? [Math.min(...times), Math.max(...times)] : null;
+    // uPlot keeps the options a chart was made with: the range reads the latest span.
+    const time = { x: { time: true, range: (_u, lo, hi) => (span && span[1] > span[0] ? span : [lo, hi]) } };
+    const fromZero = { range: (_u, _lo, hi) => [0, hi > 0 ? hi * 1.1 : 1] };
     if (chart.sizes.length >= 1) {
       const rows = upToNow(chart.sizes);
       const several = rows.some((r) => r[2] > 1);
@@ -134,13 +141,14 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
       show("world_size", "world size", several ? "2" : "1",
            columns(rows, several ? 3 : 2),
            { scales: { ...time, y: { range: (_u, _lo, hi) => [0, Math.max(1, hi) + 0.5] } },
-             series, axes: axes({ counts: true }), hooks: { draw: [drawMarks] } });
+             series: [{ label: "time" }, ...series.slice(1)], axes: axes({ counts: true }),
+             hooks: { draw: [drawMarks] } });
       keep.add("world_size");
     }
     if (chart.rates.length >= 1 && !compact) {
       show("steps_per_second", "steps/s between commits", "1", columns(chart.rates, 2),
-           { scales: time, axes: axes(),
-             series: [{}, { label: "steps/s", stroke: colors.series[1], width: 1.5 }] });
+           { scales: { ...time, y: fromZero }, axes: axes(),
+             series: [{ label: "time" }, { label: "steps/s", stroke: colors.series[1], width: 1.5 }] });
       keep.add("steps_per_second");
     }
     for (const [name, points] of Object.entries(chart.metrics || {})) {
@@ -151,7 +159,7 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
         return [mine.map((p) => p[0]), mine.map((p) => p[1])];
       });
       const data = uPlot.join(tables);
-      const series = [{}, ...ranks.map((rank, i) => ({
+      const series = [{ label: "step" }, ...ranks.map((rank, i) => ({
         label: ranks.length > 1 ? `${name} (rank ${rank})` : name,
         stroke: colors.series[i % colors.series.length], width: 1.5, spanGaps: true,
       }))];
