@@ -19,6 +19,7 @@ from elastic_magic.wire.events import (
     Event,
     JobFinished,
     Output,
+    RanksRunning,
     RendezvousCompleted,
     Restarting,
     StateChanged,
@@ -49,6 +50,8 @@ def _group_starts(round_: int, port: int, pids: tuple[int, ...],
             StateChanged(JobState.STARTING, time=starting),
             WorkersStarted(attempt=round_ - 1, restart_count=round_ - 1,
                            ranks=tuple(range(len(pids))), pids=pids, time=started),
+            RanksRunning(attempt=round_ - 1, ranks=tuple(range(len(pids))),
+                         pids=tuple(pid + 1 for pid in pids), time=running),
             StateChanged(JobState.RUNNING, time=running)]
 
 

@@ -219,7 +219,7 @@ def test_signals_for_the_rank_reach_the_worker_through_its_shepherd(tmp_path, lo
     def watch(events):
         if not sent.is_set() and any(isinstance(e, Output) and "ready" in e.lines
                                      for e in events):
-            os.kill(job.status_snapshot.pids[0], signal.SIGUSR1)
+            os.kill(job.status_snapshot.shepherds[0], signal.SIGUSR1)  # relayed
             sent.set()
 
     assert job.wait(watch).values == {0: "got it"}
@@ -247,7 +247,7 @@ def test_a_joined_rank_takes_sigterm_only_from_its_agent(tmp_path, log_dir, monk
         for e in events:
             if not isinstance(e, Output):
                 continue
-            shepherd, text = job.status_snapshot.pids[0], " ".join(e.lines)
+            shepherd, text = job.status_snapshot.shepherds[0], " ".join(e.lines)
             if text.startswith("ready") and not seen:
                 worker = text.split()[1]
                 # another process's SIGTERM (as Slurm's) to the shepherd and the worker:

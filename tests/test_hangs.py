@@ -260,7 +260,7 @@ def test_a_rank_whose_pipe_closed_is_the_root_cause_before_its_exit_shows(tmp_pa
     while not ready.exists() and not job.done and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ready.exists(), "rank 0 never reached its all_reduce"
-    shepherd = job.status_snapshot.pids[1]
+    shepherd = job.status_snapshot.shepherds[1]
     (worker,) = psutil.Process(shepherd).children()
     os.kill(shepherd, signal.SIGSTOP)  # the teardown's SIGKILL ends it
     os.kill(worker.pid, signal.SIGKILL)

@@ -11,16 +11,19 @@ import textwrap
 import threading
 import time
 
+import psutil
 import pytest
 from conftest import KILL_OWN_SHEPHERD, tagged_workers
 
 import elastic_magic as em
 from elastic_magic.result import JobResult, RankFailure, describe_failure
 from elastic_magic.result_parts import Unpicklable
+from elastic_magic.ui.describe import describe
 from elastic_magic.wire.events import (
     JobFinished,
     JobState,
     Output,
+    RanksRunning,
     RendezvousCompleted,
     Restarting,
     StateChanged,
@@ -59,6 +62,31 @@ def test_cell_runs_on_two_ranks_with_values(log_dir, recorder):
     for key in {(e.rank, e.stream) for e in recorder.of(Output)}:
         times = [e.time for e in recorder.of(Output) if (e.rank, e.stream) == key]
         assert times == sorted(times), key
+
+
+def test_the_pids_shown_are_those_of_the_processes_that_run_the_cell(log_dir, recorder,
+                                                                      tmp_path):
+    """status()["pids"] and the timeline name the process each rank's cell runs in (its
+    os.getpid(): the one people give kill, py-spy and top), not the shepherd above it."""
+    go = tmp_path / "go"
+    cell = "import os, time\nwhile not os.path.exists(GO):\n    time.sleep(0.02)\nos.getpid()"
+    spec = em.JobSpec.create(2, log_dir=log_dir)
+    job = em.Job(spec, build_payload(cell, spec, namespace={"GO": str(go)})).start()
+    deadline = time.monotonic() + 60
+    while len(job.status()["pids"]) < 2 and not job.done and time.monotonic() < deadline:
+        time.sleep(0.02)
+    shown, shepherds = job.status()["pids"], dict(job.status_snapshot.shepherds)
+    parents = {rank: psutil.Process(pid).ppid() for rank, pid in shown.items()}
+    go.touch()
+    result = job.wait(recorder)
+    assert shown == result.values and len(shown) == 2
+    assert parents == shepherds  # each rank's shepherd, shown apart (status_snapshot)
+    (running,) = recorder.of(RanksRunning)
+    assert dict(zip(running.ranks, running.pids, strict=True)) == result.values
+    assert describe(running).text == (f"ranks 0, 1 run the cell "
+                                      f"(pids {result.values[0]}, {result.values[1]})")
+    assert job.status()["pids"] == {}  # none runs any more
+
 
 
 def test_standalone_job_listens_on_loopback_only(log_dir):

@@ -5,6 +5,7 @@ worker would report is put on the inbox as a real worker's reader thread would."
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -108,7 +109,7 @@ class FakeControl:
         pass
 
     def _do(self, do: Do, payload: Payload) -> None:
-        self._report(Running(time.time()))
+        self._report(Running(time.time(), os.getpid()))
         if do.then is not None:
             do.then(self.group.inbox)
         if do.exit is not None:

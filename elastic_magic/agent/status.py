@@ -27,7 +27,10 @@ class JobStatus:
     world_size: int = 0
     nnodes: int = 0
     restarts: int = 0
-    pids: Mapping[int, int] = field(default_factory=_no_pids)  # rank -> PID, live, here
+    # rank -> the PID of the process that runs its cell, once it runs; and of its shepherd
+    # (the process we spawned, signal and reap), while it lives; both of ranks here
+    pids: Mapping[int, int] = field(default_factory=_no_pids)
+    shepherds: Mapping[int, int] = field(default_factory=_no_pids)
     join_command: str | None = None  # set once other machines can join
     last_commit: Mapping[str, Any] | None = None  # step, time, world size
     excluded: tuple[str, ...] = ()  # what the job goes on without (slots, machines), and why
@@ -53,8 +56,9 @@ class StatusBoard:
         return self._status  # replaced, never mutated: reading it needs no lock
 
     def publish(self, **changes: Any) -> None:
-        if "pids" in changes:
-            changes["pids"] = MappingProxyType(dict(changes["pids"]))
+        for pids in ("pids", "shepherds"):
+            if pids in changes:
+                changes[pids] = MappingProxyType(dict(changes[pids]))
         if "last_commit" in changes and changes["last_commit"] is not None:
             changes["last_commit"] = MappingProxyType(dict(changes["last_commit"]))
         with self._changed:

@@ -79,7 +79,7 @@ def describe_job(item: ListedJob) -> dict[str, Any]:
         "done": status.done,
         "world_size": status.world_size,
         "nnodes": status.nnodes,
-        "nproc": len(status.pids),
+        "nproc": len(status.shepherds),
         "restarts": status.restarts,
         "max_restarts": spec.max_restarts,
         "started": status.started,

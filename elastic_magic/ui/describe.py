@@ -20,6 +20,7 @@ from ..wire.events import (
     NetworkChosen,
     NodeConnected,
     RanksFinished,
+    RanksRunning,
     RendezvousCompleted,
     ResizeRequested,
     Restarting,
@@ -45,14 +46,16 @@ def describe(event: Event) -> Headline | None:
         case RendezvousCompleted(round=round_, world_size=world_size, nnodes=nnodes):
             return Headline("rendezvous", f"rendezvous round {round_}: world size {world_size} "
                                       f"on {count_of(nnodes, 'machine')}")
-        case WorkersStarted(restart_count=restarts, ranks=ranks, pids=pids, stayed=stayed):
+        case WorkersStarted(restart_count=restarts, ranks=ranks, stayed=stayed):
             after = f" after restart {restarts}" if restarts else ""
-            new = [(r, p) for r, p in zip(ranks, pids, strict=True) if r not in stayed]
-            started = (f"started ranks {_ranks(tuple(r for r, _ in new))}{after} "
-                       f"(pids {', '.join(str(p) for _, p in new)})") if new \
+            new = tuple(r for r in ranks if r not in stayed)
+            started = f"started ranks {_ranks(new)}{after}" if new \
                 else f"no rank started{after}"
             kept = f"; ranks {_ranks(stayed)} stayed in their processes" if stayed else ""
             return Headline("start", started + kept)
+        case RanksRunning(ranks=ranks, pids=pids):
+            return Headline("running", f"ranks {_ranks(ranks)} run the cell "
+                                       f"(pids {', '.join(str(p) for p in pids)})")
         case WorkerFailed(failure=failure) if is_consequence(failure):  # lost its peer
             return Headline("failure", f"rank {failure.rank} stopped: {failure.headline}")
         case WorkerFailed(failure=failure):

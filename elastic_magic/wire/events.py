@@ -53,6 +53,17 @@ class WorkersStarted:
 
 
 @dataclass(frozen=True)
+class RanksRunning:
+    """Every rank of this machine's group has reached its cell, each in process ``pids``
+    (its ``os.getpid()``, the one to give kill, py-spy or top; not its shepherd's)."""
+
+    attempt: int
+    ranks: tuple[int, ...]
+    pids: tuple[int, ...]
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class Output:
     """Whole lines from one rank's stdout or stderr, in order, each as it finally shows
     (after its last carriage return). With ``partial``, the last one is a line still being
@@ -270,8 +281,8 @@ class JobFinished:
 
 
 Event = (
-    StateChanged | RendezvousCompleted | WorkersStarted | Output | WorkerFailed | Restarting
-    | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
+    StateChanged | RendezvousCompleted | WorkersStarted | RanksRunning | Output | WorkerFailed
+    | Restarting | Committed | ResizeRequested | MembershipChanged | AcceptingNodes | NodeConnected
     | JobFinished | RanksFinished | NetworkChosen | Excluded | CellStarted | SessionBroken
     | SessionReformed | MachinesChanged | CheckpointVanished | CheckpointMoved | Logged
 )

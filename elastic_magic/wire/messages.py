@@ -73,9 +73,11 @@ class Interrupt:
 
 @dataclass(frozen=True)
 class Running:
-    """The worker is set up (device, process group, globals) and runs user code."""
+    """The worker is set up (device, process group, globals) and runs user code; ``pid``:
+    its own (the cell's ``os.getpid()``), not its shepherd's."""
 
     time: float
+    pid: int
 
 
 @dataclass(frozen=True)

@@ -53,5 +53,5 @@ def rejoin(exc: BaseException, *, in_place: bool) -> bool:
     leave.resume()
     leave.running(message.payload, message.stay)
     progress.running.set()
-    report.send(Running(time.time()))
+    report.send(Running(time.time(), os.getpid()))
     return True

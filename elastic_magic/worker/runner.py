@@ -49,7 +49,7 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
     leave.running(payload, stay)
     try:
         namespace = _prepare(payload)
-        report.send(Running(time.time()))
+        report.send(Running(time.time(), os.getpid()))
         alone = replay_alone.no_collectives() if payload.replayed_alone \
             else contextlib.nullcontext()
         with session.running_cell() if payload.session else contextlib.nullcontext(), \

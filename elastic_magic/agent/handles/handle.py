@@ -157,8 +157,10 @@ class AgentThread:
 
         Returns:
             ``run_id``, ``state``, ``world_size``, ``nnodes``, ``restarts`` ("n/max"),
-            ``pids`` (rank -> PID), ``log_dir``; a job's ``elapsed``, a session's
-            ``cells``; ``excluded`` and ``machines`` when there are any.
+            ``pids`` (rank -> the PID of the process that runs its cell on this machine,
+            once it runs: its ``os.getpid()``, for kill, py-spy or top), ``log_dir``; a
+            job's ``elapsed``, a session's ``cells``; ``excluded`` and ``machines`` when
+            there are any.
         """
         s = self._board.current
         excluded = {"excluded": "; ".join(s.excluded)} if s.excluded else {}

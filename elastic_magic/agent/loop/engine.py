@@ -31,6 +31,7 @@ from ...wire.events import (
     HeldOutput,
     JobFinished,
     MembershipChanged,
+    RanksRunning,
     RendezvousCompleted,
     ResizeRequested,
     StateChanged,
@@ -40,6 +41,7 @@ from ...wire.messages import (
     Action,
     NodeRequest,
     Result,
+    Running,
     ScaleCommand,
     StopCommand,
 )
@@ -175,7 +177,8 @@ class Engine:
             self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids,
                                      self.survivors.started(group)))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
-                           restarts=self.restarts, pids=group.live_pids())
+                           restarts=self.restarts, pids=group.cell_pids(),
+                           shepherds=group.live_pids())
 
     def tear_down(self) -> tuple[float, list[RankFailure]]:
         """Stop the group at once (no waiting for collective timeouts; a commit in flight lands
@@ -192,7 +195,7 @@ class Engine:
         spare = self.survivors.spare(keep)
         if self.group is not None:
             self.group.close(spare)
-            self.board.publish(pids={})
+            self.board.publish(pids={}, shepherds={})
 
     def after_group(self, step: GroupOutcome) -> FollowUp:
         """What follows the group that ended with ``step`` (see ``recovery``)."""
@@ -235,6 +238,8 @@ class Engine:
                 if self.hangs.note(item, group):  # progress: for the hang watch alone
                     return None
                 request = group.record(item)
+                if isinstance(item.message, Running):
+                    self._ranks_running(group)
                 if request is not None:
                     self.elastic_state.serve(group.workers[item.local_rank], request,
                                              self.world_size)
@@ -249,6 +254,15 @@ class Engine:
                     self.stop_reason = self.role.stop_reason
                 return action
         return None
+
+    def _ranks_running(self, group: WorkerGroup) -> None:
+        """A rank reached its cell: its PID is shown; once all of them have, the timeline
+        names the processes (once a group)."""
+        self.board.publish(pids=group.cell_pids())
+        if group.running and not group.running_told:
+            group.running_told = True
+            pids = group.cell_pids()
+            self.emit(RanksRunning(self.attempt, tuple(pids), tuple(pids.values())))
 
     # -- State and membership across machines -------------------------------------------
 

@@ -64,6 +64,7 @@ class WorkerGroup:
         self.persistent = False
         self.stay = False  # survivors stay: ranks park instead of exiting (node/survivors)
         self.sharded = False  # a rank committed its part of a sharded State
+        self.running_told = False  # RanksRunning was emitted (once a group)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -74,7 +75,14 @@ class WorkerGroup:
         return tuple(w.pid for w in self.workers)
 
     def live_pids(self) -> dict[int, int]:
+        """Rank -> its shepherd, while it lives (what we signal and reap)."""
         return {w.global_rank: w.pid for w in self.workers if not w.reaped()}
+
+    def cell_pids(self) -> dict[int, int]:
+        """Rank -> the process that runs its cell, once it runs: ``os.getpid()`` there,
+        the one people give kill, py-spy and top."""
+        return {w.global_rank: w.cell_pid for w in self.workers
+                if w.cell_pid is not None and not w.reaped()}
 
     def start(self, payload: Payload, env_for: Callable[[Worker], dict[str, str]], *,
               cwd: str, key: bytes, run_folder: RunFolder, inbox: Inbox, emit: EventSink,
@@ -129,8 +137,8 @@ class WorkerGroup:
                 worker.channel_closed_at = report.time
                 if report.ended is not None:
                     worker.ended_status = report.ended
-            case Running():
-                worker.running = True
+            case Running(pid=pid):
+                worker.running, worker.cell_pid = True, pid
             case Result() as result:
                 worker.result = result
                 worker.state = WorkerState.SUCCEEDED

@@ -98,6 +98,7 @@ class Worker:
     # was that cell's, not why it ends now (a kill between cells is a kill).
     idle: bool = False
     slot: int | None = None  # see policy.Membership
+    cell_pid: int | None = None  # the process that runs the cell (the shepherd's child)
 
     def renew(self, attempt: int, rank: int, emit: EventSink) -> None:
         """A survivor joins the group of ``attempt`` as ``rank`` (same process): what it
