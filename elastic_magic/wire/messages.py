@@ -73,8 +73,7 @@ class Interrupt:
 
 @dataclass(frozen=True)
 class Running:
-    """The worker is set up (device, process group, globals) and runs user code; ``pid``:
-    its own (the cell's ``os.getpid()``), not its shepherd's."""
+    """The worker is set up (device, process group, globals) and runs user code as ``pid``."""
 
     time: float
     pid: int

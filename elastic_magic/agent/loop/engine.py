@@ -31,7 +31,6 @@ from ...wire.events import (
     HeldOutput,
     JobFinished,
     MembershipChanged,
-    RanksRunning,
     RendezvousCompleted,
     ResizeRequested,
     StateChanged,
@@ -113,10 +112,9 @@ class Engine:
     # -- a group's life -------------------------------------------------------------------
 
     def open(self) -> None:
-        """What a job holds before its first round: its run's log folder (first, so no
-        prune takes this run; the head or a machine alone makes it, a joined machine's may
-        have been made by another agent of the job on this host), the checkpoint it resumes
-        from, the rendezvous, a joining machine's warm pool."""
+        """What a job holds before its first round: its run's log folder (first, so no prune
+        takes it; a joined machine's may come from another agent of the job on this host),
+        the checkpoint it resumes from, the rendezvous, a joining machine's warm pool."""
         self.run_folder = RunFolder.open(self.log_root, fresh=self.role.hosts_rendezvous)
         if is_default(self.spec.log_dir):
             prune(self.spec.log_dir)
@@ -132,8 +130,7 @@ class Engine:
 
     def next_round(self) -> RoundInfo | None:
         """Join the next round, serving the inbox meanwhile. None when a stop (or another
-        machine's failure for good) came first, or when a joined machine finds that the
-        job has ended."""
+        machine's failure for good) came first, or a joined machine finds the job ended."""
         assert self.rendezvous is not None
         try:
             info = self.rendezvous.next_round_unless(
@@ -177,8 +174,7 @@ class Engine:
             self.emit(WorkersStarted(self.attempt, self.restarts, group.ranks, group.pids,
                                      self.survivors.started(group)))
         self.board.publish(world_size=info.world_size, nnodes=info.nnodes,
-                           restarts=self.restarts, pids=group.cell_pids(),
-                           shepherds=group.live_pids())
+                           restarts=self.restarts, **group.processes())
 
     def tear_down(self) -> tuple[float, list[RankFailure]]:
         """Stop the group at once (no waiting for collective timeouts; a commit in flight lands
@@ -238,8 +234,10 @@ class Engine:
                 if self.hangs.note(item, group):  # progress: for the hang watch alone
                     return None
                 request = group.record(item)
-                if isinstance(item.message, Running):
-                    self._ranks_running(group)
+                if isinstance(item.message, Running):  # its PID shown; once all run, told
+                    self.board.publish(**group.processes())
+                    if running := group.running_news():
+                        self.emit(running)
                 if request is not None:
                     self.elastic_state.serve(group.workers[item.local_rank], request,
                                              self.world_size)
@@ -254,15 +252,6 @@ class Engine:
                     self.stop_reason = self.role.stop_reason
                 return action
         return None
-
-    def _ranks_running(self, group: WorkerGroup) -> None:
-        """A rank reached its cell: its PID is shown; once all of them have, the timeline
-        names the processes (once a group)."""
-        self.board.publish(pids=group.cell_pids())
-        if group.running and not group.running_told:
-            group.running_told = True
-            pids = group.cell_pids()
-            self.emit(RanksRunning(self.attempt, tuple(pids), tuple(pids.values())))
 
     # -- State and membership across machines -------------------------------------------
 
@@ -288,9 +277,8 @@ class Engine:
                snapshot: bytes | MemorySnapshot | None = None) -> JobResult:
         """The JobResult of the job, or of a session's cell: this machine's ranks and the
         others' (their results and output tails). Plain data: it cannot fail on a release."""
-        group = self.group
+        group, (other_ranks, other_tails) = self.group, others or ({}, {})
         ranks, tails = (group.results(), group.tails()) if group is not None else ({}, {})
-        other_ranks, other_tails = others or ({}, {})
         return assemble_result(
             run_id=self.run_id, state=state, world_size=self.world_size,
             restarts=self.restarts, max_restarts=self.spec.max_restarts, started=started,
@@ -301,8 +289,8 @@ class Engine:
             excluded=self.recovery.excluded(), metrics=self.metrics.take())
 
     def finish(self, final: JobState) -> JobResult:
-        """Release everything the job held and tell the other machines, each step even when
-        an earlier one raised; then report the job's result."""
+        """Release all the job held, tell the other machines (each step even if one raised),
+        and report the job's result."""
         errors: list[BaseException] = []
 
         def attempt(release: Callable[[], object]) -> None:
@@ -335,10 +323,9 @@ class Engine:
         return result
 
     def _release_run_folder(self) -> None:
-        if self.run_folder is not None:
-            self.log_root = self.run_folder.where()  # the result points at the job's logs
-            self.run_folder.close()
-            self.run_folder = None
+        if (folder := self.run_folder) is not None:
+            self.log_root, self.run_folder = folder.where(), None  # the result: its logs
+            folder.close()
 
 
 def _warm_before_joining(engine: Engine) -> None:

@@ -80,7 +80,7 @@ class JobLoop:
             step = during_group(action, action is None and self._regroup_due(), status)
             if step is not GroupOutcome.WAIT:
                 self._carry_out(step)
-                engine.board.publish(pids=group.cell_pids(), shepherds=group.live_pids())
+                engine.board.publish(**group.processes())
                 return step
 
     def _poll_interval(self) -> float:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import cloudpickle
 
 from ...result import RankFailure, root_cause_order
-from ...wire.events import EventSink
+from ...wire.events import EventSink, RanksRunning
 from ...wire.messages import (
     Commit,
     CommitIntent,
@@ -83,6 +83,18 @@ class WorkerGroup:
         the one people give kill, py-spy and top."""
         return {w.global_rank: w.cell_pid for w in self.workers
                 if w.cell_pid is not None and not w.reaped()}
+
+    def processes(self) -> dict[str, dict[int, int]]:
+        """The status board's view of them: ``pids`` (the cells') and ``shepherds``."""
+        return {"pids": self.cell_pids(), "shepherds": self.live_pids()}
+
+    def running_news(self) -> RanksRunning | None:
+        """Once every rank runs its cell (once a group): the event that names them."""
+        if not self.running or self.running_told:
+            return None
+        self.running_told = True
+        pids = self.cell_pids()
+        return RanksRunning(self.attempt, tuple(pids), tuple(pids.values()))
 
     def start(self, payload: Payload, env_for: Callable[[Worker], dict[str, str]], *,
               cwd: str, key: bytes, run_folder: RunFolder, inbox: Inbox, emit: EventSink,
