@@ -41,8 +41,9 @@ CELLS = [
     "import sys, time, torch.distributed as dist, elastic_magic\n"
     "print(f'\\x1b[2K\\x1b[1;35mlong job\\x1b[0m rank {dist.get_rank()} ready', flush=True)\n"
     "print(f'a warning on rank {dist.get_rank()}', file=sys.stderr, flush=True)\n"
-    "state = elastic_magic.State(step=0)\n"
-    "while True:  # training, as far as the charts can tell\n"
+    "sampler = elastic_magic.ElasticSampler(10**6, batch_size=8)\n"
+    "state = elastic_magic.State(step=0, sampler=sampler)\n"
+    "for batch in sampler:  # training, as far as the charts can tell\n"
     "    state.step += 1\n"
     "    elastic_magic.log(loss=1.0 / state.step)\n"
     "    state.commit(every=5)\n"
@@ -299,11 +300,15 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
         assert "3 workers" in resize.get_attribute("title"), resize.get_attribute("title")
         failed = marks.and_(page.locator("[data-kind='failed']")).first
         assert "rank" in failed.get_attribute("title"), failed.get_attribute("title")
-        failed.hover(force=True)  # the restart's mark lies on it; the legend reads there
-        expect(world.locator(".u-legend")).to_contain_text("world size")
+        over = world.locator(".u-over")  # the cursor on the plot: the legend reads there
+        box = over.bounding_box()
+        over.hover(position={"x": box["width"] - 3, "y": box["height"] / 2})
+        reading = world.locator(".u-legend .u-series").nth(1)
+        expect(reading).to_contain_text("world size")
+        expect(reading.locator(".u-value")).not_to_have_text("--")  # a size at the cursor
         assert int(world.get_attribute("data-points")) >= 4  # 2, down, 3, down, 3
-        # Mid-training: steps/s between commits and the logged loss, live.
-        for chart in ("steps_per_second", "metric:loss"):
+        # Mid-training: steps/s and samples/s between commits and the logged loss, live.
+        for chart in ("steps_per_second", "samples_per_second", "metric:loss"):
             drawn = dash.locator(f"[data-em=chart][data-chart='{chart}']")
             expect(drawn).to_have_count(1, timeout=30_000)
             expect(drawn).not_to_have_attribute("data-points", re.compile(r"^[01]$"))

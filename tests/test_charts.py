@@ -17,7 +17,7 @@ from elastic_magic.ui.chart_svg import charts_svg
 from elastic_magic.ui.charts import MARK_COLORS, Charts
 from elastic_magic.ui.dashboard import widget_module
 from elastic_magic.ui.dashboard_state import DashboardState
-from elastic_magic.ui.record import record_html, record_text
+from elastic_magic.ui.record import record_bundle, record_html, record_text
 from elastic_magic.wire.events import Committed
 from elastic_magic.wire.metrics import Logged
 
@@ -46,13 +46,14 @@ def test_the_record_draws_the_size_and_marks_the_failure_and_the_restart(tmp_pat
     state = restarted(tmp_path)
     t0 = state.charts.sizes[0][0]
     for i, step in enumerate((10, 20, 40)):  # commits 1 s apart: 10, then 20 steps/s
-        state.apply(Committed(step=step, world_size=2, nbytes=8, time=t0 + i))
+        state.apply(Committed(step=step, world_size=2, nbytes=8, time=t0 + i,
+                              samples=12 * step))  # an ElasticSampler's: 12 a step
     state.apply(Logged(0, tuple((t0 + s, s, "loss", 1.0 / s) for s in range(1, 51))))
     state.apply(Logged(1, ((t0, 1, "loss", 2.0), (t0 + 1, 2, "loss", 1.5))))
     svg = ET.fromstring(charts_svg(state.charts, state.timeline))
     panels = {g.get("data-chart"): g for g in svg.iter(f"{SVG}g")
               if g.get("class") == "elastic-chart"}
-    assert list(panels) == ["world_size", "steps_per_second", "loss"]
+    assert list(panels) == ["world_size", "steps_per_second", "samples_per_second", "loss"]
     marks = [(g.get("data-kind"), g.find(f"{SVG}title").text)
              for g in panels["world_size"].iter(f"{SVG}g") if g.get("class") == "elastic-mark"]
     assert [kind for kind, _ in marks] == ["failed", "restart"]
@@ -64,6 +65,8 @@ def test_the_record_draws_the_size_and_marks_the_failure_and_the_restart(tmp_pat
     rates = panels["steps_per_second"].find(f"{SVG}polyline")
     assert len(rates.get("points").split()) == 2
     assert "steps/s: 20 at the end" in rates.find(f"{SVG}title").text
+    samples = panels["samples_per_second"].find(f"{SVG}polyline")
+    assert "samples/s: 240 at the end" in samples.find(f"{SVG}title").text
     lines = panels["loss"].findall(f"{SVG}polyline")
     assert [len(p.get("points").split()) for p in lines] == [50, 2]  # one a rank
     assert lines[0].find(f"{SVG}title").text == "loss (rank 0): 0.02 at step 50"
@@ -110,6 +113,7 @@ def test_the_live_charts_get_the_same_story_small_and_json_ready(tmp_path):
     assert json.loads(json.dumps(live)) == live
     assert [row[1:] for row in live["sizes"]] == [[2, 1], [0, 0], [2, 1], [2, 1]]
     assert [rate for _, rate in live["rates"]] == [10.0, 20.0]
+    assert live["samples"] == []  # these commits had no ElasticSampler to count
     assert [label for _, label, _ in live["marks"]] == ["failed", "restart"]
     assert "rank 1 failed: ValueError" in live["marks"][0][2]
     rank0 = [p for p in live["metrics"]["loss"] if p[2] == 0]
@@ -131,3 +135,20 @@ def test_the_widget_module_holds_upLot_the_shared_charts_and_the_dashboard():
     assert module.startswith(f"/*! https://github.com/leeoniya/uPlot (v{version}) */")
     assert module.count("function liveCharts(") == 1
     assert re.findall(r"^export .*", module, re.MULTILINE) == ["export default { render };"]
+
+
+def test_an_html_export_keeps_the_records_chart(tmp_path):
+    """What nbviewer and `jupyter nbconvert --to html` show of a saved record: the chart's
+    SVG, its marks' sentences among it, with no script needed."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    state = restarted(tmp_path)
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("%%elastic --nproc 2 --max-restarts 1\n...")
+    cell.outputs = [nbformat.v4.new_output("display_data", data=record_bundle(state))]
+    nb.cells = [cell]
+    html, _ = HTMLExporter().from_notebook_node(nb)
+    assert html.count('<svg class="elastic-charts"') == 1
+    assert 'data-chart="world_size"' in html
+    assert "rank 1 failed: ValueError: first attempt breaks" in html

@@ -233,11 +233,15 @@ def wait_until_taken(pid: int, sig: int, timeout: float = 30.0) -> None:
         fields = [f"/proc/{pid}/status"] + [f"/proc/{pid}/task/{t}/status"
                                              for t in os.listdir(f"/proc/{pid}/task")]
         for path in fields:
-            with open(path) as status:
-                for line in status:
-                    name, _, value = line.partition(":")
-                    if name in ("SigPnd", "ShdPnd") and int(value, 16) & bit:
-                        return True
+            try:
+                with open(path) as status:
+                    lines = status.readlines()
+            except FileNotFoundError:  # a thread that has ended since
+                continue
+            for line in lines:
+                name, _, value = line.partition(":")
+                if name in ("SigPnd", "ShdPnd") and int(value, 16) & bit:
+                    return True
         return False
 
     deadline = time.monotonic() + timeout

@@ -89,6 +89,9 @@ def baseline(tmp_path_factory):
     recorder = Recorder()
     result = train(tmp_path_factory.mktemp("logs"), recorder)
     assert done_steps(recorder) == list(range(1, STEPS + 1))
+    # Each commit says where the ElasticSampler is (12 samples a step), for samples/s.
+    assert [(e.step, e.samples) for e in recorder.of(Committed)] == [
+        (step, 12 * step) for step in range(1, STEPS + 1)]
     return result.values[0]
 
 

@@ -88,7 +88,6 @@ def test_the_pids_shown_are_those_of_the_processes_that_run_the_cell(log_dir, re
     assert job.status()["pids"] == {}  # none runs any more
 
 
-
 def test_standalone_job_listens_on_loopback_only(log_dir):
     """The rendezvous store and the per-round worker store bind 127.0.0.1, never every
     interface (torch's default for a store given only a port)."""

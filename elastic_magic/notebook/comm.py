@@ -101,8 +101,10 @@ def describe_job(item: ListedJob) -> dict[str, Any]:
 
 
 def _busy(item: ListedJob) -> bool:
-    """A job that has not ended, or a session's cell that runs (its elapsed time moves)."""
-    return not item.job.done and item.job.status_snapshot.state.value != "idle"
+    """A job that has not ended, or a session's cell that runs (its elapsed time moves); or
+    one whose view has not finished its chart yet (its last events still to come)."""
+    return (not item.job.done and item.job.status_snapshot.state.value != "idle") or \
+        not getattr(item.chart, "frozen", True)
 
 
 class JobsChannel:

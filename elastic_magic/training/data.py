@@ -118,6 +118,12 @@ class ElasticSampler:
         if epoch != self.epoch:
             self.epoch, self.offset, self._finished_here = epoch, 0, False
 
+    @property
+    def samples_seen(self) -> int:
+        """Samples handed out since epoch 0, all ranks together (whole epochs counted as
+        the dataset's length): what a commit tells for the samples/s chart."""
+        return self.epoch * self.length + self.offset
+
     def _order(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.length))

@@ -282,7 +282,7 @@ class State:
             if client is not None and prepared is not None:
                 commit = functools.partial(Commit, step=self.step, time=time.time(),
                                            part=rank, parts=len(sizes), token=token,
-                                           sizes=sizes)
+                                           sizes=sizes, samples=_samples(self._objects))
                 client.behind(functools.partial(handoff.send, client, prepared, commit))
         if leave:  # the commit must be whole in the agent before any rank leaves
             if client is not None:
@@ -291,6 +291,17 @@ class State:
                 gather_int(dist, 0)
             raise ResizeExit(self.step)
         return True
+
+
+def _samples(objects: dict[str, Any]) -> int | None:
+    """The data position's samples so far, where the State holds an ElasticSampler (or a
+    loader made with one)."""
+    for obj in objects.values():
+        sampler = obj if isinstance(obj, ElasticSampler) else getattr(obj, "elastic_sampler",
+                                                                       None)
+        if isinstance(sampler, ElasticSampler):
+            return sampler.samples_seen
+    return None
 
 
 def _restore(state: State, *, together: bool) -> bool:

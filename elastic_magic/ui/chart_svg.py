@@ -70,10 +70,12 @@ def _line(panel: _Panel, points: list[tuple[float, float]]) -> str:
 def _time_panels(charts: Charts, timeline: list[dict[str, Any]], top: float
                  ) -> tuple[list[str], float]:
     """The panels over time, if any has two points, and where the next panel goes."""
-    sizes, rates = charts.sizes, charts.rates
-    times = [t for t, _, _ in sizes] + [t for t, _ in rates]
+    sizes = charts.sizes
+    progress = [(charts.rates, "steps/s", "steps_per_second", SERIES[1]),
+                (charts.samples, "samples/s", "samples_per_second", SERIES[3])]
+    times = [t for t, _, _ in sizes] + [t for rates, *_ in progress for t, _ in rates]
     parts: list[str] = []
-    if len(sizes) < 2 and len(rates) < 2:
+    if len(sizes) < 2 and all(len(rates) < 2 for rates, *_ in progress):
         return parts, top
     span = (min(times), max(times))
     labels = (clock(span[0]), clock(span[1]))
@@ -101,11 +103,13 @@ def _time_panels(charts: Charts, timeline: list[dict[str, Any]], top: float
                           "</g>"]
         parts.append("</g>")
         top += PANEL + GAP
-    if len(rates) >= 2:
+    for rates, unit, name, color in progress:
+        if len(rates) < 2:
+            continue
         panel = _Panel(top, span, (0, max(rate for _, rate in rates)))
-        parts += panel.frame("steps/s between commits", labels, "steps_per_second")
+        parts += panel.frame(f"{unit} between commits", labels, name)
         parts.append(f'<polyline points="{_line(panel, rates)}" fill="none" '
-                     f'stroke="{SERIES[1]}" stroke-width="1.5"><title>steps/s: '
+                     f'stroke="{color}" stroke-width="1.5"><title>{unit}: '
                      f'{_number(rates[-1][1])} at the end</title></polyline></g>')
         top += PANEL + GAP
     return parts, top

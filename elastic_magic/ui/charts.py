@@ -1,5 +1,5 @@
 """The job's story as series, for its charts: the world size (and machines) over time, the
-training's progress (steps per second between commits), and the scalars the cell logged
+training's progress (steps and samples per second between commits), and the scalars the cell logged
 (``elastic_magic.log``). Kept from the same events as the rest of the dashboard; the marks on
 the time axis (failures, restarts, resizes, machines, survivors) are its timeline's entries.
 Bounded: a long job keeps its shape at less detail."""
@@ -40,7 +40,8 @@ MARK_COLORS = {"failed": "#d62728", "restart": "#d62728", "resize": "#9467bd",
 
 class Charts:
     """What the charts draw: ``sizes`` [(time, world size, machines)] as a step line (0 while
-    a group is down), ``rates`` [(time, steps per second)] between commits, ``metrics``
+    a group is down), ``rates`` [(time, steps per second)] between commits (``samples``: the
+    same in samples, where the State holds an ElasticSampler), ``metrics``
     {name: [(step, value, rank)]}, each thinned evenly past ``CHART_POINTS``. Fed on the
     view's thread, read by the panel's too (``live``): a lock keeps the two apart."""
 
@@ -48,9 +49,11 @@ class Charts:
         self._lock = threading.Lock()
         self._sizes: Thinned[tuple[float, int, int]] = Thinned(CHART_POINTS)
         self._rates: Thinned[tuple[float, float]] = Thinned(CHART_POINTS)
+        self._samples: Thinned[tuple[float, float]] = Thinned(CHART_POINTS)
         self._metrics: dict[tuple[str, int], Thinned[tuple[int, float]]] = {}  # name, rank
         self.latest: dict[str, tuple[int, float, int]] = {}  # nan and inf too: (step, v, rank)
-        self._commit: tuple[float, int] | None = None  # the last commit: (time, step)
+        # the last commit: (time, step, samples so far or None)
+        self._commit: tuple[float, int, int | None] | None = None
 
     def apply(self, event: Event) -> None:
         with self._lock:
@@ -64,11 +67,14 @@ class Charts:
                 self._sizes.add((event.time, 0, 0))  # down until the next round forms
             case StateChanged(state=state) if state.is_final and self._sizes.latest:
                 self._sizes.add((event.time, *self._sizes.latest[1:]))  # to the end
-            case Committed(step=int(step)):
+            case Committed(step=int(step), samples=samples):
                 last = self._commit
                 if last is not None and event.time > last[0] and step >= last[1]:
-                    self._rates.add((event.time, (step - last[1]) / (event.time - last[0])))
-                self._commit = (event.time, step)
+                    took = event.time - last[0]
+                    self._rates.add((event.time, (step - last[1]) / took))
+                    if samples is not None and last[2] is not None and samples >= last[2]:
+                        self._samples.add((event.time, (samples - last[2]) / took))
+                self._commit = (event.time, step, samples)
             case Logged(rank=rank, points=points):
                 for _, step, name, value in points:
                     self.latest[name] = (step, value, rank)
@@ -85,6 +91,11 @@ class Charts:
         return self._rates.items()
 
     @property
+    def samples(self) -> list[tuple[float, float]]:
+        """Samples per second between commits, where the State holds an ElasticSampler."""
+        return self._samples.items()
+
+    @property
     def metrics(self) -> dict[str, list[tuple[int, float, int]]]:
         """{name: [(step, value, rank)]}, rank by rank (each thinned on its own)."""
         drawn: dict[str, list[tuple[int, float, int]]] = {}
@@ -94,7 +105,8 @@ class Charts:
 
     @property
     def empty(self) -> bool:
-        return len(self._sizes) < 2 and len(self._rates) < 2 and not self._metrics
+        return (len(self._sizes) < 2 and len(self._rates) < 2 and len(self._samples) < 2
+                and not self._metrics)
 
     def live(self, timeline: list[dict[str, Any]], *, final: bool, metrics: bool = True,
              points: int = LIVE_POINTS) -> dict[str, Any]:
@@ -102,7 +114,7 @@ class Charts:
         series at most ``points`` long, times to the hundredth of a second, values to six
         digits. ``final``: the job has ended (a running one's lines reach the present)."""
         with self._lock:
-            sizes, rates = self.sizes, self.rates
+            sizes, rates, samples = self.sizes, self.rates, self.samples
             logged: dict[str, list[list[Any]]] = {}
             for (name, rank), series in sorted(self._metrics.items()) if metrics else ():
                 logged.setdefault(name, []).extend(
@@ -112,6 +124,7 @@ class Charts:
             "sizes": [[round(t, 2), size, machines] for t, size, machines
                       in evenly(sizes, points)],
             "rates": [[round(t, 2), _short(rate)] for t, rate in evenly(rates, points)],
+            "samples": [[round(t, 2), _short(rate)] for t, rate in evenly(samples, points)],
             "marks": [[round(t, 2), label, sentence] for t, label, sentence in marks(timeline)],
             "metrics": logged,  # {name: [[step, value, rank], ...]}, rank by rank
             "colors": {"series": list(SERIES), "marks": MARK_COLORS},

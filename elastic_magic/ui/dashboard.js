@@ -1,7 +1,8 @@
 // Live dashboard of one elastic job (anywidget). State comes from the kernel a few times a
 // second; the only messages back are commands ({command: "stop"}, "scale", "stacks"), which
 // the kernel queues for the agent. `uPlot` and `liveCharts` come before this file in the
-// widget's module (ui/dashboard.py's widget_module).
+// widget's module (ui/dashboard.py's widget_module), and with them `two` and `clockAt`, the
+// one time-of-day format.
 
 const h = (tag, attrs = {}, ...children) => {
   const node = document.createElement(tag);
@@ -12,21 +13,13 @@ const h = (tag, attrs = {}, ...children) => {
 
 const FINAL = new Set(["succeeded", "failed", "stopped"]);
 
-const pad = (n) => String(n).padStart(2, "0");
-
 // The one length-of-time format (ui/describe.py's duration): 4.2s, 2m 05s, 1h 02m.
 function duration(seconds) {
   const s = Math.max(0, seconds);
   if (s < 60) return `${s.toFixed(1)}s`;
   const whole = Math.floor(s);
-  if (whole < 3600) return `${Math.floor(whole / 60)}m ${pad(whole % 60)}s`;
-  return `${Math.floor(whole / 3600)}h ${pad(Math.floor((whole % 3600) / 60))}m`;
-}
-
-// The one time-of-day format (ui/describe.py's clock): 24-hour HH:MM:SS.
-function clockOf(time) {
-  const d = new Date(time * 1000);
-  return `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+  if (whole < 3600) return `${Math.floor(whole / 60)}m ${two(whole % 60)}s`;
+  return `${Math.floor(whole / 3600)}h ${two(Math.floor((whole % 3600) / 60))}m`;
 }
 
 const countOf = (n, noun) => `${n} ${noun}${n === 1 ? "" : "s"}`;
@@ -139,7 +132,7 @@ function render({ model, el }) {
     const parts = [];
     if (hd.pending_resize) parts.push(`resize to ${countOf(hd.pending_resize, "worker")} pending`);
     const c = hd.last_commit;
-    if (c) parts.push(`last commit: step ${c.step} at world size ${c.world_size}, ${clockOf(c.time)}`);
+    if (c) parts.push(`last commit: step ${c.step} at world size ${c.world_size}, ${clockAt(c.time)}`);
     commitLine.textContent = parts.join(" · ");
     commitLine.hidden = parts.length === 0;
     drawJoin(hd.join_command);
@@ -247,7 +240,7 @@ function render({ model, el }) {
   function drawTimeline() {
     timeline.replaceChildren(...model.get("timeline").map((e) =>
       h("li", { "data-kind": e.kind },
-        h("span", { class: "em-time" }, clockOf(e.time)),
+        h("span", { class: "em-time" }, clockAt(e.time)),
         ` ${e.text}`)));
   }
 

@@ -97,6 +97,12 @@ class PanelChart:
         self._state: DashboardState | None = state
         self._final: dict[str, Any] | None = None
 
+    @property
+    def frozen(self) -> bool:
+        """The view has finished: this is the chart for good (the panel sends it once
+        more; before, the job's last events may not be in it yet)."""
+        return self._state is None
+
     def __call__(self) -> dict[str, Any]:
         state = self._state
         if state is None:
@@ -182,10 +188,11 @@ class LiveView:
         if charts:
             self._charted_at, self._charts_stale = now, False
 
-
     def finish(self) -> None:
         """Replace the live widget with a record that needs no kernel and no widget state."""
-        if self._handle is not None:
-            self._handle.update(record_bundle(self.state), raw=True)
-        self.widget.close()
-        self.panel_chart.freeze()
+        try:
+            if self._handle is not None:
+                self._handle.update(record_bundle(self.state), raw=True)
+            self.widget.close()
+        finally:
+            self.panel_chart.freeze()  # the panel keeps the chart, not the view

@@ -9,6 +9,7 @@
 const GRID = "rgba(128, 128, 128, 0.22)";
 const WHOLE = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 1e5];
 
+// The one time-of-day format (ui/describe.py's clock): 24-hour HH:MM:SS.
 const two = (n) => String(n).padStart(2, "0");
 const clockAt = (t) => {
   const d = new Date(t * 1000);
@@ -30,7 +31,8 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
   const ink = () => getComputedStyle(box).color || "#444";
 
   // Vertical dashed lines on the canvas, and over each an element with the mark's sentence
-  // as its tooltip (a canvas has none) that a test can find.
+  // as its tooltip (a canvas has none) that a test can find. The elements stay from one
+  // draw to the next (only moved): a tooltip being read stays open while the chart redraws.
   function drawMarks(u) {
     const { ctx, bbox } = u;
     ctx.save();
@@ -38,7 +40,7 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
     ctx.lineWidth = Math.max(1, devicePixelRatio);
     const layer = u.over.querySelector(".em-marks") ||
       u.over.appendChild(Object.assign(document.createElement("div"), { className: "em-marks" }));
-    layer.replaceChildren();
+    const before = new Map([...layer.children].map((node) => [node.dataset.key, node]));
     const [low, high] = [u.scales.x.min, u.scales.x.max];
     for (const [time, label, sentence] of marks) {
       if (time < low || time > high) continue;
@@ -49,15 +51,18 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
       ctx.moveTo(x, bbox.top);
       ctx.lineTo(x, bbox.top + bbox.height);
       ctx.stroke();
-      const mark = document.createElement("div");
-      mark.className = "em-mark";
-      mark.dataset.em = "mark";
-      mark.dataset.kind = label;
-      mark.title = `${clockAt(time)} ${sentence}`;
+      const key = `${time} ${label} ${sentence}`;
+      let mark = before.get(key);
+      before.delete(key);
+      if (!mark) {
+        mark = layer.appendChild(document.createElement("div"));
+        Object.assign(mark, { className: "em-mark", title: `${clockAt(time)} ${sentence}` });
+        Object.assign(mark.dataset, { em: "mark", kind: label, key });
+      }
       mark.style.left = `${u.valToPos(time, "x") - 4}px`;
       mark.style.borderTopColor = color;
-      layer.appendChild(mark);
     }
+    for (const gone of before.values()) gone.remove();
     ctx.restore();
   }
 
@@ -76,7 +81,7 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
 
   // One chart: made anew when its shape (its series) or the theme's ink changes (uPlot
   // draws its axes in the colours it was made with), else given the new data.
-  function show(name, title, series, data, options) {
+  function show(name, title, series, data, options, { synced = true } = {}) {
     const shape = `${series}|${ink()}`;
     let entry = plots.get(name);
     if (entry && entry.shape !== shape) {
@@ -91,9 +96,11 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
       node.dataset.chart = name;
       node.dataset.ink = ink();
       box.appendChild(node);
+      // The time panels move one cursor together; no drag-to-zoom (new data would undo it).
+      const cursor = { drag: { x: false, y: false }, ...(synced ? { sync: { key: sync.key } } : {}) };
       const plot = new uPlot({
         title: compact ? undefined : title, width: width(), height,
-        legend: { show: !compact }, cursor: { sync: { key: sync.key } }, ...options,
+        legend: { show: !compact }, cursor, ...options,
       }, data, node);
       entry = { plot, shape, node };
       plots.set(name, entry);
@@ -125,7 +132,10 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
     const stepped = uPlot.paths.stepped({ align: 1 });
     // The time panels share one span (the world size's, reaching the present), so that a
     // mark and the rate at that moment line up.
-    const times = [...upToNow(chart.sizes), ...chart.rates].map((row) => row[0]);
+    const progress = [["steps_per_second", "steps/s", chart.rates, 1],
+                      ["samples_per_second", "samples/s", chart.samples || [], 3]];
+    const times = [...upToNow(chart.sizes), ...chart.rates, ...(chart.samples || [])]
+      .map((row) => row[0]);
     span = times.length ? [Math.min(...times), Math.max(...times)] : null;
     // uPlot keeps the options a chart was made with: the range reads the latest span.
     const time = { x: { time: true, range: (_u, lo, hi) => (span && span[1] > span[0] ? span : [lo, hi]) } };
@@ -145,11 +155,12 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
              hooks: { draw: [drawMarks] } });
       keep.add("world_size");
     }
-    if (chart.rates.length >= 1 && !compact) {
-      show("steps_per_second", "steps/s between commits", "1", columns(chart.rates, 2),
+    for (const [name, unit, rates, color] of progress) {
+      if (rates.length < 1 || compact) continue;
+      show(name, `${unit} between commits`, "1", columns(rates, 2),
            { scales: { ...time, y: fromZero }, axes: axes(),
-             series: [{ label: "time" }, { label: "steps/s", stroke: colors.series[1], width: 1.5 }] });
-      keep.add("steps_per_second");
+             series: [{ label: "time" }, { label: unit, stroke: colors.series[color], width: 1.5 }] });
+      keep.add(name);
     }
     for (const [name, points] of Object.entries(chart.metrics || {})) {
       const ranks = [...new Set(points.map((p) => p[2]))].sort((a, b) => a - b);
@@ -164,7 +175,8 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
         stroke: colors.series[i % colors.series.length], width: 1.5, spanGaps: true,
       }))];
       show(`metric:${name}`, name, ranks.join(","), data,
-           { scales: { x: { time: false } }, series, axes: axes({ xLabel: "step" }) });
+           { scales: { x: { time: false } }, series, axes: axes({ xLabel: "step" }) },
+           { synced: false }); // its x is steps, not time
       keep.add(`metric:${name}`);
     }
     drop(keep);

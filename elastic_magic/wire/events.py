@@ -47,7 +47,7 @@ class WorkersStarted:
     attempt: int
     restart_count: int
     ranks: tuple[int, ...]
-    pids: tuple[int, ...]
+    pids: tuple[int, ...]  # their shepherds (the processes spawned); RanksRunning: the cells'
     stayed: tuple[int, ...] = ()  # survivors stay: ranks whose process ran the group before
     time: float = field(default_factory=_now)
 
@@ -120,6 +120,7 @@ class Committed:
     world_size: int
     nbytes: int
     origin: str = "commit"  # or "checkpoint": loaded from --checkpoint-dir at start
+    samples: int | None = None  # the data position's samples so far (ElasticSampler)
     time: float = field(default_factory=_now)
 
 

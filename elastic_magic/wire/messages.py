@@ -11,8 +11,7 @@ Three conversations share this vocabulary, each over signed frames (``wire/proto
 - head <-> joined machine (a hub link): the ``LinkMessage`` union at the end (a session's
   cells and their reports among them) and ``chunk_messages``.
 
-Receivers dispatch with ``match``. Workers import this module, so it imports nothing heavy.
-"""
+Receivers dispatch with ``match``; workers import this module: it imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -158,6 +157,7 @@ class Commit:
     token: int = 0
     sizes: tuple[int, ...] = ()
     written: bool = False
+    samples: int | None = None  # the data position's count (ElasticSampler), for samples/s
 
 
 @dataclass(frozen=True)

@@ -68,10 +68,15 @@ export class ElasticPanel extends Widget {
     for (const item of items) {
       root.appendChild(this.row(item));
     }
+    // Drawn once on the page: a chart takes the theme's colours from where it is.
+    for (const item of items) {
+      this.charts.get(item.id)?.charts.update(item.chart);
+    }
     this.dropCharts(new Set(items.map(item => item.id)));
   }
 
-  /** The row's world size over time, with the marks of its restarts and resizes. */
+  /** The box of the row's world size over time, with the marks of its restarts and
+   * resizes (drawn by render once the row is on the page). */
   private chart(item: IItem): HTMLElement | null {
     if (!item.chart) {
       return null;
@@ -84,7 +89,6 @@ export class ElasticPanel extends Widget {
       chart = { box, charts };
       this.charts.set(item.id, chart);
     }
-    chart.charts.update(item.chart);
     return chart.box;
   }
 

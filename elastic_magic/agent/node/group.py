@@ -92,9 +92,9 @@ class WorkerGroup:
         """Once every rank runs its cell (once a group): the event that names them."""
         if not self.running or self.running_told:
             return None
-        self.running_told = True
-        pids = self.cell_pids()
-        return RanksRunning(self.attempt, tuple(pids), tuple(pids.values()))
+        self.running_told = True  # each ran (its cell_pid), even one that ended since
+        return RanksRunning(self.attempt, self.ranks,
+                            tuple(w.cell_pid or 0 for w in self.workers))
 
     def start(self, payload: Payload, env_for: Callable[[Worker], dict[str, str]], *,
               cwd: str, key: bytes, run_folder: RunFolder, inbox: Inbox, emit: EventSink,

@@ -342,7 +342,8 @@ class StateServer:
             self.store.commit(meta, fd=source, token=request.token)
         else:
             self.store.commit(meta, data=source, token=request.token)
-        self.emit(Committed(request.step, world_size, self.store.size))
+        self.emit(Committed(request.step, world_size, self.store.size,
+                            samples=request.samples))
         return CommitReply()
 
     def serve(self, request: StateRequest, world_size: int, *, inline: bool) -> Reply:
