@@ -14,12 +14,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..spec import SpecError
+
+if TYPE_CHECKING:
+    from ..ui.dashboard import PanelChart
 
 TARGET = "elastic_magic"
 # The announcement's display id and type: a frontend with the extension opens a comm on it.
@@ -37,7 +40,7 @@ class ListedJob:
     background: bool
     announced: bool = False  # its end was sent as a "finished" message
     kind: str = "job"
-    chart: Callable[[], dict[str, Any]] | None = None  # its view's series, for the row's chart
+    chart: PanelChart | None = None  # its view's series, for the row's chart
 
 
 def current_cell_id(shell: Any) -> str | None:
@@ -104,7 +107,7 @@ def _busy(item: ListedJob) -> bool:
     """A job that has not ended, or a session's cell that runs (its elapsed time moves); or
     one whose view has not finished its chart yet (its last events still to come)."""
     return (not item.job.done and item.job.status_snapshot.state.value != "idle") or \
-        not getattr(item.chart, "frozen", True)
+        (item.chart is not None and not item.chart.frozen)
 
 
 class JobsChannel:
@@ -188,7 +191,7 @@ class JobsChannel:
     # -- jobs -----------------------------------------------------------------------------
 
     def track(self, number: int, job: Any, cell_id: str | None, background: bool,
-              kind: str = "job", chart: Callable[[], dict[str, Any]] | None = None) -> None:
+              kind: str = "job", chart: PanelChart | None = None) -> None:
         """List a job; ``chart``: where its row's chart comes from (its live view)."""
         with self._lock:
             self._items[job.run_id] = ListedJob(number, job, cell_id, background, kind=kind,

@@ -22,7 +22,7 @@ const columns = (rows, width) =>
 
 export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
   const plots = new Map(); // panel name -> { plot, shape, node }
-  const sync = uPlot.sync(`em-${Math.random().toString(36).slice(2)}`); // one cursor in time
+  const syncKey = `em-${Math.random().toString(36).slice(2)}`; // one cursor in time
   let marks = [];
   let span = null; // [from, to] of the time panels
   let colors = { series: ["#1f77b4"], marks: {} };
@@ -97,7 +97,7 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
       node.dataset.ink = ink();
       box.appendChild(node);
       // The time panels move one cursor together; no drag-to-zoom (new data would undo it).
-      const cursor = { drag: { x: false, y: false }, ...(synced ? { sync: { key: sync.key } } : {}) };
+      const cursor = { drag: { x: false, y: false }, ...(synced ? { sync: { key: syncKey } } : {}) };
       const plot = new uPlot({
         title: compact ? undefined : title, width: width(), height,
         legend: { show: !compact }, cursor, ...options,
