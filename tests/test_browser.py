@@ -483,6 +483,19 @@ def test_elastic_jobs_panel_shows_slurm_allocations_with_the_schedulers_reason(
                                          timeout=60_000)
             expect(row).to_contain_text("3 machines", timeout=120_000)
             assert len(slurm.queue()) == 3, slurm.queue()
+            # The cell's dashboard draws each machine's ranks as a band up to the world
+            # size, named in its legend: the head, and each other by its allocation.
+            dash = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".em-dash")
+            world = dash.locator("[data-em=chart][data-chart=world_size]")
+            labels = world.locator(".u-legend .u-series .u-label")
+            expect(labels).to_have_count(5, timeout=60_000)  # time, 3 machines, world size
+            named = labels.all_inner_texts()[1:]
+            head = f"{network.head_address} (head)"
+            others = [n for n in named[:-1] if n != head]
+            assert named[-1] == "world size" and head in named, named
+            assert len(others) == 2, named
+            assert all(re.fullmatch(r"\S+ \(\d+\)", n) for n in others), named
+            world.screenshot(path=str(ARTIFACTS / "dashboard-machines-chart.png"))
             page.locator("#elastic-magic-jobs").screenshot(
                 path=str(ARTIFACTS / "elastic-jobs-panel-slurm.png"))
             row.locator(".em-panel-stop").click()

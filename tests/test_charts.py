@@ -12,13 +12,20 @@ from pathlib import Path
 import pytest
 from recorded_jobs import restart_job
 
+from elastic_magic.result import JobState, RankFailure
 from elastic_magic.ui import charts as charts_module
 from elastic_magic.ui.chart_svg import charts_svg
 from elastic_magic.ui.charts import MARK_COLORS, Charts
 from elastic_magic.ui.dashboard import widget_module
 from elastic_magic.ui.dashboard_state import DashboardState
 from elastic_magic.ui.record import record_bundle, record_html, record_text
-from elastic_magic.wire.events import Committed
+from elastic_magic.wire.events import (
+    Committed,
+    MembershipChanged,
+    RendezvousCompleted,
+    Restarting,
+    StateChanged,
+)
 from elastic_magic.wire.metrics import Logged
 
 pytestmark = pytest.mark.unit
@@ -124,6 +131,50 @@ def test_the_live_charts_get_the_same_story_small_and_json_ready(tmp_path):
     panel = state.charts.live(state.timeline, final=False, metrics=False, points=2)
     assert panel["metrics"] == {} and not panel["final"]
     assert [row[1:] for row in panel["sizes"]] == [[2, 1], [2, 1]]  # first and last
+
+
+def test_several_machines_are_drawn_as_bands_of_their_ranks_up_to_the_world_size():
+    """A job of several machines: each machine's ranks in every group (0 where it was not in
+    it), in the order the machines came, in the live charts and as stacked bands in the
+    record, each band named on hover; a job of one machine draws no band."""
+    head, second, third = "10.0.0.1 (head)", "10.0.0.2 (pid 41)", "10.0.0.3 (job 7)"
+    charts = Charts()
+    for event in (
+            RendezvousCompleted(1, 0, 2, 3, "10.0.0.1", 1, ((head, 2), (second, 1)), time=10.0),
+            MembershipChanged(3, 5, time=20.0),
+            RendezvousCompleted(2, 0, 3, 5, "10.0.0.1", 1,
+                                ((third, 2), (head, 2), (second, 1)), time=21.0),
+            Restarting(1, 3, RankFailure(rank=1, local_rank=1, attempt=2, pid=1, time=30.0,
+                                      signal="SIGKILL"), time=30.0),
+            RendezvousCompleted(3, 0, 2, 4, "10.0.0.1", 1, ((head, 2), (third, 2)), time=31.0),
+            StateChanged(JobState.SUCCEEDED, time=40.0)):
+        charts.apply(event)
+    names, split = charts.by_machine
+    assert names == [head, second, third]
+    assert split == [(10.0, [2, 1, 0]), (20.0, [0, 0, 0]), (21.0, [2, 1, 2]),
+                     (30.0, [0, 0, 0]), (31.0, [2, 0, 2]), (40.0, [2, 0, 2])]
+    live = charts.live([], final=True)
+    assert live["machines"] == names
+    assert [row[1:] for row in live["by_machine"]] == [ranks for _, ranks in split]
+    svg = ET.fromstring(charts_svg(charts, []))
+    bands = [path.find(f"{SVG}title").text for path in svg.iter(f"{SVG}path")
+             if path.get("class") == "elastic-machine"]
+    assert bands == [f"{head}: 2 ranks at the end", f"{second}: 0 ranks at the end",
+                     f"{third}: 2 ranks at the end"]
+    (legend,) = [t for t in svg.iter(f"{SVG}text") if t.get("class") == "elastic-legend"]
+    assert "".join(legend.itertext()).split("■")[1:] == [f" {head}  ", f" {second}  ",
+                                                          f" {third}"]
+    many = Charts()  # a legend fits one line: the rest are counted (each band says its name)
+    many.apply(RendezvousCompleted(1, 0, 9, 9, "h", 1, tuple((f"10.0.0.{i} (pid 4{i})", 1)
+                                                            for i in range(9)), time=1.0))
+    many.apply(StateChanged(JobState.SUCCEEDED, time=2.0))
+    legend_text = "".join(next(t for t in ET.fromstring(charts_svg(many, [])).iter(f"{SVG}text")
+                               if t.get("class") == "elastic-legend").itertext())
+    assert legend_text.count("■") == 4 and legend_text.endswith("and 5 more"), legend_text
+    alone = Charts()
+    alone.apply(RendezvousCompleted(1, 0, 1, 2, "127.0.0.1", 1, (("127.0.0.1 (pid 9)", 2),)))
+    alone.apply(StateChanged(JobState.SUCCEEDED))
+    assert alone.by_machine == ([], []) and "elastic-machine" not in charts_svg(alone, [])
 
 
 def test_the_widget_module_holds_upLot_the_shared_charts_and_the_dashboard():

@@ -135,6 +135,10 @@ def test_two_machines_run_one_job_and_report_to_the_notebook(machines, log_dir, 
     assert [e.nproc for e in recorder.of(NodeConnected) if e.connected] == [2]
     (round_,) = recorder.of(RendezvousCompleted)
     assert round_.nnodes == 2 and round_.world_size == 3
+    # Each machine named with its ranks (the charts' band per machine): the head as such,
+    # the other as its agent (machines rehearsed on one host share the address).
+    assert dict(round_.machines) == {"127.0.0.1 (head)": 1,
+                                     f"127.0.0.1 (pid {machines.procs[0].pid})": 2}
     # The dashboard shows the other machine's ranks as tabs of their own.
     dashboard = DashboardState(result.run_id, str(result.log_dir), 0)
     for event in recorder.events:
@@ -171,6 +175,9 @@ def test_resize_on_the_head_makes_every_machine_re_rendezvous(
     assert "restarting" not in node_log and "failed" not in node_log, node_log
     assert [(r.world_size, r.nnodes) for r in recorder.of(RendezvousCompleted)] == [
         (2, 2), (3, 2)]
+    other = f"127.0.0.1 (pid {machines.procs[0].pid})"  # the same name in both rounds
+    assert [dict(r.machines) for r in recorder.of(RendezvousCompleted)] == [
+        {"127.0.0.1 (head)": 1, other: 1}, {"127.0.0.1 (head)": 2, other: 1}]
     assert result.restarts == 0 and result.resizes == 1
     if not immediate:  # an immediate resize redoes the step in flight since the last commit
         assert done_steps(recorder) == list(range(1, STEPS + 1))

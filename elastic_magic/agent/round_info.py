@@ -19,3 +19,5 @@ class RoundInfo:
     world_size: int
     master_addr: str
     master_port: int
+    # every node's (name, local world size), in node rank order
+    machines: tuple[tuple[str, int], ...] = ()

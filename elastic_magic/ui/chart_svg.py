@@ -2,10 +2,11 @@
 notebook's theme (text and axes in ``currentColor``, series in colours that read on light
 and dark backgrounds), a sentence on hover (``<title>``) for every mark and series.
 
-Panels, top to bottom, each drawn only when it has something to show: the world size (and
-the machines, where there were several) over time with the timeline's marks (failures,
-restarts, resizes, machines joining or leaving, survivors staying); steps per second
-between commits on the same time axis; each scalar the cell logged, over its steps."""
+Panels, top to bottom, each drawn only when it has something to show: the world size
+(each machine's ranks stacked under it, where there were several) over time with the
+timeline's marks (failures, restarts, resizes, machines joining or leaving, survivors
+staying); steps and samples per second between commits on the same time axis; each scalar
+the cell logged, over its steps."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .charts import MARK_COLORS, SERIES, Charts, marks
 from .describe import clock
 
 WIDTH, PANEL, LEFT, RIGHT, TOP, GAP = 640, 110, 48, 12, 18, 34
+LEGEND_CHARS = 80  # what fits beside a panel's title at the record's font size
 
 
 class _Panel:
@@ -63,8 +65,46 @@ def _steps(panel: _Panel, points: list[tuple[float, float]]) -> str:
     return d
 
 
+def _steps_back(panel: _Panel, points: list[tuple[float, float]]) -> str:
+    """The same step line from its end to its start: a band's lower edge."""
+    (x, y), earlier = points[-1], points[-2::-1]
+    return f"L{panel.px(x):.1f},{panel.py(y):.1f}" + "".join(
+        f" V{panel.py(y):.1f} H{panel.px(x):.1f}" for x, y in earlier)
+
+
 def _line(panel: _Panel, points: list[tuple[float, float]]) -> str:
     return " ".join(f"{panel.px(x):.1f},{panel.py(y):.1f}" for x, y in points)
+
+
+def _machine_bands(panel: _Panel, names: list[str], split: list[tuple[float, list[int]]]
+                   ) -> list[str]:
+    """Each machine's ranks as a band, stacked up to the world size (the live charts' look)."""
+    parts = []
+    below = [(t, 0.0) for t, _ in split]
+    for i, name in enumerate(names):
+        above = [(t, low + ranks[i]) for (t, ranks), (_, low) in zip(split, below, strict=True)]
+        color = SERIES[2 + i % (len(SERIES) - 2)]
+        parts.append(f'<path class="elastic-machine" d="{_steps(panel, above)} '
+                     f'{_steps_back(panel, below)} Z" '
+                     f'fill="{color}" fill-opacity="0.35" stroke="{color}" stroke-width="1">'
+                     f'<title>{escape(name)}: {split[-1][1][i]} ranks at the end</title></path>')
+        below = above
+    return [*parts, _legend(panel, names)]
+
+
+def _legend(panel: _Panel, names: list[str]) -> str:
+    """The bands' colours and machines, right of the panel's title, as many as fit in a
+    line (the rest said as a count: each band names its machine on hover)."""
+    shown, room = [], LEGEND_CHARS
+    for i, name in enumerate(names):
+        if len(name) + 3 > room:
+            shown.append(f"and {len(names) - i} more")
+            break
+        room -= len(name) + 3
+        shown.append(f'<tspan fill="{SERIES[2 + i % (len(SERIES) - 2)]}">■</tspan> '
+                     f"{escape(name)}")
+    return (f'<text class="elastic-legend" x="{WIDTH - RIGHT}" y="{panel.top - 5:.0f}" '
+            f'text-anchor="end" xml:space="preserve">{"  ".join(shown)}</text>')
 
 
 def _time_panels(charts: Charts, timeline: list[dict[str, Any]], top: float
@@ -82,11 +122,13 @@ def _time_panels(charts: Charts, timeline: list[dict[str, Any]], top: float
     if len(sizes) >= 2:
         panel = _Panel(top, span, (0, max(size for _, size, _ in sizes)))
         parts += panel.frame("world size", labels, "world_size")
+        names, split = charts.by_machine
+        parts += _machine_bands(panel, names, split)  # under the world size's line
         line = [(t, float(size)) for t, size, _ in sizes]
         parts.append(f'<path d="{_steps(panel, line)}" fill="none" stroke="{SERIES[0]}" '
                      f'stroke-width="2"><title>world size: {sizes[-1][1]} at the '
                      'end</title></path>')
-        if max(machines for _, _, machines in sizes) > 1:
+        if not names and max(machines for _, _, machines in sizes) > 1:
             machines = [(t, float(m)) for t, _, m in sizes]
             parts.append(f'<path d="{_steps(panel, machines)}" fill="none" '
                          f'stroke="{SERIES[2]}" stroke-dasharray="4 3"><title>machines'

@@ -20,6 +20,8 @@ from ..wire.events import (
 )
 from ..wire.metrics import Logged, Thinned
 
+Machines = tuple[tuple[str, int], ...]  # each machine's (name, ranks) in a group
+
 # Points kept of a series for the charts (the result keeps more): thousands draw at once,
 # and more would only be wider than the chart.
 CHART_POINTS = 2_000
@@ -40,14 +42,16 @@ MARK_COLORS = {"failed": "#d62728", "restart": "#d62728", "resize": "#9467bd",
 
 class Charts:
     """What the charts draw: ``sizes`` [(time, world size, machines)] as a step line (0 while
-    a group is down), ``rates`` [(time, steps per second)] between commits (``samples``: the
+    a group is down), ``by_machine`` the same split per machine where there were several,
+    ``rates`` [(time, steps per second)] between commits (``samples``: the
     same in samples, where the State holds an ElasticSampler), ``metrics``
     {name: [(step, value, rank)]}, each thinned evenly past ``CHART_POINTS``. Fed on the
     view's thread, read by the panel's too (``live``): a lock keeps the two apart."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sizes: Thinned[tuple[float, int, int]] = Thinned(CHART_POINTS)
+        # (time, world size, machines, each machine's (name, ranks))
+        self._sizes: Thinned[tuple[float, int, int, Machines]] = Thinned(CHART_POINTS)
         self._rates: Thinned[tuple[float, float]] = Thinned(CHART_POINTS)
         self._samples: Thinned[tuple[float, float]] = Thinned(CHART_POINTS)
         self._metrics: dict[tuple[str, int], Thinned[tuple[int, float]]] = {}  # name, rank
@@ -61,10 +65,10 @@ class Charts:
 
     def _apply(self, event: Event) -> None:
         match event:
-            case RendezvousCompleted(world_size=size, nnodes=machines):
-                self._sizes.add((event.time, size, machines))
+            case RendezvousCompleted(world_size=size, nnodes=count, machines=machines):
+                self._sizes.add((event.time, size, count, machines))
             case Restarting() | MembershipChanged() if self._sizes.latest:
-                self._sizes.add((event.time, 0, 0))  # down until the next round forms
+                self._sizes.add((event.time, 0, 0, ()))  # down until the next round forms
             case StateChanged(state=state) if state.is_final and self._sizes.latest:
                 self._sizes.add((event.time, *self._sizes.latest[1:]))  # to the end
             case Committed(step=int(step), samples=samples):
@@ -84,7 +88,22 @@ class Charts:
 
     @property
     def sizes(self) -> list[tuple[float, int, int]]:
-        return self._sizes.items()
+        return [(t, size, count) for t, size, count, _ in self._sizes.items()]
+
+    @property
+    def by_machine(self) -> tuple[list[str], list[tuple[float, list[int]]]]:
+        """The world size split per machine: their names (in the order they came), and at
+        each time every machine's ranks (0: not in that group). No names for a job that
+        never had two machines."""
+        sizes = self._sizes.items()
+        names = list(dict.fromkeys(name for *_, machines in sizes for name, _ in machines))
+        if len(names) < 2:
+            return [], []
+        rows = []
+        for t, _, _, machines in sizes:
+            ranks = dict(machines)
+            rows.append((t, [ranks.get(name, 0) for name in names]))
+        return names, rows
 
     @property
     def rates(self) -> list[tuple[float, float]]:
@@ -115,6 +134,7 @@ class Charts:
         digits. ``final``: the job has ended (a running one's lines reach the present)."""
         with self._lock:
             sizes, rates, samples = self.sizes, self.rates, self.samples
+            names, split = self.by_machine
             logged: dict[str, list[list[Any]]] = {}
             for (name, rank), series in sorted(self._metrics.items()) if metrics else ():
                 logged.setdefault(name, []).extend(
@@ -123,6 +143,9 @@ class Charts:
             "final": final,
             "sizes": [[round(t, 2), size, machines] for t, size, machines
                       in evenly(sizes, points)],
+            # [[time, ranks of machine 0, of machine 1, ...]], where there were several
+            "machines": names,
+            "by_machine": [[round(t, 2), *ranks] for t, ranks in evenly(split, points)],
             "rates": [[round(t, 2), _short(rate)] for t, rate in evenly(rates, points)],
             "samples": [[round(t, 2), _short(rate)] for t, rate in evenly(samples, points)],
             "marks": [[round(t, 2), label, sentence] for t, label, sentence in marks(timeline)],

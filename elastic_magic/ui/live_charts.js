@@ -1,5 +1,5 @@
 // The live charts of a job, drawn with uPlot from what ui/charts.py's Charts.live() sends:
-// the world size over time (and the machines, where there were several) with the
+// the world size over time (each machine's ranks stacked, where there were several) with the
 // timeline's marks (failures, restarts, resizes, machines, survivors; each mark's sentence
 // on hover), steps per second on the same time axis, and each logged scalar over its steps.
 // One file for both places that draw them: the dashboard widget (ui/dashboard.py puts
@@ -120,6 +120,26 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
     }
   }
 
+  // Several machines: each one's ranks a band, stacked up to the world size, the top one
+  // first; each band filled between its edge and the next one's (uPlot's bands), the
+  // lowest down to 0. The legend tells each machine's own ranks.
+  function machineBands(rows, names, line, world) {
+    const count = names.length;
+    const stacked = rows.map(([, ...ranks]) => ranks.map((_, i) => ranks.slice(0, i + 1)
+      .reduce((a, b) => a + b, 0)));
+    const order = names.map((_, i) => count - 1 - i);
+    const own = (u, _v, si, idx) => (idx == null ? "--"
+      : String(u.data[si][idx] - (si < count ? u.data[si + 1][idx] : 0)));
+    const layers = order.map((i) => {
+      const color = colors.series[2 + (i % (colors.series.length - 2))];
+      return { ...line, label: names[i], stroke: color, width: 1, fill: `${color}59`, value: own };
+    });
+    const data = [rows.map((r) => r[0]), ...order.map((i) => stacked.map((s) => s[i])),
+                  stacked.map((s) => s[count - 1])];
+    const between = order.slice(0, -1).map((_, s) => ({ series: [s + 1, s + 2] }));
+    return [data, [...layers, world], between];
+  }
+
   function update(chart) {
     if (!chart || !chart.sizes) return;
     colors = chart.colors || colors;
@@ -141,17 +161,24 @@ export function liveCharts(uPlot, box, { height = 130, compact = false } = {}) {
     const time = { x: { time: true, range: (_u, lo, hi) => (span && span[1] > span[0] ? span : [lo, hi]) } };
     const fromZero = { range: (_u, _lo, hi) => [0, hi > 0 ? hi * 1.1 : 1] };
     if (chart.sizes.length >= 1) {
-      const rows = upToNow(chart.sizes);
-      const several = rows.some((r) => r[2] > 1);
       const line = { paths: stepped, points: { show: false } };
-      const series = [{}, { ...line, label: "world size", stroke: colors.series[0], width: 2 }];
-      if (several) {
-        series.push({ ...line, label: "machines", stroke: colors.series[2], dash: [4, 3] });
+      const world = { ...line, label: "world size", stroke: colors.series[0], width: 2 };
+      const names = chart.machines || [];
+      let shape = "1", data, series = [world], bands = [];
+      if (names.length > 1 && (chart.by_machine || []).length > 0) {
+        [shape, data, series, bands] = [names.join("\n"),
+          ...machineBands(upToNow(chart.by_machine), names, line, world)];
+      } else {
+        const rows = upToNow(chart.sizes);
+        const several = rows.some((r) => r[2] > 1);
+        if (several) {
+          series.push({ ...line, label: "machines", stroke: colors.series[2], dash: [4, 3] });
+        }
+        [shape, data] = [several ? "2" : "1", columns(rows, several ? 3 : 2)];
       }
-      show("world_size", "world size", several ? "2" : "1",
-           columns(rows, several ? 3 : 2),
+      show("world_size", "world size", shape, data,
            { scales: { ...time, y: { range: (_u, _lo, hi) => [0, Math.max(1, hi) + 0.5] } },
-             series: [{ label: "time" }, ...series.slice(1)], axes: axes({ counts: true }),
+             series: [{ label: "time" }, ...series], bands, axes: axes({ counts: true }),
              hooks: { draw: [drawMarks] } });
       keep.add("world_size");
     }

@@ -28,8 +28,8 @@ class StateChanged:
 
 @dataclass(frozen=True)
 class RendezvousCompleted:
-    """A rendezvous round closed: the new group's size, this machine's node rank in it, and
-    where its process group meets (``master_addr``)."""
+    """A rendezvous round closed: the new group's size, this machine's node rank in it,
+    where its process group meets (``master_addr``), and every machine's (name, ranks)."""
 
     round: int
     node_rank: int
@@ -37,6 +37,7 @@ class RendezvousCompleted:
     world_size: int
     master_addr: str
     master_port: int
+    machines: tuple[tuple[str, int], ...] = ()
     time: float = field(default_factory=_now)
 
 

@@ -145,7 +145,7 @@ class Engine:
         if info is not None:
             self.round = info
             self.emit(RendezvousCompleted(info.round, info.node_rank, info.nnodes, info.world_size,
-                                          info.master_addr, info.master_port))
+                                          info.master_addr, info.master_port, info.machines))
         return info
 
     def start_group(self, info: RoundInfo) -> None:

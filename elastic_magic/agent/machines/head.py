@@ -84,7 +84,7 @@ class Head(SingleMachine):
             self.join_command = self.token_file.command(rendezvous.endpoint)
             self.emit(self.network)
             self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
-            self.rendezvous = rendezvous
+            self.rendezvous, rendezvous.name_machine = rendezvous, self.launched.label
             rendezvous.close_rounds_when_joined(self._joining)
             self.launched.start(rendezvous.endpoint, self.token)
         except BaseException:
@@ -119,10 +119,9 @@ class Head(SingleMachine):
                 self.emit(NodeConnected(host, nproc, False, why))
                 return self._out_of_rounds(item.node)
             case Hello(host, nproc, pid, allocation):
-                self.names[item.node] = host
-                self.pids[item.node] = pid
+                self.names[item.node], self.pids[item.node] = host, pid
                 self.greeted.add(item.node)
-                self.launched.arrived(item.node, allocation)
+                self.launched.arrived(item.node, allocation, (host, pid))
                 self.emit(NodeConnected(self.launched.name(item.node, host), nproc, True))
             case RankEvents(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0

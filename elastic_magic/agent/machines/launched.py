@@ -10,12 +10,14 @@ imported only where one is used."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...spec import JobSpec
 from ...wire.events import EventSink, MachinesChanged
+from .rendezvous import agent_name
 
 if TYPE_CHECKING:
     from ...launchers.cluster import Cluster
@@ -37,6 +39,7 @@ class Launched:
         self.allocations: dict[int, str] = {}  # hub connection -> its allocation
         self.started_in: dict[int, str] = {}  # the same, kept after it ended (for names)
         self.released: dict[int, str] = {}  # connections leaving at a commit -> why
+        self.agents: dict[tuple[str, int], int] = {}  # (address, agent pid) -> connection
         self._due = False  # the group leaves at its next commit for them
         self.machines = spec.max_nodes - 1  # what the Cluster keeps (the head not counted)
         self._lock = threading.Lock()  # scale (the kernel's thread) against start
@@ -61,8 +64,10 @@ class Launched:
             if self.cluster is not None:
                 self.cluster.scale(self.machines)
 
-    def arrived(self, node: int, allocation: str) -> None:
-        """A machine said Hello from ``allocation`` (empty: started by hand)."""
+    def arrived(self, node: int, allocation: str, agent: tuple[str, int]) -> None:
+        """A machine said Hello from ``allocation`` (empty: started by hand), its agent
+        running as ``agent`` (address, pid)."""
+        self.agents[agent] = node
         self.allocations[node] = allocation
         if allocation:
             self.started_in[node] = allocation
@@ -85,6 +90,15 @@ class Launched:
         in (machines a launcher started on one host share the address)."""
         allocation = self.started_in.get(node)
         return f"{host} ({allocation})" if allocation else host
+
+    def label(self, host: str, pid: int) -> str:
+        """How a round names a machine (the charts' line per machine, the same in every
+        round): the head as such; one a launcher started by its allocation; one joined by
+        hand as its agent (several may share an address). Asked on the rendezvous's thread."""
+        allocation = self.started_in.get(self.agents.get((host, pid), -1))
+        if allocation:
+            return f"{host} ({allocation})"
+        return f"{host} (head)" if pid == os.getpid() else agent_name(host, pid)
 
     def link_ended(self, node: int) -> None:
         """A machine's link ended, after all it said: its allocation, if that has ended,

@@ -16,6 +16,7 @@ ends (:meth:`Rendezvous.close_rounds_when_joined`).
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import socket
 import threading
@@ -45,6 +46,11 @@ __all__ = ["Rendezvous", "RendezvousRejected", "SignedBackend", "get_signed",
 
 _WORKER_STORE_KEY = "elastic_magic/worker_store"
 _LOCAL_SIZE_PREFIX = "elastic_magic/local_world_size/"
+
+
+def agent_name(host: str, pid: int) -> str:
+    """A machine as its agent: several may share an address (one machine rehearsing)."""
+    return f"{host} (pid {pid})"
 
 
 def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
@@ -108,6 +114,9 @@ class Rendezvous:
         self.handler: DynamicRendezvousHandler | None = self._new_handler(self.store)
         self.rounds = 0
         self.sizes: list[int] = []  # every node's local world size in the last round
+        # How a round's machines are named (RoundInfo.machines): the head's own words for
+        # the machines that joined it (``Launched.label``).
+        self.name_machine: Callable[[str, int], str] = agent_name
         self._worker_store: TCPStore | None = None
         self._ready: quick_rounds.Ready | None = None  # may this machine close a round
 
@@ -186,13 +195,14 @@ class Rendezvous:
         round_id, _, address = get_signed(round_store, self.key, _WORKER_STORE_KEY,
                                           self._where, scope=scope).partition(" ")
         addr, _, port = address.rpartition(":")
-        # Ranks as torch assigns them: prefix sums of every node's local world size.
+        # Ranks as torch assigns them: prefix sums of every node's local world size, each
+        # told with the machine's agent as torch knows it (address, pid): its name.
         # Signed for this round only: another round's sizes are refused.
         put_signed(round_store, self.key, f"{_LOCAL_SIZE_PREFIX}{node_rank}",
-                   str(local_world_size), scope=round_id)
-        sizes = [int(get_signed(round_store, self.key, f"{_LOCAL_SIZE_PREFIX}{r}",
-                                self._where, scope=round_id)) for r in range(nnodes)]
-        self.sizes = sizes
+                   f"{local_world_size} {self.host} {os.getpid()}", scope=round_id)
+        told = [get_signed(round_store, self.key, f"{_LOCAL_SIZE_PREFIX}{r}", self._where,
+                           scope=round_id).split(" ") for r in range(nnodes)]
+        sizes = self.sizes = [int(size) for size, _, _ in told]
         return RoundInfo(
             round=self.rounds,
             round_id=round_id,
@@ -202,6 +212,8 @@ class Rendezvous:
             world_size=sum(sizes),
             master_addr=addr,
             master_port=int(port),
+            machines=tuple((self.name_machine(host, int(pid)), int(size))
+                           for size, host, pid in told),
         )
 
     def next_round_unless(self, local_world_size: int, stop: Callable[[], bool],
