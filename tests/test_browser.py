@@ -389,6 +389,26 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         assert "3 workers" in resized.first.get_attribute("title")
         panel.screenshot(path=str(ARTIFACTS / "elastic-jobs-panel.png"))
 
+        # A page reload mid-training loses nothing: with the notebook saved since the cell
+        # ran (as JupyterLab's autosave does), the widget manager restores the job's
+        # dashboard from the kernel, live, and the panel lists the job again.
+        page.keyboard.press("Control+s")
+        expect(page.locator(".lm-TabBar-tab.jp-mod-dirty")).to_have_count(0, timeout=30_000)
+        page.reload()
+        expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(5, timeout=60_000)
+        dash = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".em-dash")
+        expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
+        expect(dash.locator("[data-em=world-size]")).to_have_text("world size 3")
+        expect(dash.locator("[data-em=lines]")).to_contain_text("background job up")
+        expect(dash.locator("[data-em=chart][data-chart=world_size] [data-em=mark]"
+                            "[data-kind=resize]")).not_to_have_count(0)
+        dash.screenshot(path=str(ARTIFACTS / "dashboard-after-reload.png"))
+        if not panel.is_visible():
+            page.locator("li[data-id='elastic-magic-jobs']").click()
+        row = panel.locator(".em-panel-row").first
+        expect(row).to_contain_text("running", timeout=30_000)
+        expect(row).to_contain_text("world size 3")
+
         row.locator(".em-panel-stop").click()
         expect(row).to_contain_text("stopped", timeout=60_000)
         expect(row.locator(".em-panel-stop")).to_have_count(0)
