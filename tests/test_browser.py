@@ -58,6 +58,8 @@ PANEL_CELLS = [
     "%%elastic --nproc 1\nimport os, time\nprint('about to fail', flush=True)\n"
     "while not os.path.exists('fail-now'):\n    time.sleep(0.1)\nraise ValueError('boom')",
     "%elastic session start --nproc 2 --max-nproc 3",
+    "%%elastic --nproc 1\nimport os, time\nprint('waiting for finish-now', flush=True)\n"
+    "while not os.path.exists('finish-now'):\n    time.sleep(0.1)",
 ]
 
 # WCAG contrast of an element's text against the first opaque background behind it.
@@ -342,7 +344,7 @@ def test_dashboard_live_in_jupyterlab_and_stop_button(lab):
 def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_path):
     """The extension's side panel, status bar item and notification, over its comm."""
     with chromium_page() as page:
-        open_notebook(page, panel_lab, 5)
+        open_notebook(page, panel_lab, 6)
         # %%elastic cells are highlighted as Python: `import` is coloured as a keyword.
         editor = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".cm-content")
         keyword = editor.locator("span", has_text=re.compile(r"^import$")).first
@@ -395,7 +397,7 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         page.keyboard.press("Control+s")
         expect(page.locator(".lm-TabBar-tab.jp-mod-dirty")).to_have_count(0, timeout=30_000)
         page.reload()
-        expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(5, timeout=60_000)
+        expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(6, timeout=60_000)
         dash = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".em-dash")
         expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
         expect(dash.locator("[data-em=world-size]")).to_have_text("world size 3")
@@ -416,6 +418,10 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         expect(toast).to_be_visible(timeout=30_000)
         expect(page.locator("[data-em=status]")).to_have_text("")
         assert not wait_until_no_workers(timeout=5.0)
+        # The kernel's swap of the dashboard for the record was an update of a display
+        # the reloaded page never saw: the extension put the record in its place.
+        expect(page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".elastic-record")
+               ).to_contain_text("stopped", timeout=30_000)
         page.screenshot(path=str(ARTIFACTS / "elastic-jobs-after-stop.png"))
 
         # A job that cannot resize shows no resize control; its failure's record reads
@@ -458,13 +464,37 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         assert label.evaluate(CONTRAST) >= 4.5  # the chart's text follows the theme
         chart.screenshot(path=str(ARTIFACTS / "record-chart-dark.png"))
 
+        # A page reloaded while a cell runs its job: JupyterLab asks the kernel for its
+        # widgets and comms on the main shell, which the cell holds, so the job shows again
+        # when it ends, and then as the cell's record, put where the lost display was.
+        run_cell(page, 5)
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(5)
+        expect(cell.locator(".em-dash [data-em=state]")).to_have_text("running",
+                                                                      timeout=90_000)
+        page.keyboard.press("Control+s")
+        expect(page.locator(".lm-TabBar-tab.jp-mod-dirty")).to_have_count(0, timeout=30_000)
+        page.reload()
+        expect(page.locator(".jp-Notebook .jp-Cell").nth(5)).to_be_visible(timeout=60_000)
+        if not panel.is_visible():
+            page.locator("li[data-id='elastic-magic-jobs']").click()
+        (tmp_path / "finish-now").touch()  # the kernel's working directory
+        record = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".elastic-record")
+        expect(record).to_contain_text("succeeded", timeout=60_000)
+        expect(record).to_contain_text("waiting for finish-now")
+        expect(panel.locator(".em-panel-row", has_text="#3 job")).to_contain_text("succeeded")
+        page.keyboard.press("Control+s")  # the file keeps the record, not the widget
+        expect(page.locator(".lm-TabBar-tab.jp-mod-dirty")).to_have_count(0, timeout=30_000)
+        (saved,) = nbformat.read(tmp_path / "dashboard.ipynb", as_version=4).cells[5].outputs
+        assert "elastic-record" in saved.data["text/html"], saved
+        assert "application/vnd.jupyter.widget-view+json" not in saved.data, saved
+
         # The kernel's session is listed too, and its actions reach it.
         run_cell(page, 4)
-        row = panel.locator(".em-panel-row", has_text="#3 session")
+        row = panel.locator(".em-panel-row", has_text="#4 session")
         expect(row).to_contain_text("idle", timeout=90_000)
         expect(row).to_contain_text("world size 2")
         expect(row).to_contain_text("0 cells run")
-        expect(page.locator("[data-em=status]")).to_contain_text("elastic session #3: idle")
+        expect(page.locator("[data-em=status]")).to_contain_text("elastic session #4: idle")
         row.locator(".em-panel-stacks").click()
         expect(row.locator(".em-panel-stack-text")).to_contain_text("==> rank 1 <==",
                                                                      timeout=30_000)

@@ -17,6 +17,8 @@ from elastic_magic.agent.handles.job import Job
 from elastic_magic.notebook.comm import JobsChannel
 from elastic_magic.notebook.session import Session
 from elastic_magic.spec import JobSpec
+from elastic_magic.ui.dashboard import PanelView
+from elastic_magic.ui.dashboard_state import DashboardState
 from elastic_magic.wire.payload import build_payload
 
 LABEXTENSION = Path(__file__).resolve().parents[1] / "labextension"
@@ -61,8 +63,9 @@ def test_comm_lists_a_job_and_stops_it(log_dir):
     channel = JobsChannel()
     comm = FakeComm()
     channel._attach(comm)
+    view = PanelView(DashboardState(job.run_id, str(job.log_dir), 0), "model-1")
     try:
-        channel.track(1, job, "cell-1", background=True)
+        channel.track(1, job, "cell-1", background=True, view=view)
         assert job.wait_for_running(timeout=120)
         channel.update()
         items = [m for m in comm.sent if m["type"] == "items"][-1]["items"]
@@ -71,6 +74,10 @@ def test_comm_lists_a_job_and_stops_it(log_dir):
         assert row["id"] == job.run_id and row["state"] == "running"
         assert row["world_size"] == 2 and row["nproc"] == 2 and row["cell_id"] == "cell-1"
         assert row["can_resize"] and (row["min_nproc"], row["max_nproc"]) == (2, 3)
+        assert row["widget"] == "model-1" and not row["has_record"]
+        comm.on_message({"content": {"data": {"action": "record", "id": job.run_id}}})
+        assert comm.sent[-1] == {"type": "error", "id": job.run_id,
+                                 "text": f"{job.run_id} has no record (yet)"}
         # what the panel's buttons send, through the comm
         comm.on_message({"content": {"data": {"action": "scale", "id": job.run_id,
                                               "nproc": 7}}})
@@ -79,6 +86,9 @@ def test_comm_lists_a_job_and_stops_it(log_dir):
         assert job.wait_done(timeout=60)
     finally:
         job.end("test over")
+        # what the view does when the cell's record replaces the widget
+        view.freeze({"text/html": "<div class='elastic-record'>stopped</div>",
+                     "text/plain": "stopped"})
     ticker = channel._ticker
     assert ticker is not None
     ticker.join(timeout=10)
@@ -96,6 +106,11 @@ def test_comm_lists_a_job_and_stops_it(log_dir):
                              "text": f"{job.run_id} has already ended."}
     comm.on_message({"content": {"data": {"action": "stacks", "id": job.run_id}}})
     assert comm.sent[-1] == {"type": "stacks", "id": job.run_id, "ranks": {}}
+    # A page reloaded before the end asks for the record that replaced the widget.
+    assert last["has_record"] and last["widget"] == "model-1"
+    comm.on_message({"content": {"data": {"action": "record", "id": job.run_id}}})
+    assert comm.sent[-1] == {"type": "record", "id": job.run_id, "bundle": {
+        "text/html": "<div class='elastic-record'>stopped</div>", "text/plain": "stopped"}}
     channel.forget([])
     assert channel.message()["items"] == []
 

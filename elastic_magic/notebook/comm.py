@@ -6,7 +6,9 @@ when the extension loads (and at a job's start while no frontend has opened one)
 Only a frontend connected to this kernel's own channels (authenticated by the kernel's
 connection key) can open or write to a comm, so the actions need no other check. Items are a
 generic list: ``kind`` "job" (a ``%%elastic`` cell) or "session" (``%elastic session start``,
-with the cells it ran); both answer stop, scale and request_stacks.
+with the cells it ran); both answer stop, scale and request_stacks. A finished job's record is
+sent on request ("record"): a page reloaded before the job ended lost the display the record
+replaced, and the extension puts the record in its place.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ..spec import SpecError
 
 if TYPE_CHECKING:
-    from ..ui.dashboard import PanelChart
+    from ..ui.dashboard import PanelView
 
 TARGET = "elastic_magic"
 # The announcement's display id and type: a frontend with the extension opens a comm on it.
@@ -40,7 +42,7 @@ class ListedJob:
     background: bool
     announced: bool = False  # its end was sent as a "finished" message
     kind: str = "job"
-    chart: PanelChart | None = None  # its view's series, for the row's chart
+    view: PanelView | None = None  # its view's chart, widget and record
 
 
 def current_cell_id(shell: Any) -> str | None:
@@ -99,7 +101,11 @@ def describe_job(item: ListedJob) -> dict[str, Any]:
         # a --launcher's allocations as the job's status has them ("ID: state (reason) on
         # WHERE"): those that wait, with the scheduler's reason (squeue's Reason)
         "machines": list(status.machines),
-        "chart": item.chart() if item.chart is not None else None,
+        "chart": item.view.chart() if item.view is not None else None,
+        # the dashboard's widget, and whether its record can be asked for (the cell's
+        # display of a page reloaded before the job ended still shows the widget)
+        "widget": item.view.widget_id if item.view is not None else None,
+        "has_record": item.view is not None and item.view.has_record,
     }
 
 
@@ -107,7 +113,7 @@ def _busy(item: ListedJob) -> bool:
     """A job that has not ended, or a session's cell that runs (its elapsed time moves); or
     one whose view has not finished its chart yet (its last events still to come)."""
     return (not item.job.done and item.job.status_snapshot.state.value != "idle") or \
-        (item.chart is not None and not item.chart.frozen)
+        (item.view is not None and not item.view.frozen)
 
 
 class JobsChannel:
@@ -191,11 +197,11 @@ class JobsChannel:
     # -- jobs -----------------------------------------------------------------------------
 
     def track(self, number: int, job: Any, cell_id: str | None, background: bool,
-              kind: str = "job", chart: PanelChart | None = None) -> None:
-        """List a job; ``chart``: where its row's chart comes from (its live view)."""
+              kind: str = "job", view: PanelView | None = None) -> None:
+        """List a job; ``view``: what its live view tells the panel (its chart, record)."""
         with self._lock:
             self._items[job.run_id] = ListedJob(number, job, cell_id, background, kind=kind,
-                                                chart=chart)
+                                                view=view)
             unheard = not self._comms
         if unheard:  # a page that loaded after %load_ext, and heard nothing yet
             self.announce()
@@ -309,6 +315,11 @@ class JobsChannel:
                 job.scale(int(data["nproc"]))  # before the next cell, or at a commit
             elif action == "scale":
                 job.scale(int(data["nproc"]), immediate=bool(data.get("now")))
+            elif action == "record":  # the finished cell's, for a display a reload lost
+                record = item.view.record if item.view is not None else None
+                if record is None:
+                    raise ValueError(f"{run_id} has no record (yet)")
+                self.broadcast({"type": "record", "id": run_id, "bundle": record})
             elif action == "stacks":
                 job.request_stacks().add_done_callback(
                     lambda answer: self._send_stacks(job.run_id, answer))

@@ -144,7 +144,7 @@ class ElasticMagics(Magics):
             number = self.job_commands.remember(job)
             view = make_view(self.shell, job, opts.text)
             self.channel.track(number, job, current_cell_id(self.shell), opts.bg,
-                               chart=getattr(view, "panel_chart", None))
+                               view=getattr(view, "panel_view", None))
             if opts.bg:
                 if opts.out:
                     self.shell.user_ns[opts.out] = job

@@ -4,7 +4,9 @@ the view that feeds it from a job's events."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+import zlib
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -88,14 +90,20 @@ def _keep_commands_on_subshells(widget: Dashboard) -> None:
             del comm._reply_subshell_id
 
 
-class PanelChart:
-    """The panel's small chart of one job (the world size and its marks), read from any
-    thread: drawn from its view's state while the view lives, then what it was when the
-    view finished (the panel then keeps no view, widget or output of the job)."""
+class PanelView:
+    """What the panel keeps of one job's view, read from any thread: its small chart (the
+    world size and its marks), drawn from the view's state while the view lives, then what
+    it was when the view finished; its widget's id; and, once finished, the record that
+    replaced the widget (the panel keeps no view, widget or output of the job)."""
 
-    def __init__(self, state: DashboardState) -> None:
+    def __init__(self, state: DashboardState, widget_id: str) -> None:
         self._state: DashboardState | None = state
         self._final: dict[str, Any] | None = None
+        self.widget_id = widget_id
+        # The finished cell's record, compressed (the kernel keeps those of a hundred jobs):
+        # a page reloaded while the job ran lost the display that the record replaced, and
+        # the extension asks for it to put it in the cell.
+        self._record: bytes | None = None
 
     @property
     def frozen(self) -> bool:
@@ -103,7 +111,7 @@ class PanelChart:
         more; before, the job's last events may not be in it yet)."""
         return self._state is None
 
-    def __call__(self) -> dict[str, Any]:
+    def chart(self) -> dict[str, Any]:
         state = self._state
         if state is None:
             assert self._final is not None
@@ -111,8 +119,17 @@ class PanelChart:
         return state.charts.live(list(state.timeline), final=state.final, metrics=False,
                                  points=PANEL_POINTS)
 
-    def freeze(self) -> None:
-        self._final = self()
+    @property
+    def has_record(self) -> bool:
+        return self._record is not None
+
+    @property
+    def record(self) -> dict[str, Any] | None:
+        return None if self._record is None else json.loads(zlib.decompress(self._record))
+
+    def freeze(self, record: dict[str, Any] | None) -> None:
+        self._final = self.chart()
+        self._record = None if record is None else zlib.compress(json.dumps(record).encode())
         self._state = None
 
 
@@ -128,7 +145,7 @@ class LiveView:
         # Comm messages may arrive on a kernel subshell while the cell runs: only enqueue.
         self.widget.on_msg(self._on_message)
         self._handle = display(self.widget, display_id=True)
-        self.panel_chart = PanelChart(self.state)
+        self.panel_view = PanelView(self.state, self.widget.model_id)
         self._dirty = self._charts_stale = False
         self._synced_at = self._charted_at = 0.0
         self._stacks: tuple[dict[int, str], float] | None = None  # arrived, not shown yet
@@ -190,9 +207,11 @@ class LiveView:
 
     def finish(self) -> None:
         """Replace the live widget with a record that needs no kernel and no widget state."""
+        record = None
         try:
+            record = record_bundle(self.state)
             if self._handle is not None:
-                self._handle.update(record_bundle(self.state), raw=True)
+                self._handle.update(record, raw=True)
             self.widget.close()
         finally:
-            self.panel_chart.freeze()  # the panel keeps the chart, not the view
+            self.panel_view.freeze(record)  # the panel keeps the chart, not the view

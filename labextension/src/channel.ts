@@ -24,6 +24,8 @@ export class KernelChannel {
   items: IItem[] = [];
   stacks = new Map<string, Record<string, string>>();
   errors = new Map<string, string>();
+  records = new Map<string, Record<string, unknown>>(); // finished cells', until placed
+  asked = new Set<string>(); // the records asked for (once each)
   private comms: Kernel.IComm[] = [];
 
   constructor(
@@ -119,6 +121,9 @@ export class KernelChannel {
         break;
       case 'stacks':
         this.stacks.set(message.id, message.ranks);
+        break;
+      case 'record':
+        this.records.set(message.id, message.bundle);
         break;
       case 'error':
         this.errors.set(message.id ?? '', message.text);

@@ -10,12 +10,29 @@ import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
 import { KernelChannel } from './channel';
-import { IItem, isElasticCell, notificationFor, statusText } from './model';
+import {
+  IItem,
+  isElasticCell,
+  notificationFor,
+  recordsToAsk,
+  showsWidget,
+  statusText
+} from './model';
 import { ElasticPanel } from './panel';
 
 /** %%elastic cells are Python: a language of their own, IPython's highlighting (Python
  * with builtins), whatever mode the notebook gives other cells or cell magics. */
 const ELASTIC_MIME = 'text/x-elastic-python';
+
+/** What the extension uses of a code cell's outputs (@jupyterlab/outputarea's model). */
+interface IOutputList {
+  readonly length: number;
+  get(index: number): { data: unknown };
+  set(
+    index: number,
+    output: { output_type: 'display_data'; data: Record<string, unknown>; metadata: object }
+  ): void;
+}
 
 function registerLanguage(languages: IEditorLanguageRegistry): void {
   languages.addLanguage({
@@ -97,6 +114,42 @@ const plugin: JupyterFrontEndPlugin<void> = {
       const nb = tracker.currentWidget;
       panel.show_(channelOf(nb), nb ? goToCell(nb) : () => undefined);
       status.node.textContent = statusText(channelOf(nb)?.items ?? []);
+      tracker.forEach(placeRecords);
+    };
+
+    /** Where a reload lost a finished job's swap of its dashboard for its record: ask the
+     * kernel for the record, and put it in the widget's place (the notebook then saves it). */
+    const placeRecords = (nb: NotebookPanel) => {
+      const channel = channelOf(nb);
+      if (!channel) {
+        return;
+      }
+      const widgetOutputs = (item: IItem) => {
+        const found: { outputs: IOutputList; i: number }[] = [];
+        for (const cell of nb.content.widgets) {
+          if (cell.model.type !== 'code' || (item.cell_id && cell.model.id !== item.cell_id)) {
+            continue;
+          }
+          const outputs = (cell.model as unknown as { outputs: IOutputList }).outputs;
+          for (let i = 0; i < outputs.length; i++) {
+            if (showsWidget(outputs.get(i).data as Record<string, unknown>, item.widget ?? '')) {
+              found.push({ outputs, i });
+            }
+          }
+        }
+        return found;
+      };
+      for (const item of recordsToAsk(channel.items, i => widgetOutputs(i).length > 0, channel.asked)) {
+        channel.asked.add(item.id);
+        channel.send({ action: 'record', id: item.id });
+      }
+      for (const [id, bundle] of channel.records) {
+        const item = channel.items.find(i => i.id === id);
+        for (const { outputs, i } of item ? widgetOutputs(item) : []) {
+          outputs.set(i, { output_type: 'display_data', data: bundle, metadata: {} });
+        }
+        channel.records.delete(id);
+      }
     };
 
     const announce = (item: IItem) => {

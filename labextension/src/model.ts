@@ -30,6 +30,9 @@ export interface IItem {
   machines?: string[];
   // the world size over time and its marks (ui/charts.py's Charts.live), drawn by liveCharts
   chart?: unknown;
+  // its dashboard's widget (model id), and whether the kernel holds its finished record
+  widget?: string | null;
+  has_record?: boolean;
 }
 
 /** One allocation line of a --launcher job, and its state for the eye (pending ones are
@@ -44,13 +47,15 @@ export type KernelMessage =
   | { type: 'items'; items: IItem[] }
   | { type: 'finished'; item: IItem }
   | { type: 'stacks'; id: string; ranks: Record<string, string> }
-  | { type: 'error'; id: string | null; text: string };
+  | { type: 'error'; id: string | null; text: string }
+  | { type: 'record'; id: string; bundle: Record<string, unknown> };
 
 /** Actions the panel sends; the kernel checks each (bounds, job still running). */
 export type Action =
   | { action: 'stop'; id: string }
   | { action: 'scale'; id: string; nproc: number; now?: boolean }
   | { action: 'stacks'; id: string }
+  | { action: 'record'; id: string }
   | { action: 'refresh' };
 
 /** The one length-of-time format of elastic_magic (ui/describe.py's duration): 4.2s,
@@ -158,4 +163,24 @@ export function resizeRequest(item: IItem, typed: string): Action | string {
 /** A cell that runs as an elastic job: its first line is the %%elastic cell magic. */
 export function isElasticCell(source: string): boolean {
   return /^\s*%%elastic(\s|$)/.test(source);
+}
+
+/** The widget-view output of a cell that shows the dashboard ``widget``: after a page reload
+ * the kernel's swap of that display for the record (an update of a display this page never
+ * saw) does not reach it, so the extension asks for the record and puts it there itself. */
+export const WIDGET_VIEW = 'application/vnd.jupyter.widget-view+json';
+
+export function showsWidget(data: Record<string, unknown>, widget: string): boolean {
+  const view = data[WIDGET_VIEW] as { model_id?: string } | undefined;
+  return view?.model_id === widget;
+}
+
+/** The finished jobs whose records a page should ask for: those a cell still shows as their
+ * widget (``shown``), asked once each. */
+export function recordsToAsk(
+  items: IItem[],
+  shown: (item: IItem) => boolean,
+  asked: Set<string>
+): IItem[] {
+  return items.filter(i => i.done && i.has_record && i.widget && !asked.has(i.id) && shown(i));
 }

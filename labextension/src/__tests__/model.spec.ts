@@ -6,9 +6,12 @@ import {
   IItem,
   isElasticCell,
   notificationFor,
+  recordsToAsk,
   resizeRequest,
+  showsWidget,
   statusText,
-  titleOf
+  titleOf,
+  WIDGET_VIEW
 } from '../model';
 
 function item(over: Partial<IItem> = {}): IItem {
@@ -122,5 +125,26 @@ describe('sessions', () => {
     expect(statusText([session(), item({ done: true })]))
       .toBe('elastic session #4: idle, world size 2, 1m 15s');
     expect(notificationFor(session({ done: true, state: 'stopped' }))).toBeNull();
+  });
+});
+
+describe('recordsToAsk', () => {
+  it('asks once for each finished job whose cell still shows its widget', () => {
+    const view = { [WIDGET_VIEW]: { model_id: 'w1', version_major: 2 }, 'text/plain': 'x' };
+    expect(showsWidget(view, 'w1')).toBe(true);
+    expect(showsWidget(view, 'w2')).toBe(false);
+    expect(showsWidget({ 'text/html': '<div class="elastic-record">' }, 'w1')).toBe(false);
+    const done = item({ id: 'em-1', done: true, has_record: true, widget: 'w1' });
+    const items = [
+      done,
+      item({ id: 'em-2', done: false, has_record: false, widget: 'w2' }), // still running
+      item({ id: 'em-3', done: true, has_record: false, widget: 'w3' }), // view not finished
+      item({ id: 'em-4', done: true, has_record: true, widget: null }) // --text: no widget
+    ];
+    const asked = new Set<string>();
+    expect(recordsToAsk(items, () => true, asked)).toEqual([done]);
+    expect(recordsToAsk(items, () => false, asked)).toEqual([]); // the swap came: none
+    asked.add('em-1');
+    expect(recordsToAsk(items, () => true, asked)).toEqual([]);
   });
 });
