@@ -25,6 +25,7 @@ from test_elastic import baseline as baseline  # the module-scoped fixture
 import elastic_magic as em
 from elastic_magic.agent.handles.job import AgentError, Job
 from elastic_magic.checks import SpecError
+from elastic_magic.folders import cache_folder
 from elastic_magic.launchers import (
     CONFIG_VARIABLE,
     Allocation,
@@ -746,8 +747,14 @@ def test_a_local_job_that_grows_and_ends_asks_for_no_replacement(log_dir, record
     driver.start()
     result = job.wait(recorder)
     driver.join(timeout=10)
-    assert not stuck, f"{stuck}\n{recorder.story()}"
-    assert result.ok and set(result.values.values()) == {3}, f"{result}\n{recorder.story()}"
+    # The joined machines' ranks write their logs under this user's cache (failed once
+    # in a full run, 1 of about 30: a third group formed without a word on the head).
+    joined_logs = "\n".join(
+        f"==> {path} <==\n{path.read_text()[-2000:]}"
+        for path in sorted((cache_folder() / "logs" / job.run_id).glob("group_*/rank_*/*.log")))
+    assert not stuck, f"{stuck}\n{recorder.story()}\n{joined_logs}"
+    assert result.ok and set(result.values.values()) == {3}, \
+        f"{result}\n{recorder.story()}\n{joined_logs}"
     asked = {line.split(":")[0] for e in recorder.of(MachinesChanged) for line in e.allocations
              if "#" in line.split(":")[0]}
     assert asked == {"local1#1", "local2#2"}, asked  # the two machines, and no other
