@@ -170,7 +170,7 @@ def test_several_machines_are_drawn_as_bands_of_their_ranks_up_to_the_world_size
     many.apply(StateChanged(JobState.SUCCEEDED, time=2.0))
     legend_text = "".join(next(t for t in ET.fromstring(charts_svg(many, [])).iter(f"{SVG}text")
                                if t.get("class") == "elastic-legend").itertext())
-    assert legend_text.count("■") == 4 and legend_text.endswith("and 5 more"), legend_text
+    assert legend_text.count("■") == 2 and legend_text.endswith("and 7 more"), legend_text
     alone = Charts()
     alone.apply(RendezvousCompleted(1, 0, 1, 2, "127.0.0.1", 1, (("127.0.0.1 (pid 9)", 2),)))
     alone.apply(StateChanged(JobState.SUCCEEDED))

@@ -16,7 +16,7 @@ import pytest
 from conftest import KILL_OWN_SHEPHERD, tagged_workers
 
 import elastic_magic as em
-from elastic_magic.result import JobResult, RankFailure, describe_failure
+from elastic_magic.result import JobResult, RankFailure, describe_failure, is_consequence
 from elastic_magic.result_parts import Unpicklable
 from elastic_magic.ui.describe import describe
 from elastic_magic.wire.events import (
@@ -241,8 +241,11 @@ def test_root_cause_is_first_failure_with_cell_line(log_dir, recorder):
     assert root.rank == 1 and root.exc_type == "KeyError" and root.message == "'missing'"
     assert root.cell_line == 6 and root.source_line == 'value["missing"]'
     assert "Cell line 6" in root.traceback and "runner.py" not in root.traceback
-    # rank 0 was blocked in a collective: torn down by the agent, not reported as a failure
-    assert [f.rank for f in result.failures] == [1]
+    # rank 0 was blocked in a collective: torn down by the agent, or (on a loaded machine,
+    # 1 full run of 2 this stop) its barrier failed first on the lost peer: then it comes
+    # after the root cause, as a consequence, never as a cause
+    assert [f.rank for f in result.failures][:1] == [1], result.failures
+    assert all(f.rank == 0 and is_consequence(f) for f in result.failures[1:]), result.failures
     assert result.duration < 120, "the group must not wait for the collective timeout"
     text = str(err.value)
     assert text.startswith("Rank 1 failed first") and 'value["missing"]' in text

@@ -23,6 +23,7 @@ from test_elastic import baseline as baseline  # the module-scoped fixture
 
 import elastic_magic as em
 from elastic_magic.agent.handles.job import Job
+from elastic_magic.agent.machines.rendezvous import _size_and_agent
 from elastic_magic.ui.dashboard_state import DashboardState
 from elastic_magic.wire.events import AcceptingNodes, NodeConnected, RendezvousCompleted
 from elastic_magic.wire.payload import build_payload
@@ -139,6 +140,9 @@ def test_two_machines_run_one_job_and_report_to_the_notebook(machines, log_dir, 
     # the other as its agent (machines rehearsed on one host share the address).
     assert dict(round_.machines) == {"127.0.0.1 (head)": 1,
                                      f"127.0.0.1 (pid {machines.procs[0].pid})": 2}
+    # an IPv6 agent, and a machine of an older elastic_magic (the size alone) by its node rank
+    assert _size_and_agent("2 ::1 4242", 1) == (2, "::1", 4242)
+    assert _size_and_agent("3", 2) == (3, "node 2", 0)
     # The dashboard shows the other machine's ranks as tabs of their own.
     dashboard = DashboardState(result.run_id, str(result.log_dir), 0)
     for event in recorder.events:

@@ -246,11 +246,13 @@ class JobsChannel:
 
     def _tick(self) -> None:
         while True:
-            self.update()
+            # Read before the update it decides on: a view that finishes in between (its
+            # record kept) is then sent once more, not left unsaid.
             with self._lock:
                 running = time.monotonic() < self._awake_until or any(
                     _busy(i) or (i.job.done and not i.announced)
                     for i in self._items.values())
+            self.update()
             if not running:
                 return
             time.sleep(TICK)

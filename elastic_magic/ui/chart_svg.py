@@ -17,7 +17,7 @@ from .charts import MARK_COLORS, SERIES, Charts, marks
 from .describe import clock
 
 WIDTH, PANEL, LEFT, RIGHT, TOP, GAP = 640, 110, 48, 12, 18, 34
-LEGEND_CHARS = 80  # what fits beside a panel's title at the record's font size
+LEGEND_CHARS = 60  # what fits right of a panel's title at the record's font size
 
 
 class _Panel:
@@ -97,7 +97,7 @@ def _legend(panel: _Panel, names: list[str]) -> str:
     line (the rest said as a count: each band names its machine on hover)."""
     shown, room = [], LEGEND_CHARS
     for i, name in enumerate(names):
-        if len(name) + 3 > room:
+        if len(name) + 3 > room - (len("  and 99 more") if i < len(names) - 1 else 0):
             shown.append(f"and {len(names) - i} more")
             break
         room -= len(name) + 3

@@ -94,7 +94,8 @@ class PanelView:
     """What the panel keeps of one job's view, read from any thread: its small chart (the
     world size and its marks), drawn from the view's state while the view lives, then what
     it was when the view finished; its widget's id; and, once finished, the record that
-    replaced the widget (the panel keeps no view, widget or output of the job)."""
+    replaced the widget (the panel keeps no view or widget of the job; the record holds
+    the tails of its output)."""
 
     def __init__(self, state: DashboardState, widget_id: str) -> None:
         self._state: DashboardState | None = state

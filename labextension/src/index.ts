@@ -145,10 +145,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
       for (const [id, bundle] of channel.records) {
         const item = channel.items.find(i => i.id === id);
-        for (const { outputs, i } of item ? widgetOutputs(item) : []) {
+        const places = item ? widgetOutputs(item) : [];
+        for (const { outputs, i } of places) {
           outputs.set(i, { output_type: 'display_data', data: bundle, metadata: {} });
         }
-        channel.records.delete(id);
+        if (places.length > 0) {
+          channel.records.delete(id); // kept for another notebook of the kernel until placed
+        }
       }
     };
 

@@ -165,11 +165,12 @@ export function isElasticCell(source: string): boolean {
   return /^\s*%%elastic(\s|$)/.test(source);
 }
 
-/** The widget-view output of a cell that shows the dashboard ``widget``: after a page reload
- * the kernel's swap of that display for the record (an update of a display this page never
- * saw) does not reach it, so the extension asks for the record and puts it there itself. */
+/** The MIME type of an output that shows a widget (its model id inside). */
 export const WIDGET_VIEW = 'application/vnd.jupyter.widget-view+json';
 
+/** Whether an output shows the dashboard ``widget``: after a page reload the kernel's swap
+ * of that display for the record (an update of a display this page never saw) does not
+ * reach it, so the extension asks for the record and puts it there itself. */
 export function showsWidget(data: Record<string, unknown>, widget: string): boolean {
   const view = data[WIDGET_VIEW] as { model_id?: string } | undefined;
   return view?.model_id === widget;

@@ -119,9 +119,10 @@ class Head(SingleMachine):
                 self.emit(NodeConnected(host, nproc, False, why))
                 return self._out_of_rounds(item.node)
             case Hello(host, nproc, pid, allocation):
+                # named before a round may count it (rounds wait for the greeted)
+                self.launched.arrived(item.node, allocation, (host, pid))
                 self.names[item.node], self.pids[item.node] = host, pid
                 self.greeted.add(item.node)
-                self.launched.arrived(item.node, allocation, (host, pid))
                 self.emit(NodeConnected(self.launched.name(item.node, host), nproc, True))
             case RankEvents(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0

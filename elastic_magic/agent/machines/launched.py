@@ -67,10 +67,10 @@ class Launched:
     def arrived(self, node: int, allocation: str, agent: tuple[str, int]) -> None:
         """A machine said Hello from ``allocation`` (empty: started by hand), its agent
         running as ``agent`` (address, pid)."""
-        self.agents[agent] = node
         self.allocations[node] = allocation
         if allocation:
             self.started_in[node] = allocation
+        self.agents[agent] = node  # last: a round that finds it finds its allocation
         cluster = self.cluster
         if cluster is not None and allocation:
             cluster.joined(allocation)
@@ -98,7 +98,9 @@ class Launched:
         allocation = self.started_in.get(self.agents.get((host, pid), -1))
         if allocation:
             return f"{host} ({allocation})"
-        return f"{host} (head)" if pid == os.getpid() else agent_name(host, pid)
+        if pid == os.getpid() and host == self.spec.rdzv_host:
+            return f"{host} (head)"
+        return agent_name(host, pid)
 
     def link_ended(self, node: int) -> None:
         """A machine's link ended, after all it said: its allocation, if that has ended,

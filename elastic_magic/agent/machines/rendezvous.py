@@ -53,6 +53,16 @@ def agent_name(host: str, pid: int) -> str:
     return f"{host} (pid {pid})"
 
 
+def _size_and_agent(value: str, node_rank: int) -> tuple[int, str, int]:
+    """A machine's "SIZE HOST PID" (its agent as torch knows it); a value without the agent
+    (an older elastic_magic) is named by its node rank."""
+    size, _, agent = value.partition(" ")
+    host, _, pid = agent.rpartition(" ")
+    if not pid.isdigit():
+        return int(size), f"node {node_rank}", 0
+    return int(size), host, int(pid)
+
+
 def hosted_store(host: str, port: int = 0, timeout: float = 60.0) -> TCPStore:
     """A TCPStore server listening on ``host`` only. Given a bare port, torch listens on
     every interface; a socket we bind ourselves keeps a standalone job on loopback.
@@ -200,9 +210,10 @@ class Rendezvous:
         # Signed for this round only: another round's sizes are refused.
         put_signed(round_store, self.key, f"{_LOCAL_SIZE_PREFIX}{node_rank}",
                    f"{local_world_size} {self.host} {os.getpid()}", scope=round_id)
-        told = [get_signed(round_store, self.key, f"{_LOCAL_SIZE_PREFIX}{r}", self._where,
-                           scope=round_id).split(" ") for r in range(nnodes)]
-        sizes = self.sizes = [int(size) for size, _, _ in told]
+        told = [_size_and_agent(get_signed(round_store, self.key, f"{_LOCAL_SIZE_PREFIX}{r}",
+                                           self._where, scope=round_id), r)
+                for r in range(nnodes)]
+        sizes = self.sizes = [size for size, _, _ in told]
         return RoundInfo(
             round=self.rounds,
             round_id=round_id,
@@ -212,7 +223,7 @@ class Rendezvous:
             world_size=sum(sizes),
             master_addr=addr,
             master_port=int(port),
-            machines=tuple((self.name_machine(host, int(pid)), int(size))
+            machines=tuple((self.name_machine(host, pid) if pid else host, size)
                            for size, host, pid in told),
         )
 
