@@ -78,18 +78,26 @@ def _line(panel: _Panel, points: list[tuple[float, float]]) -> str:
 
 def _machine_bands(panel: _Panel, names: list[str], split: list[tuple[float, list[int]]]
                    ) -> list[str]:
-    """Each machine's ranks as a band, stacked up to the world size (the live charts' look)."""
+    """Each machine's ranks as a band, stacked up to the world size (the live charts' look);
+    nothing for a job of one machine."""
+    if not names:
+        return []
     parts = []
     below = [(t, 0.0) for t, _ in split]
     for i, name in enumerate(names):
         above = [(t, low + ranks[i]) for (t, ranks), (_, low) in zip(split, below, strict=True)]
-        color = SERIES[2 + i % (len(SERIES) - 2)]
+        color = _machine_color(i)
         parts.append(f'<path class="elastic-machine" d="{_steps(panel, above)} '
                      f'{_steps_back(panel, below)} Z" '
                      f'fill="{color}" fill-opacity="0.35" stroke="{color}" stroke-width="1">'
                      f'<title>{escape(name)}: {split[-1][1][i]} ranks at the end</title></path>')
         below = above
     return [*parts, _legend(panel, names)]
+
+
+def _machine_color(index: int) -> str:
+    """The palette past the world size's and the rates' colours (live_charts.js does the same)."""
+    return SERIES[2 + index % (len(SERIES) - 2)]
 
 
 def _legend(panel: _Panel, names: list[str]) -> str:
@@ -101,7 +109,7 @@ def _legend(panel: _Panel, names: list[str]) -> str:
             shown.append(f"and {len(names) - i} more")
             break
         room -= len(name) + 3
-        shown.append(f'<tspan fill="{SERIES[2 + i % (len(SERIES) - 2)]}">■</tspan> '
+        shown.append(f'<tspan fill="{_machine_color(i)}">■</tspan> '
                      f"{escape(name)}")
     return (f'<text class="elastic-legend" x="{WIDTH - RIGHT}" y="{panel.top - 5:.0f}" '
             f'text-anchor="end" xml:space="preserve">{"  ".join(shown)}</text>')
