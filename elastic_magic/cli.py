@@ -158,7 +158,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
     from .agent.node.environment import inherited_env
     from .agent.node.pool import prewarm
     from .ui.text import TextRenderer
-    from .wire.messages import Hello, RankEvents
+    from .wire.link_messages import Hello, RankEvents
     from .worker.shepherd import TERM_FROM_VARIABLE
 
     if args.token_stdin:  # the launcher's end (its ssh session closed): leave the job
@@ -222,7 +222,7 @@ def _join(args: argparse.Namespace, nproc: int, token: str) -> int:
 def _join_session(spec: JobSpec, payload: Any, run_id: str, joined: Any,
                   forward: Any, host: str, nproc: int) -> int:
     from .agent.loop.assemble import join_session
-    from .wire.messages import Hello
+    from .wire.link_messages import Hello
 
     joined.link.send(Hello(host, nproc, os.getpid(), _allocation()))
     print(f"[elastic] joined session {run_id} with {nproc} workers; logs: "
@@ -241,7 +241,7 @@ def _allocation() -> str:
 
 
 def _leave_at_commit(link: Any, terminated: list[bool]) -> None:
-    from .wire.messages import LeaveAtCommit
+    from .wire.link_messages import LeaveAtCommit
 
     terminated.append(True)
     # Slurm signals the task and srun forwards the same SIGTERM: once is enough. Its

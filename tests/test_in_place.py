@@ -267,7 +267,8 @@ def test_a_commit_the_rank_holds_is_not_sent_to_it():
     machine's (which would otherwise have it streamed first); an older one gets it all."""
     from elastic_magic.agent.machines.remote_state import answer_node
     from elastic_magic.agent.node.snapshots import SnapshotStore, StateServer
-    from elastic_magic.wire.messages import NodeReply, NodeRequest, Reply, StateGet, StateReply
+    from elastic_magic.wire.link_messages import NodeReply, NodeRequest
+    from elastic_magic.wire.messages import Reply, StateGet, StateReply
 
     store = SnapshotStore()
     server = StateServer(store, emit=lambda event: None, leave_at_commit=lambda: False)

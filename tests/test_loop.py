@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import cloudpickle
 import pytest
 
-from elastic_magic.agent.inbox import CellRequest, Inbox, WorkerReport
+from elastic_magic.agent.inbox import CellRequest, FromLink, Inbox, WorkerReport
 from elastic_magic.agent.loop.cells import CellEvents
 from elastic_magic.agent.loop.engine import Engine
 from elastic_magic.agent.loop.job_loop import JobLoop
@@ -35,7 +35,9 @@ from elastic_magic.wire.events import (
     SessionBroken,
     SessionReformed,
 )
+from elastic_magic.wire.link_messages import Regroup
 from elastic_magic.wire.messages import (
+    Action,
     DumpStacks,
     ErrorInfo,
     Exit,
@@ -221,12 +223,13 @@ class World:
     slots: list[list[int]] = field(default_factory=list)  # each attempt's worker slots
     ran: list[tuple[int, int, str | None]] = field(default_factory=list)
     events: list = field(default_factory=list)
+    role: type[SingleMachine] = ScriptedMachine
 
     def engine(self, spec: JobSpec, payload: Payload, emit=None, inbox=None) -> Engine:
         """The real engine, with this world's group and rendezvous."""
         emit = emit or self.events.append
         inbox = inbox or queue.Queue()
-        role = ScriptedMachine(spec, "em-test", emit)
+        role = self.role(spec, "em-test", emit)
 
         class Group(ScriptedGroup):
             world = self
@@ -303,6 +306,32 @@ def test_a_resize_is_a_new_round_not_a_restart(tmp_path):
     assert result.state is JobState.SUCCEEDED and result.values == {0: 0, 1: 1, 2: 2}
     assert result.restarts == 0 and result.resizes == 1 and result.world_size == 3
     assert world.slots == [[0, 1], [0, 1, 2]]
+
+
+class FollowingMachine(ScriptedMachine):
+    """As a joined machine does: a Regroup from the head ends its group."""
+
+    def handle(self, item, group, server, world_size):
+        return Action.REGROUP if isinstance(item.message, Regroup) else None
+
+
+def test_a_regroup_for_a_group_this_machine_has_left_does_not_break_its_next_round(tmp_path):
+    """The head's Regroup as it left round 1 reached a joined machine only once that was in
+    round 2 (a loaded machine: it had joined that round meanwhile). It broke round 2, whose
+    new round then waited for the finished machines' rendezvous heartbeats to expire (a
+    full run's flake of ``test_launchers``). A Regroup names its group's round: the one for
+    this machine's round regroups it, an older one is ignored."""
+
+    def regroup(round_id: str) -> Callable[[Inbox], None]:
+        return lambda inbox: inbox.put(FromLink(None, 0, Regroup(round_id)))  # type: ignore
+
+    world = World(lambda attempt, slot, _: Do(hang=True, then=regroup("round-1"))
+                  if attempt == 0 else Do(value=attempt, then=regroup("round-1"))
+                  if attempt == 1 else Do(value=attempt), role=FollowingMachine)
+    result, _ = run_job(world, spec(tmp_path, 1, max_restarts=0))
+    assert result.state is JobState.SUCCEEDED and result.restarts == 0
+    assert result.values == {0: 1}  # round 2's group ran to its end
+    assert world.slots == [[0], [0]]
 
 
 def _slot_1_fails_twice(scales: list[ScaleCommand]) -> Script:

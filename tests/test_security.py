@@ -32,7 +32,7 @@ import elastic_magic as em
 from elastic_magic.agent.handles.job import AgentError, Job
 from elastic_magic.agent.machines.hub import connect
 from elastic_magic.wire.events import AcceptingNodes, NodeConnected, Output, RendezvousCompleted
-from elastic_magic.wire.messages import Hello
+from elastic_magic.wire.link_messages import Hello
 from elastic_magic.wire.payload import build_payload
 from elastic_magic.wire.protocol import MAX_FRAME, Channel, ProtocolError, new_secret
 

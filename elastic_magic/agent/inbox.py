@@ -12,13 +12,8 @@ from typing import Protocol
 
 from ..result import JobResult
 from ..wire.events import Event
-from ..wire.messages import (
-    LinkMessage,
-    ScaleCommand,
-    StacksCommand,
-    StopCommand,
-    WorkerMessage,
-)
+from ..wire.link_messages import LinkMessage
+from ..wire.messages import ScaleCommand, StacksCommand, StopCommand, WorkerMessage
 from ..wire.payload import Payload
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ...stacks import RankStacks
-from ...wire.messages import DumpStacks, NodeStacks, Stacks, StacksCommand, StacksRequest
+from ...wire.link_messages import NodeStacks, StacksRequest
+from ...wire.messages import DumpStacks, Stacks, StacksCommand
 from ..inbox import FromLink, InboxItem, WorkerReport
 from ..node.group import WorkerGroup
 from ..node.workers import Worker, WorkerState

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from ...result import JobState, RankFailure, root_cause_order, what_happened
 from ...wire.events import WorkerFailed
-from ...wire.messages import CellReport, Exit, Interrupt, Leaving, Run
+from ...wire.link_messages import CellReport, Leaving
+from ...wire.messages import Exit, Interrupt, Run
 from ...wire.payload import Payload
 from ..inbox import FromLink, InboxItem, OutputEnded
 from ..node.workers import CHANNEL_CLOSE_GRACE, NOTICE_GRACE, WorkerState, wait_for_exit

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from ...result import RankFailure
 from ...wire.events import Event, Output
-from ...wire.messages import CellReport, InterruptCell, Result, SessionCell
+from ...wire.link_messages import CellReport, InterruptCell, SessionCell
+from ...wire.messages import Result
 from ...wire.metrics import Logged
 from ...wire.payload import Payload
 from ..inbox import CellRequest, Inbox, OutputEnded

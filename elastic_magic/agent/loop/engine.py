@@ -36,14 +36,8 @@ from ...wire.events import (
     StateChanged,
     WorkersStarted,
 )
-from ...wire.messages import (
-    Action,
-    NodeRequest,
-    Result,
-    Running,
-    ScaleCommand,
-    StopCommand,
-)
+from ...wire.link_messages import NodeRequest, Regroup
+from ...wire.messages import Action, Result, Running, ScaleCommand, StopCommand
 from ...wire.metrics import Logged, MetricsKept
 from ...wire.payload import Payload
 from ...wire.protocol import new_secret
@@ -70,6 +64,13 @@ from .switchboard import Switchboard
 # scripted group here, as torch tests its rendezvous with a fake state holder.
 GroupFactory = Callable[[int, int, int], WorkerGroup]
 Results = tuple[dict[int, Result], dict[int, list[str]]]  # other machines' ranks
+
+
+def _for_a_group_left(item: InboxItem, info: RoundInfo | None) -> bool:
+    """A Regroup for a round this machine has left: sent as it joined its next round (a
+    loaded machine may read it only there), it must not break that round."""
+    return isinstance(item, FromLink) and isinstance(item.message, Regroup) and (
+        info is None or item.message.round_id != info.round_id)
 
 
 # What ends a wait for the next round (besides this machine being given back at a commit).
@@ -215,7 +216,7 @@ class Engine:
 
     def _dispatch(self, item: InboxItem) -> Action | None:
         group = self.group
-        if self.stack_requests.handle(item, group):
+        if self.stack_requests.handle(item, group) or _for_a_group_left(item, self.round):
             return None
         match item:
             case StopCommand(reason):
@@ -304,8 +305,7 @@ class Engine:
         attempt(lambda: self.role.close_rendezvous(self.rendezvous))
         result: JobResult | None = None
         try:
-            others = self.role.other_ranks(self.round) if final is JobState.SUCCEEDED \
-                else None
+            others = self.role.other_ranks(self.round) if final is JobState.SUCCEEDED else None
             result = self.result(final, self.failures, started=self.board.current.started,
                                  stop_reason=self.stop_reason, others=others,
                                  snapshot=self.elastic_state.kept())

@@ -55,7 +55,7 @@ class JobLoop:
                 if next_ is FollowUp.END:
                     break
                 if next_ in (FollowUp.RESTART, FollowUp.EXCLUDE):
-                    engine.role.reforming()
+                    engine.role.reforming(engine.round)
                 if next_ is FollowUp.RESTART:
                     engine.recovery.count_restart()
                     engine.set_state(JobState.RESTARTING)
@@ -101,7 +101,7 @@ class JobLoop:
             engine.role.stopping_job(engine.stop_reason or "stopped")
             group.interrupt()
         elif step is GroupOutcome.REGROUP:  # a machine joins or is lost: the others regroup
-            engine.role.regrouping()
+            engine.role.regrouping(engine.round)
             engine.set_state(JobState.RESIZING)
             if self._stays():
                 self._keep_survivors()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from ...result import JobResult, JobState, RankFailure
-from ...wire.messages import Action, CellReport, InterruptCell, SessionCell
+from ...wire.link_messages import CellReport, InterruptCell, SessionCell
+from ...wire.messages import Action
 from ...wire.payload import Payload
 from ..inbox import FromLink, InboxItem
 from ..policy import CellStep

@@ -226,7 +226,7 @@ class SessionLoop:
                                   engine.spec.link_timeout, session=True)
         engine.close_group(keep=keep)
         if not first:  # the other machines leave their groups for the new round too
-            engine.role.regrouping()
+            engine.role.regrouping(engine.round)
         engine.apply_resize()
         engine.set_state(JobState.RENDEZVOUS)
         info = engine.next_round()

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from ...training.snapshot_format import part_spans, write_all_at
 from ...wire.chunk_messages import ChunkKept, ChunkKey, ChunkPiece
-from ...wire.messages import LinkMessage
+from ...wire.link_messages import LinkMessage
 from ..node.commit_files import copy_range
 
 PIECE = 4 << 20  # bytes a frame: what a chunk in flight costs a heap

@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING
 from ...result import JobState, RankFailure
 from ...spec import JobSpec
 from ...wire.events import AcceptingNodes, EventSink, Excluded, NodeConnected, Output
-from ...wire.messages import (
-    Action,
-    Commit,
+from ...wire.link_messages import (
     EndJob,
     GroupResult,
     Hello,
@@ -28,9 +26,9 @@ from ...wire.messages import (
     RankEvents,
     Regroup,
     ReleaseAtCommit,
-    Result,
     StacksRequest,
 )
+from ...wire.messages import Action, Commit, Result
 from ..inbox import FromLink, Inbox
 from ..node.group import WorkerGroup
 from ..node.network import choose
@@ -253,10 +251,10 @@ class Head(SingleMachine):
         if self.hub is not None:
             self.hub.broadcast(EndJob(reason))
 
-    def regrouping(self) -> None:
+    def regrouping(self, info: RoundInfo | None) -> None:
         # Their ranks lose peers now: a membership change there too, not a failure.
-        if self.hub is not None:
-            self.hub.broadcast(Regroup())
+        if self.hub is not None and info is not None:
+            self.hub.broadcast(Regroup(info.round_id))
 
     reforming = regrouping
 

@@ -33,7 +33,7 @@ import threading
 from datetime import timedelta
 
 from ...wire.chunk_messages import ChunkPiece
-from ...wire.messages import Heartbeat, JobOffer, LinkMessage
+from ...wire.link_messages import Heartbeat, JobOffer, LinkMessage
 from ...wire.protocol import Channel
 from ..inbox import FromLink, Inbox
 from .chunks import ChunkSink

@@ -11,13 +11,9 @@ import time
 
 from ...result import JobState, RankFailure
 from ...spec import JobSpec
+from ...wire.chunk_messages import ChunkKept
 from ...wire.events import EventSink
-from ...wire.messages import (
-    Action,
-    ChunkKept,
-    Commit,
-    CommitReply,
-    CommitTarget,
+from ...wire.link_messages import (
     EndJob,
     GroupResult,
     Leaving,
@@ -27,6 +23,12 @@ from ...wire.messages import (
     NodeRequest,
     Regroup,
     ReleaseAtCommit,
+)
+from ...wire.messages import (
+    Action,
+    Commit,
+    CommitReply,
+    CommitTarget,
     Reply,
     StateGet,
     StateRequest,
@@ -147,8 +149,9 @@ class JoinedMachine(SingleMachine):
     def stop_requested(self, reason: str) -> None:
         self.link.send(Leaving(reason))  # a membership change there, before our ranks go
 
-    def reforming(self) -> None:
-        self.link.send(Regroup())  # the head regroups every machine
+    def reforming(self, info: RoundInfo | None) -> None:
+        if info is not None:  # the head regroups every machine
+            self.link.send(Regroup(info.round_id))
 
     def finish_round(self, info: RoundInfo, group: WorkerGroup,
                      next_action: NextAction) -> GroupOutcome:

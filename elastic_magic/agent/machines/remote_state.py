@@ -9,13 +9,12 @@ import dataclasses
 import os
 import threading
 
+from ...wire.chunk_messages import ChunkKept
+from ...wire.link_messages import NodeReply, NodeRequest
 from ...wire.messages import (
-    ChunkKept,
     Commit,
     CommitReply,
     Handoff,
-    NodeReply,
-    NodeRequest,
     Reply,
     StateGet,
     StateReply,

@@ -11,14 +11,8 @@ from collections.abc import Callable
 from ...result import JobState, RankFailure
 from ...spec import JobSpec
 from ...wire.events import EventSink, NetworkChosen
-from ...wire.messages import (
-    Action,
-    Commit,
-    LinkMessage,
-    Reply,
-    Result,
-    StateRequest,
-)
+from ...wire.link_messages import LinkMessage
+from ...wire.messages import Action, Commit, Reply, Result, StateRequest
 from ...wire.protocol import new_secret
 from ..inbox import FromLink
 from ..node.group import WorkerGroup
@@ -96,12 +90,12 @@ class SingleMachine:
     def stopping_job(self, reason: str) -> None:
         """This agent ends the job's workers (a stop, a failure for good)."""
 
-    def regrouping(self) -> None:
-        """This agent leaves its group for a new round."""
+    def regrouping(self, info: RoundInfo | None) -> None:
+        """This agent leaves its group (of round ``info``) for a new round."""
 
-    def reforming(self) -> None:
-        """This agent's group failed and a new one follows (a restart, a slot left out):
-        the other machines' ranks lose their peers, which is a regroup there."""
+    def reforming(self, info: RoundInfo | None) -> None:
+        """This agent's group (of round ``info``) failed and a new one follows (a restart,
+        a slot left out): the other machines' ranks lose their peers, a regroup there."""
 
     def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
         return False
