@@ -49,4 +49,6 @@ html_theme_options = {
     "footer_start": ["copyright"],
     "footer_end": [],
 }
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["elastic.css"]
+smartquotes = False  # flags keep their two hyphens: --nproc, not an en dash

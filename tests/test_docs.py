@@ -34,6 +34,9 @@ def test_the_site_builds_with_its_examples_run_and_its_references_taken_from_the
     first = (out / "how-to" / "first-job.html").read_text()
     assert "elastic-record" in first and "succeeded" in first
     assert "{0: 3.0, 1: 3.0}" in first
+    resume = (out / "how-to" / "resume.html").read_text()  # a crash, resumed at the commit
+    assert "restarting the group (1/1) after rank 1" in resume
+    assert "(1, {0: (10, 20), 1: (10, 20)})" in resume
     # every option of spec.OPTIONS, with its flag, as the magic's parser has it
     options = (out / "reference" / "options.html").read_text()
     for option in OPTIONS:

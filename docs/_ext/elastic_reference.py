@@ -19,43 +19,36 @@ def _literal(text: str) -> nodes.literal:
 
 
 class ElasticOptions(Directive):
-    """A table of every job option: flag, Python keyword, default, what it does, and
-    whether a joining machine sets it for itself."""
+    """Every job option: its flag (and the value it takes), its Python keyword and default,
+    what it does, and whether a machine that joins sets it for itself."""
 
     def run(self) -> list[nodes.Node]:
         from elastic_magic.spec import OPTIONS
 
-        table = nodes.table(classes=["elastic-options"])
-        group = nodes.tgroup(cols=4)
-        table += group
-        for width in (22, 18, 12, 48):
-            group += nodes.colspec(colwidth=width)
-        head = nodes.thead()
-        group += head
-        head += self._row(nodes.Text("%%elastic flag"), nodes.Text("Python keyword"),
-                          nodes.Text("Default"), nodes.Text("What it does"))
-        body = nodes.tbody()
-        group += body
+        found = nodes.definition_list(classes=["elastic-options"])
         for option in OPTIONS:
-            flag = _literal(option.flag) if option.flag else nodes.emphasis(
-                "Python only", "Python only")
-            if option.metavar and option.flag:
-                flag = nodes.inline("", "", _literal(f"{option.flag} {option.metavar}"))
-            default = "" if option.default is None else repr(option.default)
-            what = option.help + (" A joining machine sets its own." if option.per_machine
-                                  else "")
-            body += self._row(flag, _literal(option.name), nodes.Text(default),
-                              nodes.Text(what))
-        return [table]
-
-    @staticmethod
-    def _row(*cells: nodes.Node) -> nodes.row:
-        row = nodes.row()
-        for cell in cells:
-            entry = nodes.entry()
-            entry += nodes.paragraph("", "", cell)
-            row += entry
-        return row
+            term = nodes.term()
+            if option.flag:
+                flag = f"{option.flag} {option.metavar}" if option.metavar else option.flag
+                term += nodes.strong("", "", _literal(flag))
+                term += nodes.Text(" · keyword ")
+            else:
+                term += nodes.emphasis("Python only", "Python only")
+                term += nodes.Text(": keyword ")
+            term += _literal(option.name)
+            if option.default is not None:
+                term += nodes.Text(" · default ")
+                term += _literal(repr(option.default))
+            text = option.help[0].upper() + option.help[1:] + "."
+            if option.per_machine:
+                text += " A machine that joins sets its own."
+            definition = nodes.definition()
+            definition += nodes.paragraph(text, text)
+            item = nodes.definition_list_item(ids=[nodes.make_id(f"option-{option.name}")])
+            item += term
+            item += definition
+            found += item
+        return [found]
 
 
 class ElasticCli(Directive):
