@@ -4,6 +4,7 @@ code, and nothing loaded from another host."""
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 import subprocess
@@ -37,6 +38,10 @@ def test_the_site_builds_with_its_examples_run_and_its_references_taken_from_the
     resume = (out / "how-to" / "resume.html").read_text()  # a crash, resumed at the commit
     assert "restarting the group (1/1) after rank 1" in resume
     assert "(1, {0: (10, 20), 1: (10, 20)})" in resume
+    grown = html.unescape((out / "how-to" / "several-machines.html").read_text())
+    assert "(0, 3, 'head')" in grown, grown[-3000:]  # --launcher local: three machines
+    assert "'local1#1')" in grown and "'local2#2')" in grown
+    assert "launcher: no allocation left" in grown
     # every option of spec.OPTIONS, with its flag, as the magic's parser has it
     options = (out / "reference" / "options.html").read_text()
     for option in OPTIONS:
