@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -332,6 +333,27 @@ def test_a_regroup_for_a_group_this_machine_has_left_does_not_break_its_next_rou
     assert result.state is JobState.SUCCEEDED and result.restarts == 0
     assert result.values == {0: 1}  # round 2's group ran to its end
     assert world.slots == [[0], [0]]
+
+
+def test_a_rank_that_died_before_the_teardown_is_its_cause_though_its_end_was_read_after():
+    """Rank 1 killed itself (SIGTERM); rank 0's barrier failed with "Connection reset by
+    peer" and the agent tore the group down before it had read rank 1's report pipe's end
+    (a loaded machine: a full run's flake of test_descendants). Rank 1 is dated by when
+    its shepherd reaped it, before the teardown: the root cause, not a rank it stopped."""
+    group = WorkerGroup(0, 0, 2)
+    for worker in group.workers:
+        worker.proc = FakeProcess(100 + worker.local_rank)
+        worker.state = WorkerState.HEALTHY
+    teardown_at = time.time()
+    group.record(WorkerReport(0, 0, Failed(ErrorInfo(
+        "RuntimeError", "[pair.cc:537] Read error: Connection reset by peer", "",
+        teardown_at - 0.2, 4)), teardown_at - 0.2))
+    group.workers[1].proc.returncode = -signal.SIGTERM  # type: ignore[union-attr]
+    group.record(WorkerReport(0, 1, None, teardown_at + 0.3))  # read after the teardown
+    group.record(WorkerReport(0, 1, None, teardown_at - 0.25, ended=signal.SIGTERM))
+    rank_1, rank_0 = group.failures_before(teardown_at)
+    assert (rank_1.rank, rank_1.signal) == (1, "SIGTERM")
+    assert rank_0.rank == 0 and rank_0.exc_type == "RuntimeError"
 
 
 def _slot_1_fails_twice(scales: list[ScaleCommand]) -> Script:

@@ -20,7 +20,8 @@ from ..wire.payload import Payload
 @dataclass(frozen=True)
 class WorkerReport:
     """A message from a worker of ``attempt``, or None when its report pipe closed (told
-    again with ``ended``, its wait status, once its shepherd has told how it ended)."""
+    again with ``ended``, its wait status, once its shepherd has told how it ended, and
+    ``time`` then when the shepherd reaped it)."""
 
     attempt: int
     local_rank: int

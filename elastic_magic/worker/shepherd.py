@@ -44,6 +44,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -93,7 +94,9 @@ def discard_interrupts() -> None:
     _discard_pending(_TO_GROUP)
 
 
-NOTICE = struct.Struct("!i")  # the worker's wait status, on the rank's notice pipe
+# On the rank's notice pipe: the worker's wait status, and when it was reaped (the time of
+# its death, independent of how soon the agent reads its report pipe's end).
+NOTICE = struct.Struct("!id")
 
 
 def start(parent_pid: int, close_in_shepherd: tuple[int, ...], *, notice: int | None = None,
@@ -160,11 +163,11 @@ def _handed(sock_fd: int) -> int | None:
     return None
 
 
-def _notify(fd: int | None, status: int) -> None:
-    """Tell the agent how the worker ended (one write: a pipe keeps it whole)."""
+def _notify(fd: int | None, status: int, reaped_at: float) -> None:
+    """Tell the agent how and when the worker ended (one write: a pipe keeps it whole)."""
     if fd is not None:
         with contextlib.suppress(OSError):  # the agent is gone: nothing to tell
-            os.write(fd, NOTICE.pack(status))
+            os.write(fd, NOTICE.pack(status, reaped_at))
 
 
 def _watch(worker: int, parent_pid: int, notice: Callable[[], int | None]) -> NoReturn:
@@ -184,7 +187,7 @@ def _watch(worker: int, parent_pid: int, notice: Callable[[], int | None]) -> No
                 os.kill(worker, sig)
         status = _reap(worker)
         if status is not None:
-            _notify(notice(), status)
+            _notify(notice(), status, time.time())
         elif sig == END_ALL or os.getppid() != parent_pid:
             break  # asked to, or the kernel is gone
     _exit_as(_end_all(worker, status))

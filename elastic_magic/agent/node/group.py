@@ -145,10 +145,10 @@ class WorkerGroup:
         worker = self.workers[report.local_rank]
         worker.heard_at = time.monotonic()
         match report.message:
+            case None if report.ended is not None:  # how, and when its shepherd reaped it
+                worker.ended_status, worker.reaped_at = report.ended, report.time
             case None:
                 worker.channel_closed_at = report.time
-                if report.ended is not None:
-                    worker.ended_status = report.ended
             case Running(pid=pid):
                 worker.running, worker.cell_pid = True, pid
             case Result() as result:

@@ -89,6 +89,7 @@ class Worker:
     error: ErrorInfo | None = None
     channel_closed_at: float | None = None
     ended_status: int | None = None  # the worker's wait status, from its shepherd
+    reaped_at: float | None = None  # when its shepherd reaped it (told with the status)
     exited_at: float | None = None
     heard_at: float = 0.0  # time.monotonic() of its last report (survivors: progress)
     running: bool = False
@@ -127,13 +128,11 @@ class Worker:
 
     @property
     def ended_at(self) -> float | None:
-        """When the rank was first seen to end: its report pipe closing or its shepherd's
-        exit, whichever came first. Usually the pipe closes first (the worker died, its
-        shepherd exits once all it started has ended); a shepherd that was killed goes
-        first, and its worker's pipe closes only later, maybe after the teardown its death
-        caused (the rank must not then count as stopped by that teardown)."""
-        return min((t for t in (self.channel_closed_at, self.exited_at) if t is not None),
-                   default=None)
+        """When the rank ended: its shepherd's reaping, else its pipe's end (read maybe after
+        a teardown its death caused) or its shepherd's exit (a killed shepherd goes first),
+        whichever came first: a rank is not stopped by the teardown its own death caused."""
+        seen = (self.reaped_at, self.channel_closed_at, self.exited_at)
+        return min((t for t in seen if t is not None), default=None)
 
     def reaped(self) -> bool:
         """Known to have exited; no system call, so safe from any thread."""
@@ -280,7 +279,7 @@ def _read_reports(worker: Worker, channel: Channel, notice: int, inbox: Inbox) -
                 closed = WorkerReport(worker.attempt, worker.local_rank, None, time.time())
                 inbox.put(closed)
                 if isinstance(exc, EOFError) and (ended := _ended_status(notice)) is not None:
-                    inbox.put(dataclasses.replace(closed, ended=ended))
+                    inbox.put(dataclasses.replace(closed, ended=ended[0], time=ended[1]))
                 return
             inbox.put(WorkerReport(worker.attempt, worker.local_rank, message, time.time()))
     finally:
@@ -288,14 +287,15 @@ def _read_reports(worker: Worker, channel: Channel, notice: int, inbox: Inbox) -
         os.close(notice)
 
 
-def _ended_status(notice: int) -> int | None:
-    """The worker's wait status, as its shepherd tells it once the worker has ended (it
-    then ends what the worker left); None if it does not within the grace the agent gives
-    a report pipe (a worker that closed it and runs on; a shepherd killed)."""
+def _ended_status(notice: int) -> tuple[int, float] | None:
+    """The worker's wait status and when its shepherd reaped it, told once the worker has
+    ended; None if not within the grace the agent gives a report pipe (a worker that
+    closed it and runs on; a shepherd killed)."""
     if not select.select([notice], [], [], NOTICE_GRACE)[0]:
         return None
     data = os.read(notice, NOTICE.size)
-    return NOTICE.unpack(data)[0] if len(data) == NOTICE.size else None
+    status, reaped_at = NOTICE.unpack(data) if len(data) == NOTICE.size else (None, 0.0)
+    return None if status is None else (status, reaped_at)
 
 
 def take_memory_file(worker: Worker, request: StateRequest) -> int | Literal[False] | None:
