@@ -1,4 +1,4 @@
-"""What arrives on an agent's inbox, in one place (as ``messages.LinkMessage`` is for links):
+"""What arrives on an agent's inbox, in one place (as ``link_messages.LinkMessage`` is for links):
 commands from the kernel's threads, reports from this machine's workers, messages from other
 machines, a session's cells and the marks its output router posts. The agent's thread is the
 only reader; anyone may put."""

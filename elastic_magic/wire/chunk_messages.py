@@ -1,6 +1,6 @@
 """How a snapshot's bytes cross: between processes, a memory file offered through /proc
 (``Handoff``); between machines, chunks in pieces (``agent/machines/chunks.py``), part of
-``messages.LinkMessage``."""
+``link_messages.LinkMessage``."""
 
 from __future__ import annotations
 
