@@ -335,6 +335,23 @@ def test_a_regroup_for_a_group_this_machine_has_left_does_not_break_its_next_rou
     assert world.slots == [[0], [0]]
 
 
+def test_a_regroup_for_the_round_a_machine_is_entering_ends_that_rounds_group(tmp_path):
+    """The head regrouped round 2 while this loaded machine was still leaving its
+    rendezvous (its round was still 1): the Regroup waits for round 2's group and ends it,
+    or the machine's ranks would wait for peers the head has already torn down."""
+
+    def regroup(round_id: str) -> Callable[[int, Inbox], None]:
+        return lambda attempt, inbox: inbox.put(
+            FromLink(None, 0, Regroup(round_id))) if attempt == 0 else None  # type: ignore
+
+    world = World(lambda attempt, slot, _: Do(exit=3) if attempt == 0
+                  else Do(value=attempt), on_teardown=regroup("round-2"),
+                  role=FollowingMachine)
+    result, _ = run_job(world, spec(tmp_path, 1, max_restarts=1))
+    assert result.state is JobState.SUCCEEDED and result.values == {0: 2}
+    assert world.slots == [[0], [0], [0]]  # round 2's group was ended: round 3 ran
+
+
 def test_a_rank_that_died_before_the_teardown_is_its_cause_though_its_end_was_read_after():
     """Rank 1 killed itself (SIGTERM); rank 0's barrier failed with "Connection reset by
     peer" and the agent tore the group down before it had read rank 1's report pipe's end

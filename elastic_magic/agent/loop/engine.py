@@ -66,11 +66,29 @@ GroupFactory = Callable[[int, int, int], WorkerGroup]
 Results = tuple[dict[int, Result], dict[int, list[str]]]  # other machines' ranks
 
 
-def _for_a_group_left(item: InboxItem, info: RoundInfo | None) -> bool:
-    """A Regroup for a round this machine has left: sent as it joined its next round (a
-    loaded machine may read it only there), it must not break that round."""
-    return isinstance(item, FromLink) and isinstance(item.message, Regroup) and (
-        info is None or item.message.round_id != info.round_id)
+class EarlyRegroups:
+    """Regroups that name another round than this machine's. One for a round it has left is
+    dropped: sent as it joined its next round, a loaded machine may read it only there, and
+    it must not break that round. One for the round it is entering (the head regrouped
+    before this machine had left its rendezvous) waits for that round's group, and ends it."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, InboxItem] = {}
+
+    def hold(self, item: InboxItem, info: RoundInfo | None) -> bool:
+        """Whether ``item`` is a Regroup for another round (kept until the next one)."""
+        if not (isinstance(item, FromLink) and isinstance(item.message, Regroup)):
+            return False
+        if info is not None and item.message.round_id == info.round_id:
+            return False
+        self._held[item.message.round_id] = item
+        return True
+
+    def for_round(self, info: RoundInfo) -> InboxItem | None:
+        """The Regroup for round ``info`` heard before it, if any; the others are dropped."""
+        early = self._held.pop(info.round_id, None)
+        self._held.clear()
+        return early
 
 
 # What ends a wait for the next round (besides this machine being given back at a commit).
@@ -104,6 +122,7 @@ class Engine:
         self.survivors = Survivors(spec.survivors)  # --survivors: healthy ranks stay
         self.rendezvous: Rendezvous | None = None
         self.round: RoundInfo | None = None
+        self.early_regroups = EarlyRegroups()
         self.group: WorkerGroup | None = None
         self.state = JobState.RENDEZVOUS
         self.attempt, self.world_size = -1, 0
@@ -157,6 +176,8 @@ class Engine:
         self.set_state(JobState.STARTING)
         nproc, slots = self.membership.nproc, self.membership.slots
         group = self.group = self.new_group(self.attempt, info.base_rank, nproc)
+        if (early := self.early_regroups.for_round(info)) is not None:
+            self.inbox.put(early)  # read once the group runs: it ends the group at once
         run_folder = self.run_folder
         assert run_folder is not None  # open() came first
 
@@ -216,7 +237,7 @@ class Engine:
 
     def _dispatch(self, item: InboxItem) -> Action | None:
         group = self.group
-        if self.stack_requests.handle(item, group) or _for_a_group_left(item, self.round):
+        if self.stack_requests.handle(item, group) or self.early_regroups.hold(item, self.round):
             return None
         match item:
             case StopCommand(reason):
@@ -301,7 +322,7 @@ class Engine:
                 errors.append(exc)
 
         attempt(self.close_group)
-        attempt(self._release_run_folder)
+        attempt(lambda: _release_run_folder(self))
         attempt(lambda: self.role.close_rendezvous(self.rendezvous))
         result: JobResult | None = None
         try:
@@ -322,10 +343,11 @@ class Engine:
             raise errors[0]
         return result
 
-    def _release_run_folder(self) -> None:
-        if (folder := self.run_folder) is not None:
-            self.log_root, self.run_folder = folder.where(), None  # the result: its logs
-            folder.close()
+
+def _release_run_folder(engine: Engine) -> None:
+    if (folder := engine.run_folder) is not None:
+        engine.log_root, engine.run_folder = folder.where(), None  # the result: its logs
+        folder.close()
 
 
 def _warm_before_joining(engine: Engine) -> None:
