@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..loop.engine import Engine
 
 # Renderers get at most this many updates per second: Jupyter drops IOPub traffic above
-# about 1000 wire/messages/s, and each update may resend a widget's whole state.
+# about 1000 messages/s, and each update may resend a widget's whole state.
 RENDER_INTERVAL = 0.1
 
 Renderer = Callable[[list[Event]], None]
