@@ -18,6 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .agent.handles.attached import AttachedJob, DetachedError, attach, detached_jobs
     from .agent.handles.job import AgentError, Job
     from .notebook.api import launch
     from .notebook.session import Session, SessionEndedError
@@ -34,6 +35,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AgentError": ".agent.handles.job",
+    "AttachedJob": ".agent.handles.attached",
+    "DetachedError": ".agent.handles.attached",
+    "attach": ".agent.handles.attached",
+    "detached_jobs": ".agent.handles.attached",
     "Job": ".agent.handles.job",
     "JobFailedError": ".result",
     "JobResult": ".result",
@@ -54,7 +59,9 @@ _EXPORTS = {
 
 __all__ = [
     "AgentError",
+    "AttachedJob",
     "DataLoader",
+    "DetachedError",
     "ElasticSampler",
     "Job",
     "JobFailedError",
@@ -67,6 +74,8 @@ __all__ = [
     "SessionEndedError",
     "SpecError",
     "State",
+    "attach",
+    "detached_jobs",
     "launch",
     "load_ipython_extension",
     "log",

@@ -161,6 +161,14 @@ OPTIONS: tuple[Option, ...] = (
            "checkpoint is refused: someone who can write a folder on the way may have put "
            "another of your folders in its place). README: Security",
            action="store_true", check=lambda _, v: bool(v), per_machine=True),
+    Option("detach", "--detach", False, "run the job's agent in a process of its own, "
+           "not in the kernel: the job outlives the kernel's restart, crash or Ctrl-C (which "
+           "detaches), and any kernel of yours on this machine follows it again with "
+           "%%elastic attach", action="store_true", check=lambda _, v: bool(v),
+           per_machine=True),
+    Option("keep", "--keep", 86400.0, "with --detach: seconds an ended job's result waits "
+           "for a kernel to take it, after which its agent leaves nothing behind", "S",
+           seconds, per_machine=True),
     # Detected where the workers run; Python callers (tests) may state it.
     Option("gpus", None, None, "CUDA GPUs the workers may use (default: those visible)",
            check=gpu_count, per_machine=True),
@@ -194,7 +202,8 @@ def flag_arguments() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
 
 def options_help() -> str:
     """One line per option, for docstrings of the Python API."""
-    return "\n".join(f"    {o.name} ({o.flag or 'Python only'}): {o.help_text}" for o in OPTIONS)
+    return "\n".join(f"    {o.name} ({o.flag or 'Python only'}): "
+                     f"{o.help_text.replace('%%', '%')}" for o in OPTIONS)
 
 
 def _check_names(names: Iterable[str], valid: Iterable[str], what: str) -> None:
@@ -242,6 +251,8 @@ class JobSpec:
         launch: The launcher's options: its config file section, --launch flags over it.
         checkpoint_shared: --checkpoint-shared.
         checkpoint_moved: --checkpoint-moved.
+        detach: --detach.
+        keep: --keep, in seconds.
     """
 
     nproc: int
@@ -272,6 +283,8 @@ class JobSpec:
     launch: dict[str, str] = field(default_factory=dict)  # its options, config and flags
     checkpoint_shared: bool = False  # --checkpoint-shared
     checkpoint_moved: bool = False  # --checkpoint-moved
+    detach: bool = False  # --detach: the agent in a process of its own
+    keep: float = 86400.0  # --keep: an ended detached job's result waits this long
 
     @property
     def multi_node(self) -> bool:

@@ -132,3 +132,16 @@ def test_joining_machine_follows_the_head_except_its_own_options(tmp_path):
     nccl = JobSpec.create(1, gpus=1, log_dir=tmp_path, nnodes=2)
     with pytest.raises(SpecError, match="use gloo"):  # checked against this machine's GPUs
         JobSpec.for_machine(nccl, nproc=1, gpus=0, log_dir=tmp_path)
+
+
+def test_the_magics_help_formats_every_options_text():
+    """argparse reads a help text as a %-format: an option's text that names a magic
+    must escape it (%%elastic), or the extension fails to load."""
+    from elastic_magic.notebook.magics import ElasticMagics
+    from elastic_magic.spec import OPTIONS, options_help
+
+    parser = ElasticMagics.elastic.parser  # type: ignore[attr-defined]
+    shown = " ".join(parser.format_help().split())
+    assert "--detach" in shown and "%elastic attach" in shown
+    assert "%%" not in options_help()
+    assert all(option.help_text.count("%") % 2 == 0 for option in OPTIONS)

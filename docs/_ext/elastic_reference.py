@@ -45,7 +45,7 @@ class ElasticOptions(Directive):
             elif option.default is not None:
                 term += nodes.Text(" · default ")
                 term += _literal(str(option.default))
-            text = _sentence(option.help)
+            text = _sentence(option.help.replace("%%", "%"))  # argparse's escape
             if option.name in _SESSION_DEFAULTS:
                 text += f" A Session's default: {_SESSION_DEFAULTS[option.name]}."
             if option.per_machine:

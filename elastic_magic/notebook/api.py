@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..agent.handles import attached
 from ..agent.handles.job import Job, Renderer
 from ..result import JobFailedError, JobResult
 from ..spec import JobSpec, options_help
@@ -25,7 +26,9 @@ def launch(
 ) -> JobResult:
     """Run ``target`` on ``nproc`` workers as an elastic job and return its JobResult.
 
-    Blocks until the job ends. Ctrl-C stops the workers, then raises KeyboardInterrupt.
+    Blocks until the job ends. Ctrl-C stops the workers, then raises KeyboardInterrupt;
+    with ``detach=True`` the job's agent runs in a process of its own and Ctrl-C only stops
+    the wait (``elastic_magic.attach(run_id)`` follows it again).
 
     Args:
         target: A function, called as ``target(*args, **kwargs)`` on every rank (its
@@ -57,7 +60,9 @@ def launch(
     Options:"""
     spec = JobSpec.create(**options)
     payload = build_payload(target, spec, args=args, kwargs=kwargs, namespace=namespace)
-    result = Job(spec, payload).start().wait(render or TextRenderer())
+    job = attached.start(spec, payload, title=getattr(target, "__name__", "launch")) \
+        if spec.detach else Job(spec, payload).start()
+    result = job.wait(render or TextRenderer())
     if check and result.state is JobState.FAILED:
         raise JobFailedError(result)
     return result

@@ -35,6 +35,9 @@ USAGE = """\
                                   or give some back (each leaves at the next commit)
 %elastic logs RANK [JOB] [-n N] [--stderr]   last N lines of a rank's log
 %elastic stacks [JOB]             every rank's Python stacks (all threads), without stopping
+%elastic attach [RUN_ID] [-o NAME] [--text]   follow a --detach job (yours, on this
+                                  machine; started in any kernel): its story so far, then
+                                  live; without RUN_ID, the only one (else they are listed)
 JOB is a number from `%elastic jobs` or a run id; the default is the latest job (for
 logs and stacks: the session, while one is active)."""
 

@@ -11,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..agent.handles import attached
 from ..agent.handles.ended import EndedJob
 from ..agent.handles.job import Job, Renderer
 from ..result import JobResult
@@ -137,29 +138,22 @@ class ElasticMagics(Magics):
             raise UsageError("%%elastic --setup: no session is active; `%elastic session "
                              "start` starts one.")
         spec = self._spec(opts)
-        job = Job(spec, self._payload(cell, spec))
+        payload = self._payload(cell, spec)
+        job = attached.start(spec, payload, title=f"%%elastic {line}".strip()) \
+            if spec.detach else Job(spec, payload)
         view: Renderer | None = None
         try:  # from here on, an interrupt or error anywhere must not orphan the job
             job.start()
-            number = self.job_commands.remember(job)
-            view = make_view(self.shell, job, opts.text)
-            self.channel.track(number, job, current_cell_id(self.shell), opts.bg,
-                               view=getattr(view, "panel_view", None))
             if opts.bg:
-                if opts.out:
-                    self.shell.user_ns[opts.out] = job
-                threading.Thread(target=self._follow, args=(job, view), daemon=True,
-                                 name=f"elastic-view-{job.run_id}").start()
-                # Where the live dashboard shows the job, a returned handle would print
-                # once and go stale ("rendezvous"): -o NAME and %elastic reach it.
-                return None if self._live(view) else job
+                return self._follow_in_background(job, opts.text, opts.out)
+            view = self._show(job, opts.text, background=False)
             result = job.wait(view)
         except KeyboardInterrupt as exc:
-            job.end("interrupted")
+            job.end("interrupted")  # a detached job: this kernel detaches, the job runs on
             finish_view(view)  # the record of what ran
             # Shown without the library's frames: nothing in them is the user's.
             exc._render_traceback_ = lambda: [  # type: ignore[attr-defined]
-                f"KeyboardInterrupt: job {job.run_id} was stopped; its workers have exited"]
+                f"KeyboardInterrupt: {job.interrupt_note}"]
             raise
         except BaseException:
             job.end("interrupted")
@@ -178,15 +172,18 @@ class ElasticMagics(Magics):
         """Manage elastic jobs of this kernel.
 
         %elastic jobs | status [JOB] | stop [JOB] | scale N [JOB] [--now] [--include S,...]
+        %elastic attach [RUN_ID] [-o NAME] [--text]  (a --detach job, from any kernel)
         %elastic logs RANK [JOB] [-n N] [--stderr] | stacks [JOB] | pool forget
         %elastic session start [flags] | stop | status; push|pull|gather NAME
         """
         words = magic_words(line, "%elastic", job_refs=True)
         if not words or words[0] not in ("jobs", "status", "stop", "scale", "logs", "stacks",
-                                         "session", "push", "pull", "gather", "pool"):
+                                         "session", "push", "pull", "gather", "pool", "attach"):
             raise UsageError(f"%elastic: expected a subcommand:\n{_SUBCOMMANDS}")
         command, rest = words[0], words[1:]
         jobs = self.job_commands
+        if command == "attach":
+            return self._attach(rest)
         if command == "session":
             self.sessions.command(rest)
         elif command in ("push", "pull", "gather"):  # IPython returns a line magic's value
@@ -241,6 +238,36 @@ class ElasticMagics(Magics):
     def _live(view: Renderer | None) -> bool:
         """The live dashboard (then its record) is the cell's output."""
         return view is not None and not isinstance(view, TextRenderer)
+
+    def _show(self, job: Job, text: bool, *, background: bool) -> Renderer:
+        """The job among the kernel's (``%elastic`` and the panel list it), and its view."""
+        number = self.job_commands.remember(job)
+        view = make_view(self.shell, job, text)
+        self.channel.track(number, job, current_cell_id(self.shell), background,
+                           view=getattr(view, "panel_view", None))
+        return view
+
+    def _follow_in_background(self, job: Job, text: bool, out: str | None) -> Job | None:
+        view = self._show(job, text, background=True)
+        if out:
+            self.shell.user_ns[out] = job
+        threading.Thread(target=self._follow, args=(job, view), daemon=True,
+                         name=f"elastic-view-{job.run_id}").start()
+        # Where the live dashboard shows the job, a returned handle would print once and
+        # go stale ("rendezvous"): -o NAME and %elastic reach it.
+        return None if self._live(view) else job
+
+    def _attach(self, words: list[str]) -> Job | None:
+        """``%elastic attach [RUN_ID] [-o NAME] [--text]``: follow a detached job here."""
+        out = words[words.index("-o") + 1] if "-o" in words[:-1] else None
+        names = [w for w in words if w not in ("-o", "--text", out)]
+        if len(names) > 1 or (out is not None and not out.isidentifier()):
+            raise UsageError("%elastic attach [RUN_ID] [-o NAME] [--text]")
+        try:
+            job = attached.attach(names[0] if names else None)
+        except attached.DetachedError as exc:
+            raise UsageError(f"%elastic attach: {exc}") from None
+        return self._follow_in_background(job, "--text" in words, out)
 
     def _follow(self, job: Job, view: Renderer) -> None:
         """Background jobs: keep the view fed until the job ends, then pull variables."""

@@ -42,7 +42,7 @@ from ..agent.loop.cells import SessionEndedError, session_payload
 from ..agent.status import JobStatus
 from ..result import JobFailedError, JobResult, JobState
 from ..result_parts import Unpicklable
-from ..spec import JobSpec, options_help
+from ..spec import JobSpec, SpecError, options_help
 from ..ui.text import TextRenderer
 from ..wire.events import Event, JobFinished
 from ..wire.messages import ScaleCommand, StopCommand
@@ -54,6 +54,16 @@ from ..worker import session_cells as worker_session
 SESSION_MAX_RESTARTS = 3
 
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def _session_spec(nproc: int | str | None, options: dict[str, Any]) -> JobSpec:
+    """A session's JobSpec: ``max_restarts`` defaults to 3, and it cannot be detached."""
+    options.setdefault("max_restarts", SESSION_MAX_RESTARTS)
+    if options.get("detach"):
+        raise SpecError("a session cannot be detached: its ranks run the cells this kernel "
+                        "sends, one by one, so it ends with the kernel. Run a long training "
+                        "as a job: %%elastic --detach (with --bg to go on in the notebook).")
+    return JobSpec.create(nproc, **options)
 
 
 class Session(AgentThread):
@@ -73,8 +83,7 @@ class Session(AgentThread):
 
     def __init__(self, nproc: int | str | None = None, *, render: Renderer | None = None,
                  **options: Any) -> None:
-        options.setdefault("max_restarts", SESSION_MAX_RESTARTS)
-        super().__init__(JobSpec.create(nproc, **options), None, hosts=True)
+        super().__init__(_session_spec(nproc, options), None, hosts=True)
         self.render = render
         self._agent = session_agent(self.spec, self.run_id, self._inbox, self._board,
                                     token=self.token)

@@ -243,7 +243,7 @@ class Job(AgentThread):
                 self.end("the cell's output failed")
                 raise
 
-        interrupted = wait_through_interrupts(step, lambda: self.stop("interrupted"))
+        interrupted = wait_through_interrupts(step, self._interrupted)
         self._thread.join()
         if self.error is not None:
             raise agent_error("the elastic agent", self.error) from self.error
@@ -251,6 +251,14 @@ class Job(AgentThread):
             raise KeyboardInterrupt
         assert self.result is not None
         return self.result
+
+    def _interrupted(self) -> None:
+        self.stop("interrupted")
+
+    @property
+    def interrupt_note(self) -> str:
+        """What a Ctrl-C in ``wait`` did, as the notebook says it."""
+        return f"job {self.run_id} was stopped; its workers have exited"
 
     def _render_batch(self, render: Renderer | None) -> bool:
         """Render what arrived within one interval; True once the job has ended."""

@@ -66,6 +66,39 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+def challenge(sock: socket.socket, token: str, peer: str) -> bytes:
+    """Server side of the handshake: the peer proves it knows ``token``, then so do we.
+    Returns the connection's own signing key. Raises HubError (or OSError) otherwise."""
+    sock.settimeout(_HANDSHAKE_TIMEOUT)
+    server_nonce = secrets.token_bytes(_NONCE_BYTES)
+    sock.sendall(server_nonce)
+    client_nonce = _recv_exact(sock, _NONCE_BYTES)
+    proof = _recv_exact(sock, _MAC_BYTES)
+    if not hmac.compare_digest(proof, _proof(token, b"node", server_nonce, client_nonce)):
+        raise HubError(f"{peer}: wrong token")
+    sock.sendall(_proof(token, b"head", server_nonce, client_nonce))
+    sock.settimeout(None)
+    return _proof(token, b"key", server_nonce, client_nonce)
+
+
+def answer_challenge(sock: socket.socket, token: str, refused: str, unproven: str) -> bytes:
+    """Client side of the handshake: prove ``token``, check the server knows it too.
+    Returns the connection's signing key. Raises HubError with ``refused`` when the server
+    closes on our proof, with ``unproven`` when its own proof is wrong."""
+    sock.settimeout(_HANDSHAKE_TIMEOUT)
+    server_nonce = _recv_exact(sock, _NONCE_BYTES)
+    client_nonce = secrets.token_bytes(_NONCE_BYTES)
+    sock.sendall(client_nonce + _proof(token, b"node", server_nonce, client_nonce))
+    try:
+        answer = _recv_exact(sock, _MAC_BYTES)
+    except (HubError, OSError):
+        raise HubError(refused) from None
+    if not hmac.compare_digest(answer, _proof(token, b"head", server_nonce, client_nonce)):
+        raise HubError(unproven)
+    sock.settimeout(None)
+    return _proof(token, b"key", server_nonce, client_nonce)
+
+
 class Link:
     """One authenticated connection; sends are serialised (several threads send)."""
 
@@ -203,17 +236,7 @@ class Hub:
             self.links.pop(node, None)
 
     def _handshake(self, sock: socket.socket, peer: str) -> Link:
-        sock.settimeout(_HANDSHAKE_TIMEOUT)
-        server_nonce = secrets.token_bytes(_NONCE_BYTES)
-        sock.sendall(server_nonce)
-        client_nonce = _recv_exact(sock, _NONCE_BYTES)
-        proof = _recv_exact(sock, _MAC_BYTES)
-        if not hmac.compare_digest(proof, _proof(self.token, b"node", server_nonce,
-                                                 client_nonce)):
-            raise HubError(f"{peer}: wrong token")
-        sock.sendall(_proof(self.token, b"head", server_nonce, client_nonce))
-        sock.settimeout(None)
-        return Link(sock, _proof(self.token, b"key", server_nonce, client_nonce), peer)
+        return Link(sock, challenge(sock, self.token, peer), peer)
 
     def linked(self) -> set[int]:
         """The connections open now (their handshake done)."""
@@ -272,18 +295,11 @@ def connect(endpoint: str, token: str, timeout: float = 60.0) -> tuple[Link, Job
     hub_host, _, hub_port = hub.rpartition(":")
     sock = socket.create_connection((hub_host, int(hub_port)), timeout=_HANDSHAKE_TIMEOUT)
     try:
-        server_nonce = _recv_exact(sock, _NONCE_BYTES)
-        client_nonce = secrets.token_bytes(_NONCE_BYTES)
-        sock.sendall(client_nonce + _proof(token, b"node", server_nonce, client_nonce))
-        try:
-            answer = _recv_exact(sock, _MAC_BYTES)
-        except (HubError, OSError):
-            raise HubError(f"the job at {endpoint} refused the token; copy the join command "
-                           "the cell printed (its token changes with every job).") from None
-        if not hmac.compare_digest(answer, _proof(token, b"head", server_nonce, client_nonce)):
-            raise HubError(f"the hub at {hub} could not prove it knows the token; refused")
-        sock.settimeout(None)
-        link = Link(sock, _proof(token, b"key", server_nonce, client_nonce), hub)
+        key = answer_challenge(
+            sock, token, f"the job at {endpoint} refused the token; copy the join command "
+            "the cell printed (its token changes with every job).",
+            f"the hub at {hub} could not prove it knows the token; refused")
+        link = Link(sock, key, hub)
         job = link.recv()
     except BaseException:
         sock.close()
