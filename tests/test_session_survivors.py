@@ -205,3 +205,28 @@ def test_setup_cells_replayed_alone_have_the_group_and_a_collective_restarts_eve
         assert "torch.distributed.barrier in a setup cell replayed" in refused[0].message
         assert result.restarts == 2
     assert not tagged_workers()
+
+
+def test_a_rank_whose_setup_replay_a_death_cut_short_does_not_stay(log_dir, tmp_path):
+    """Both ranks died between cells; as the new ranks replayed the setup cells, rank 1
+    died, and rank 0 (interrupted in its replay) had not defined what the last setup cell
+    defines. It must not stay as a survivor: the next cell would meet a rank without
+    ``after`` (a full run's NameError in test_session_chaos)."""
+    flag = str(tmp_path / "died")
+    with em.Session(nproc=2, max_restarts=3, survivors=True, log_dir=log_dir) as s:
+        s.run("import os, time\nbase = 7", setup=True)
+        s.run(f"if os.environ['TORCHELASTIC_RESTART_COUNT'] != '0' "
+              f"and not os.path.exists({flag!r}):\n"
+              f"    if os.environ['RANK'] == '1':\n"
+              f"        open({flag!r}, 'w').close()\n"
+              f"        os.kill(os.getpid(), 9)\n"
+              f"    while not os.path.exists({flag!r}):\n"
+              f"        time.sleep(0.01)\n"
+              f"    time.sleep(5)  # in its replay when rank 1's death is found\n"
+              f"after = base + 1\n", setup=True)
+        pids = s.run("os.getpid()").values
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)  # workers this session started
+        result = s.run("(after, base, os.getpid())")
+        assert [v[:2] for v in result.values.values()] == [(8, 7), (8, 7)], result.values
+        assert os.path.exists(flag)  # rank 1 died in the replay, as planned

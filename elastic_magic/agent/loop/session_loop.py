@@ -53,6 +53,7 @@ class SessionLoop:
         self.setup: list[Payload] = []
         self.formed = False  # the group is up, whole, and has run its setup cells
         self.died_forming = False  # the last _form broke: a rank died in it
+        self.unformed: set[int] = set()  # ranks new in the group forming: setup not replayed
         self.pending: deque[CellRequest] = deque()
         self.ended: JobState | None = None
         self.cell_started = time.time()
@@ -224,6 +225,8 @@ class SessionLoop:
         if keep and engine.survivors.on and engine.group is not None:  # the idle ranks stay
             engine.survivors.keep(engine.group, engine.switchboard.next_action,
                                   engine.spec.link_timeout, session=True)
+            # but not one that a death cut off in its setup replay: it lacks what they make
+            engine.survivors.drop(self.unformed)
         engine.close_group(keep=keep)
         if not first:  # the other machines leave their groups for the new round too
             engine.role.regrouping(engine.round)
@@ -238,6 +241,7 @@ class SessionLoop:
         self.runner.others.new_round(info)
         assert engine.group is not None
         new = set(range(info.world_size)) - set(stayed)  # other machines' ranks all new
+        self.unformed = new
         alone = bool(stayed)  # survivors keep what the setup cells made
         if not alone:
             self.shipping.forget()
@@ -269,7 +273,7 @@ class SessionLoop:
                     self._break(CellOutcome(CellStep.BROKEN, outcome.failures,
                                             "a setup cell failed when it was replayed"))
                 return outcome.failures
-        self.formed = True
+        self.formed, self.unformed = True, set()
         if not first:
             step = (engine.elastic_state.snapshots.meta or {}).get("step")
             engine.emit(SessionReformed(len(self.setup), step, engine.world_size))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from ...result import RankFailure, is_consequence
 from ...wire.messages import Interrupt
@@ -155,6 +155,14 @@ class Survivors:
         self.kept = kept.survivors
         self.ended.extend(kept.ended)
         return kept.stuck
+
+    def drop(self, ranks: Collection[int]) -> None:
+        """The kept ranks among ``ranks`` (global ranks of the group they left) end: a
+        session's rank whose setup replay a peer's death cut short lacks what it makes."""
+        dropped = {slot: w for slot, w in self.kept.items() if w.global_rank in ranks}
+        for slot in dropped:
+            del self.kept[slot]
+        release(dropped)
 
     def bury(self) -> None:
         """Before the next group starts (or the job ends): nothing is left of the ranks
