@@ -11,7 +11,10 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -22,17 +25,18 @@ from jupyter_client.manager import KernelManager
 from test_kernel import execute
 
 import elastic_magic
-from elastic_magic.agent.handles import attached, detached_folder
+from elastic_magic.agent.handles import attached, detached_agent, detached_folder, detached_launch
 from elastic_magic.agent.handles.detached_agent import TAIL_LINES, History
 from elastic_magic.wire.events import JobState, Output, StateChanged
+from elastic_magic.wire.metrics import Logged
 from elastic_magic.wire.payload import build_payload
 
-STEPS = 60
+STEPS = 300
 
 # Each step's data comes from its number: a run resumed anywhere computes what an
 # uninterrupted one does. Every rank sees the same data, so DDP's mean gradient is each one's.
 TRAIN = """\
-import time, torch, elastic_magic
+import os, time, torch, elastic_magic
 from torch.nn.parallel import DistributedDataParallel as DDP
 torch.manual_seed(0)
 model = DDP(torch.nn.Linear(4, 1))
@@ -48,8 +52,15 @@ while state.step < STEPS:
     state.step += 1
     state.commit(every=2)
     time.sleep(SLEEP)
+    while state.step == STEPS - 5 and not os.path.exists(GO):  # the test says when to end
+        time.sleep(0.05)
 [round(p, 5) for p in torch.cat([q.detach().flatten() for q in model.parameters()]).tolist()]
 """
+
+
+def training(steps: int, sleep: float, go: Path) -> str:
+    return TRAIN.replace("STEPS", str(steps)).replace("SLEEP", str(sleep)).replace(
+        "GO", repr(str(go)))
 
 
 def uninterrupted_parameters() -> list[float]:
@@ -81,11 +92,25 @@ def wait_for_step(log_dir: Path, run_id: str, step: int, timeout: float = 120) -
     return seen
 
 
+@pytest.fixture(autouse=True)
+def no_standby():
+    """The next detached job's agent that a launch here left ready exits with the test."""
+    yield
+    detached_launch.drop_standby()
+
+
 @pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
+def cache(tmp_path, monkeypatch) -> Iterator[Path]:
     """The user's cache (the detached jobs' folder, the logs) for this test alone."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+    yield tmp_path / "cache"
+    # A test that failed half-way leaves its detached job running (it is detached): its
+    # agent, which this test's kernel started, stops it and exits on SIGTERM.
+    agents = [psutil.Process(c.pid) for c in detached_folder.connections()]
+    for agent in agents:
+        agent.terminate()
+    for agent in psutil.wait_procs(agents, timeout=30)[1]:
+        agent.kill()
 
 
 @pytest.mark.kernel
@@ -101,16 +126,24 @@ def test_a_detached_training_outlives_its_kernels_restart_and_kill_and_is_attach
         kc.wait_for_ready(timeout=60)
         reply, said = execute(kc, "%load_ext elastic_magic")
         assert reply["status"] == "ok", said
+        go = tmp_path / "go"
         cell = (f"%%elastic --nproc 2 --detach --bg --text -o job --checkpoint-dir "
-                f"{tmp_path / 'ckpt'}\n" + TRAIN.replace("STEPS", str(STEPS))
-                .replace("SLEEP", "0.15"))
+                f"{tmp_path / 'ckpt'}\n" + training(STEPS, 0.05, go))
         reply, said = execute(kc, cell)
         assert reply["status"] == "ok", said
         _, said = execute(kc, "print(job.run_id)")
         run_id = said.split()[-1]
         assert wait_for_step(logs, run_id, 5) >= 5
-        (connection,) = detached_folder.connections(cache / "elastic_magic" / "detached")
+        (connection,) = detached_folder.connections()
         agent = psutil.Process(connection.pid)
+        # The kernel keeps the next detached job's agent ready, its warm pool importing.
+        (standby,) = [p for p in psutil.Process(km.provisioner.process.pid).children()
+                      if "elastic_magic.agent.handles.detached_agent" in p.cmdline()
+                      and p.pid != agent.pid]
+        deadline = time.monotonic() + 60
+        while not standby.children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        standby_tree = [standby, *standby.children(recursive=True)]  # with its zygote
 
         # 1. The notebook's kernel restart (a clean shutdown: the extension unloads, its
         # jobs end... but a detached one only loses its follower).
@@ -122,6 +155,8 @@ def test_a_detached_training_outlives_its_kernels_restart_and_kill_and_is_attach
         before = last_step(logs, run_id)
         assert wait_for_step(logs, run_id, before + 3) >= before + 3  # it trains on
         assert agent.is_running() and len(wait_for_workers(2)) == 2
+        _, alive = psutil.wait_procs(standby_tree, timeout=30)  # the standby went
+        assert alive == [] and len(standby_tree) >= 2  # with its zygote
 
         # 2. A new kernel attaches (the story so far, then live), then is SIGKILLed.
         execute(kc, "%load_ext elastic_magic")
@@ -133,7 +168,6 @@ def test_a_detached_training_outlives_its_kernels_restart_and_kill_and_is_attach
         os.kill(km.provisioner.process.pid, signal.SIGKILL)  # the kernel we started
         km.provisioner.process.wait()
         before = last_step(logs, run_id)
-        assert before < STEPS - 5, "the run ended before the kill: make it longer"
         assert wait_for_step(logs, run_id, before + 3) >= before + 3
 
         # 3. The kernel started again attaches, waits, and gets the whole run's result.
@@ -143,6 +177,7 @@ def test_a_detached_training_outlives_its_kernels_restart_and_kill_and_is_attach
         kc.start_channels()
         kc.wait_for_ready(timeout=60)
         execute(kc, "%load_ext elastic_magic\nimport elastic_magic")
+        go.touch()
         reply, said = execute(kc, f"job = elastic_magic.attach({run_id!r})\n"
                                   "result = job.wait()\n"
                                   "print(result.state.value, result.restarts, result.values)",
@@ -151,8 +186,8 @@ def test_a_detached_training_outlives_its_kernels_restart_and_kill_and_is_attach
         values = uninterrupted_parameters()
         assert f"succeeded 0 {({0: values, 1: values})}" in said
         agent.wait(timeout=30)  # the result was taken: the agent leaves, and all it started
-        assert not list((cache / "elastic_magic" / "detached").iterdir())
-        assert [p for p in ours if p.is_running() and p.status() != "zombie"] == []
+        assert psutil.wait_procs(ours, timeout=10)[1] == []
+        assert not list(detached_folder.runtime_folder().iterdir())
     finally:
         kc.stop_channels()
         if km.is_alive():
@@ -166,7 +201,7 @@ def test_another_user_can_neither_find_nor_attach_and_is_refused_and_logged(tmp_
     cache.mkdir(mode=0o711)
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     spec = elastic_magic.JobSpec.create(1, detach=True, keep=5, log_dir=tmp_path)
-    job = attached.start(spec, build_payload("import time\ntime.sleep(600)", spec))
+    job = detached_launch.start(spec, build_payload("import time\ntime.sleep(600)", spec))
     folder = detached_folder.runtime_folder()
     try:
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
@@ -207,7 +242,9 @@ def test_another_user_can_neither_find_nor_attach_and_is_refused_and_logged(tmp_
                                     "connect PermissionError"], said
         # Even with the folder and socket opened up (a mistaken chmod), the agent refuses a
         # connection from another user before the handshake, and says so in its log.
-        for path in (cache / "elastic_magic", folder):
+        for path in (folder, *folder.parents):
+            if path == cache:
+                break
             path.chmod(0o711)
         (folder / f"{job.run_id}.sock").chmod(0o666)
         said = as_nobody()
@@ -229,8 +266,9 @@ def test_the_detached_agent_killed_leaves_nothing_and_the_next_job_resumes(cache
     checkpoint = tmp_path / "ckpt"
     spec = elastic_magic.JobSpec.create(2, detach=True, log_dir=tmp_path / "logs",
                                         checkpoint_dir=checkpoint)
-    source = TRAIN.replace("STEPS", str(STEPS)).replace("SLEEP", "0.05")
-    job = attached.start(spec, build_payload(source, spec))
+    (tmp_path / "go").touch()
+    source = training(STEPS, 0.01, tmp_path / "go")
+    job = detached_launch.start(spec, build_payload(source, spec))
     assert job.wait_for_commit(6, timeout=120)
     agent = psutil.Process(job.connection.pid)
     ours = [agent, *agent.children(recursive=True)]  # its warm pool, shepherds, workers
@@ -239,11 +277,7 @@ def test_the_detached_agent_killed_leaves_nothing_and_the_next_job_resumes(cache
     with pytest.raises(elastic_magic.AgentError, match=r"detached agent .* is gone"):
         job.wait()
     assert wait_until_no_workers(timeout=10) == []
-    deadline = time.monotonic() + 10
-    while (left := [p for p in ours if p.is_running() and p.status() != "zombie"]) and \
-            time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert left == []
+    assert psutil.wait_procs(ours, timeout=10)[1] == []
     assert attached.detached_jobs() == []  # its stale connection file is not listed
     # The next job (in the kernel, this time) resumes from the last commit on disk.
     spec = elastic_magic.JobSpec.create(2, log_dir=tmp_path / "logs2",
@@ -283,3 +317,62 @@ def test_an_attaching_kernel_gets_every_event_but_only_the_tail_of_each_ranks_ou
     assert history.left_out == 2 * 2 * TAIL_LINES  # in the run's logs
     ranks = [e.rank for e in events if isinstance(e, Output) and e.stream == "stdout"]
     assert ranks[:4] == [0, 1, 0, 1]  # in the order they happened
+
+
+# A "kernel" (a Python process, killed outright below) that starts a detached job on two
+# machines (--launcher local: the other one started by the job) and waits.
+SEVERAL_MACHINES = """
+import sys
+import elastic_magic
+from elastic_magic.agent.handles import detached_launch
+from elastic_magic.wire.payload import build_payload
+cell = '''
+import os, time, torch.distributed as dist
+while not os.path.exists(GO):
+    time.sleep(0.05)
+(dist.get_rank(), dist.get_world_size(), os.environ.get("ELASTIC_MAGIC_ALLOCATION", "head"))
+'''
+spec = elastic_magic.JobSpec.create(1, detach=True, nnodes="2", launcher="local",
+                                    log_dir=sys.argv[2])
+job = detached_launch.start(spec, build_payload(cell, spec,
+                                                namespace={"GO": sys.argv[1]}))
+print(job.run_id, flush=True)
+assert job.wait_for_running(180)
+print("running", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.cluster
+def test_a_detached_job_on_several_machines_keeps_them_when_its_kernel_dies(cache, tmp_path):
+    go = tmp_path / "go"
+    kernel = subprocess.Popen([sys.executable, "-c", SEVERAL_MACHINES, str(go),
+                               str(tmp_path / "logs")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert kernel.stdout is not None
+        run_id = kernel.stdout.readline().strip()
+        assert kernel.stdout.readline() == "running\n", run_id
+    finally:
+        kernel.kill()  # the kernel we started, mid-training
+        kernel.wait()
+    job = attached.attach(run_id)
+    assert job.status()["nnodes"] == 2 and not job.done
+    go.touch()
+    result = job.wait()
+    assert result.ok and result.world_size == 2
+    assert sorted(result.values.values()) == [(0, 2, "head"), (1, 2, "local1#1")]
+
+
+@pytest.mark.unit
+def test_an_attaching_kernel_gets_the_newest_logged_points_not_days_of_them(monkeypatch):
+    monkeypatch.setattr(detached_agent, "LOGGED", 1000)
+    history = History()
+    for batch in range(300):  # 3000 points in batches of 10
+        history.add(Logged(0, tuple((float(batch), batch * 10 + i, "loss", 1.0)
+                                    for i in range(10))))
+    history.add(StateChanged(JobState.SUCCEEDED))
+    kept = [e for e in history.events() if isinstance(e, Logged)]
+    steps = [point[1] for event in kept for point in event.points]
+    assert steps == list(range(2000, 3000))  # the newest, in order
+    assert isinstance(history.events()[-1], StateChanged)

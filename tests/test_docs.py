@@ -48,6 +48,9 @@ def test_the_site_builds_with_its_examples_run_and_its_references_taken_from_the
     assert re.search(r"\(\d, 3, 'head'\)", grown), grown[-3000:]
     assert "'local1#1')" in grown and "'local2#2')" in grown
     assert "launcher: no allocation left" in grown
+    detached = html.unescape((out / "how-to" / "detach.html").read_text())
+    assert "[rank 0] step 10" in detached  # followed again after the detach
+    assert "('succeeded', {0: 30.0, 1: 30.0})" in detached, detached[-3000:]
     # every option of spec.OPTIONS, with its flag, as the magic's parser has it
     options = (out / "reference" / "options.html").read_text()
     for option in OPTIONS:

@@ -263,3 +263,22 @@ def _assert_tutorial_ran(text: str) -> None:
     assert "running on 2 machines, world size 2" in text
     assert "restarts: 0" in text and "same parameters as the run on one machine" in text
     assert "allocations left: none" in text
+
+
+def test_detach_tutorial_picks_the_training_up_again(tmp_path, monkeypatch):
+    from elastic_magic.agent.handles import attached, detached_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the kernel's too
+    nb = execute("09_detach.ipynb", tmp_path)
+    text = shown(nb)
+    assert "'%%elastic --nproc 2 --detach --bg -o job')]" in text  # detached_jobs() lists it
+    # The attaching cell's record: the whole run, from its first round, every rank's lines.
+    (attach,) = [_text(c) for c in nb.cells if c.source.startswith("%elastic attach")]
+    assert "rendezvous round 1: world size 2" in attach and "succeeded" in attach, attach
+    assert "[rank 0] step 20: loss" in attach and "[rank 1] step 60: loss" in attach
+    assert re.search(r"succeeded \{0: -?[\d.]+, 1: -?[\d.]+\}", text), text
+    folder = detached_folder.runtime_folder()
+    deadline = time.monotonic() + 30  # the result taken, the agent (and the standby) gone
+    while list(folder.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert attached.detached_jobs() == [] and list(folder.iterdir()) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..agent.handles import attached
+from ..agent.handles import detached_launch
 from ..agent.handles.job import Job, Renderer
 from ..result import JobFailedError, JobResult
 from ..spec import JobSpec, options_help
@@ -60,7 +60,7 @@ def launch(
     Options:"""
     spec = JobSpec.create(**options)
     payload = build_payload(target, spec, args=args, kwargs=kwargs, namespace=namespace)
-    job = attached.start(spec, payload, title=getattr(target, "__name__", "launch")) \
+    job = detached_launch.start(spec, payload, title=getattr(target, "__name__", "launch")) \
         if spec.detach else Job(spec, payload).start()
     result = job.wait(render or TextRenderer())
     if check and result.state is JobState.FAILED:

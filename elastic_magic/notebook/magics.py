@@ -11,9 +11,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..agent.handles import attached
+from ..agent.handles import attached, detached_launch
 from ..agent.handles.ended import EndedJob
+from ..agent.handles.handle import next_batch
 from ..agent.handles.job import Job, Renderer
+from ..folders import NotPrivate
 from ..result import JobResult
 from ..spec import OPTION_NAMES, JobSpec, SpecError, flag_arguments
 from ..ui.text import TextRenderer
@@ -139,7 +141,7 @@ class ElasticMagics(Magics):
                              "start` starts one.")
         spec = self._spec(opts)
         payload = self._payload(cell, spec)
-        job = attached.start(spec, payload, title=f"%%elastic {line}".strip()) \
+        job = detached_launch.start(spec, payload, title=f"%%elastic {line}".strip()) \
             if spec.detach else Job(spec, payload)
         view: Renderer | None = None
         try:  # from here on, an interrupt or error anywhere must not orphan the job
@@ -247,8 +249,11 @@ class ElasticMagics(Magics):
                            view=getattr(view, "panel_view", None))
         return view
 
-    def _follow_in_background(self, job: Job, text: bool, out: str | None) -> Job | None:
+    def _follow_in_background(self, job: Job, text: bool, out: str | None, *,
+                              story: bool = False) -> Job | None:
         view = self._show(job, text, background=True)
+        if story:  # an attached job's events so far: shown in this cell, before it returns
+            view(next_batch(job.events, wait=False))
         if out:
             self.shell.user_ns[out] = job
         threading.Thread(target=self._follow, args=(job, view), daemon=True,
@@ -261,18 +266,22 @@ class ElasticMagics(Magics):
         """``%elastic attach [RUN_ID] [-o NAME] [--text]``: follow a detached job here."""
         out = words[words.index("-o") + 1] if "-o" in words[:-1] else None
         names = [w for w in words if w not in ("-o", "--text", out)]
-        if len(names) > 1 or (out is not None and not out.isidentifier()):
-            raise UsageError("%elastic attach [RUN_ID] [-o NAME] [--text]")
+        if len(names) > 1 or words[-1:] == ["-o"] or (out is not None
+                                                       and not out.isidentifier()):
+            raise UsageError("usage: %elastic attach [RUN_ID] [-o NAME] [--text] (NAME: a "
+                             "Python variable name)")
         try:
             job = attached.attach(names[0] if names else None)
-        except attached.DetachedError as exc:
+        except (attached.DetachedError, NotPrivate) as exc:
             raise UsageError(f"%elastic attach: {exc}") from None
-        return self._follow_in_background(job, "--text" in words, out)
+        return self._follow_in_background(job, "--text" in words, out, story=True)
 
     def _follow(self, job: Job, view: Renderer) -> None:
         """Background jobs: keep the view fed until the job ends, then pull variables."""
         try:
             result = job.wait(view)
+        except attached.DetachedError:  # this kernel let a detached job go: it runs on
+            return
         finally:
             finish_view(view)
         if result.ok:
@@ -289,8 +298,10 @@ class ElasticMagics(Magics):
         return cell_value(result, shown=shown)
 
     def stop_all(self) -> None:
-        """End every job of this kernel that still runs (the extension is unloaded)."""
+        """End every job of this kernel that still runs (the extension is unloaded); a
+        detached job only loses its follower here, and the next one's agent exits."""
         self.job_commands.end_all("the extension was unloaded")
+        detached_launch.drop_standby()
         if self.sessions.session is not None:
             self.sessions.session.stop()
         self.channel.close()

@@ -3,8 +3,8 @@ frames over a unix socket that only the user can reach (``agent/handles/detached
 
 The agent sends each attaching kernel the job as it stands (``Welcome``), then what happens
 (``NewEvents``, ``StatusChanged``) and, once, how it ended (``Ended``). A kernel sends
-commands (``Command``, ``StacksAsked``) and says when it has the result (``ResultTaken``),
-after which the agent leaves nothing behind."""
+commands (``Command``, ``StacksAsked``, ``ScaleNodes``) and says when it has the result
+(``ResultTaken``), after which the agent leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -74,9 +74,16 @@ class StacksAsked:
 
 
 @dataclass(frozen=True)
+class ScaleNodes:
+    """Ask the job's launcher for ``nnodes`` machines in all (``Job.scale_nodes``)."""
+
+    nnodes: int
+
+
+@dataclass(frozen=True)
 class ResultTaken:
     """The kernel has the result: the agent may go."""
 
 
 ToKernel = Welcome | NewEvents | StatusChanged | Ended | StacksAnswer
-ToAgent = Command | StacksAsked | ResultTaken
+ToAgent = Command | StacksAsked | ScaleNodes | ResultTaken

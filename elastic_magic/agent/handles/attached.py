@@ -8,25 +8,20 @@ finds it again); ``stop()`` ends it."""
 from __future__ import annotations
 
 import itertools
-import os
-import pickle
 import queue
 import socket
-import subprocess
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ...spec import JobSpec
+from ...result import JobResult
 from ...wire import attach_messages as told
 from ...wire.messages import StacksCommand
-from ...wire.payload import Payload
-from ..machines.hub import HubError, answer_challenge
-from ..node import interpreter
+from ..machines.hub import Link, answer_challenge
 from . import detached_folder
-from .detached_agent import Order, SignedSocket
-from .handle import AgentError, AgentThread, new_run_id
+from .handle import AgentError, AgentThread
 from .job import Job
 
 
@@ -52,22 +47,28 @@ class AttachedJob(Job):
     """
 
     def __init__(self, connection: detached_folder.Connection) -> None:
+        run_id = connection.run_id
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             detached_folder.at_socket(sock, Path(connection.folder),
-                                      detached_folder.socket_name(connection.run_id),
-                                      bind=False)
+                                      detached_folder.socket_name(run_id), bind=False)
             key = answer_challenge(
-                sock, connection.token, f"{connection.run_id}: its agent refused this "
-                "kernel's token", f"{connection.run_id}: the agent could not prove its token")
-            self._link = SignedSocket(sock, key)
+                sock, connection.token, f"{run_id}: its agent refused this kernel's token",
+                f"{run_id}: the agent could not prove its token")
+            self._link = Link(sock, key, run_id)
             welcome = self._link.recv()
-        except (OSError, HubError, EOFError) as exc:
+            if not isinstance(welcome, told.Welcome):
+                raise DetachedError(f"{run_id}: its agent did not greet this kernel")
+        except DetachedError:
             sock.close()
-            raise DetachedError(f"cannot attach to {connection.run_id}: {exc}") from None
-        if not isinstance(welcome, told.Welcome):
-            self._link.close()
-            raise DetachedError(f"{connection.run_id}: its agent did not greet this kernel")
+            raise
+        except Exception as exc:  # refused, gone, or a frame that failed its signature
+            sock.close()
+            raise DetachedError(f"cannot attach to {run_id}: {exc or type(exc).__name__}"
+                                ) from None
+        except BaseException:  # Ctrl-C while attaching: nothing is left open
+            sock.close()
+            raise
         AgentThread.__init__(self, welcome.spec, welcome.run_id, hosts=False)
         self.events = queue.Queue()
         self._forward = None
@@ -79,6 +80,7 @@ class AttachedJob(Job):
         for event in welcome.history:
             self.events.put(event)
         self._requests = itertools.count()
+        self._stacks_lock = threading.Lock()  # the sender adds, the reader answers
         self._stacks: dict[int, Future[dict[int, str]]] = {}
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"elastic-attached-{self.run_id}")
@@ -107,7 +109,9 @@ class AttachedJob(Job):
                     case told.StatusChanged(changed):
                         self._board.publish(**changed)
                     case told.StacksAnswer(request, stacks):
-                        if (answer := self._stacks.pop(request, None)) is not None:
+                        with self._stacks_lock:
+                            answer = self._stacks.pop(request, None)
+                        if answer is not None:
                             answer.set_result(stacks)
                     case told.Ended(result, error):
                         self.result = result
@@ -117,30 +121,39 @@ class AttachedJob(Job):
                         return
         except Exception as exc:  # the agent is gone (killed) or the link failed
             if not self.detached:
-                why = str(exc) or "its socket closed"
-                self.error = AgentError(
-                    f"the detached agent of {self.run_id} is gone ({why}): its workers "
-                    "ended with it; with --checkpoint-dir the next job resumes from the "
-                    "last commit")
+                self.error = AgentError(self._lost(str(exc) or "its socket closed"))
         finally:
-            self._link.close()
             self._done.set()
             self._board.publish(done=True)
-            self._inbox.put(None)  # type: ignore[arg-type]  # the command sender's end
-            self._answer_late()
+            self._inbox.put(None)  # type: ignore[arg-type]  # the sender's end: it closes
+
+    def _lost(self, why: str) -> str:
+        run_id = self.run_id
+        if detached_folder.alive(self.connection.pid):
+            return (f"the link to the detached agent of {run_id} failed ({why}); the job "
+                    f"may run on: %elastic attach {run_id} follows it again")
+        return (f"the detached agent of {run_id} is gone ({why}): its workers ended with "
+                "it; with --checkpoint-dir the next job resumes from the last commit")
 
     def _send_commands(self) -> None:
-        while (item := self._inbox.get()) is not None:
-            if isinstance(item, StacksCommand):
-                request = next(self._requests)
-                self._stacks[request] = item.answer
-                self._link.send(told.StacksAsked(request))
-            else:
-                self._link.send(told.Command(item))  # type: ignore[arg-type]
+        try:
+            while (item := self._inbox.get()) is not None:
+                if isinstance(item, StacksCommand):
+                    with self._stacks_lock:
+                        request = next(self._requests)
+                        self._stacks[request] = item.answer
+                    self._link.send(told.StacksAsked(request))
+                else:
+                    self._link.send(told.Command(item))  # type: ignore[arg-type]
+        finally:
+            self._link.close()  # only now: no thread reads or sends on it any more
+            self._answer_late()
 
     def _answer_unserved(self, item: Any) -> None:
         super()._answer_unserved(item)
-        for answer in self._stacks.values():
+        with self._stacks_lock:
+            waiting, self._stacks = list(self._stacks.values()), {}
+        for answer in waiting:
             if not answer.done():
                 answer.set_result({})
 
@@ -148,10 +161,53 @@ class AttachedJob(Job):
         """Stop following the job here; it runs on (``attach`` finds it again)."""
         if not self.done:
             self.detached = True
-            self._link.close()
+            self._link.shutdown()  # the reader closes it
 
     def _interrupted(self) -> None:
         self.detach()
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Ask the detached agent to stop every worker; returns at once.
+
+        Args:
+            reason: Why, as the job's result and panel show it.
+
+        Raises:
+            DetachedError: This handle detached (attach again to stop it).
+        """
+        self._following("stop")
+        super().stop(reason)
+
+    def scale(self, nproc: int, immediate: bool = False, include: Iterable[int] = ()) -> None:
+        """Resize to ``nproc`` workers (see ``Job.scale``).
+
+        Args:
+            nproc: The new number of workers on the job's machine.
+            immediate: Restart the group at the new size now, from the last commit.
+            include: Worker slots left out for failing again that may come back.
+
+        Raises:
+            SpecError: ``nproc`` is outside the job's --min-nproc/--max-nproc bounds.
+            DetachedError: This handle detached (attach again to resize it).
+        """
+        self._following("scale")
+        super().scale(nproc, immediate, include)
+
+    def _following(self, what: str) -> None:
+        if self.detached:
+            raise DetachedError(f"{what}: this kernel detached from {self.run_id}; "
+                                f"%elastic attach {self.run_id} follows it again")
+
+    def _ended_with(self) -> JobResult:
+        if self.result is None:  # detached by another thread: the job runs on
+            raise DetachedError(f"this kernel detached from {self.run_id}, which runs on: "
+                                f"%elastic attach {self.run_id} follows it again")
+        return self.result
+
+    def _ask_for_machines(self, nnodes: int) -> None:
+        if self.done:
+            raise ValueError(f"{self.run_id} has already ended.")
+        self._link.send(told.ScaleNodes(nnodes))
 
     def end(self, reason: str) -> None:
         """Detach: a detached job outlives what ends the kernel's view of it (Ctrl-C, the
@@ -168,41 +224,6 @@ class AttachedJob(Job):
         """What a Ctrl-C in ``wait`` did, as the notebook says it."""
         return (f"job {self.run_id} runs on, detached: %elastic attach {self.run_id} (or "
                 f"elastic_magic.attach({self.run_id!r})) follows it again")
-
-
-def start(spec: JobSpec, payload: Payload, *, title: str = "",
-          run_id: str | None = None) -> AttachedJob:
-    """Start ``payload`` as a detached job (its agent in a process of its own) and attach.
-    Its result waits ``spec.keep`` seconds for a kernel once it has ended.
-
-    Raises:
-        DetachedError: The agent did not start (its log says why).
-    """
-    folder = detached_folder.runtime_folder()
-    run_id = run_id or new_run_id()
-    log = os.open(folder / f"{run_id}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        agent = subprocess.Popen(
-            interpreter.command("elastic_magic.agent.handles.detached_agent"),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=payload.cwd,
-            env=interpreter.without_relative_pythonpath(dict(os.environ)),
-            start_new_session=True, close_fds=True)
-    finally:
-        os.close(log)
-    # Reaped here while this kernel lives; by init once it is gone.
-    threading.Thread(target=agent.wait, daemon=True, name=f"elastic-reap-{run_id}").start()
-    assert agent.stdin is not None and agent.stdout is not None
-    with agent.stdin:
-        pickle.dump(Order(spec, payload, run_id, title), agent.stdin)
-    ready = agent.stdout.readline()  # the socket listens and the connection file is there
-    agent.stdout.close()
-    if not ready:
-        said = (folder / f"{run_id}.log").read_text(errors="replace")[-2000:]
-        raise DetachedError(f"the detached agent of {run_id} did not start:\n{said}")
-    connection = detached_folder.read(folder / f"{run_id}.json")
-    if connection is None:
-        raise DetachedError(f"{run_id}: the agent's connection file is not a private file")
-    return AttachedJob(connection)
 
 
 def detached_jobs() -> list[detached_folder.Connection]:

@@ -3,7 +3,8 @@ own, never a fork of the kernel) that runs the job as a kernel's agent thread wo
 kernel's death, restart or interrupt does not touch it. Kernels of the same user attach to
 it through a unix socket in their private runtime folder (``detached_folder``).
 
-The kernel that starts it writes the job (``Order``) into its stdin, a pipe nobody else can
+The kernel that starts it writes the job (``Order``) into its stdin (a standby first gets
+``Prewarm``, and starts its warm pool while it waits for a job), a pipe nobody else can
 reach, and reads one line back once the socket listens. The agent keeps the job's events
 (each rank's output as its last lines; all of it is in the run's logs), so a kernel that
 attaches later sees the job's story, then follows it live. Once the job has ended it keeps
@@ -18,6 +19,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -31,15 +33,31 @@ from typing import Any
 from ...spec import JobSpec
 from ...wire import attach_messages as attach
 from ...wire.events import Event, Output
+from ...wire.metrics import Logged
 from ...wire.payload import Payload
-from ...wire.protocol import Channel
-from ..machines.hub import HubError, challenge, new_token
+from ..machines.hub import HubError, Link, challenge, new_token
+from ..node.environment import inherited_env
+from ..node.pool import PoolError, shutdown_pool, warm_pool
 from ..status import JobStatus
 from . import detached_folder
 from .handle import next_batch
 from .job import Job
 
+SEND_TIMEOUT = 30  # seconds a send to an attached kernel may block before it is let go
 TAIL_LINES = 1000  # output lines per rank and stream a kernel gets when it attaches
+LOGGED = 200_000  # logged points it gets at most, the newest (about 20 MB in the agent)
+
+
+@dataclass(frozen=True)
+class Prewarm:
+    """A standby agent's warm pool: made for a job of this size, folder and path, from a
+    kernel whose environment had this digest (the standby took it when it started)."""
+
+    nproc: int
+    cwd: str
+    sys_path: tuple[str, ...]
+    preload: tuple[str, ...]
+    environ: str
 
 
 @dataclass(frozen=True)
@@ -61,38 +79,16 @@ def status_fields(status: JobStatus) -> dict[str, Any]:
     return found
 
 
-class SignedSocket:
-    """One attached kernel: signed frames both ways, sends serialised."""
-
-    def __init__(self, sock: socket.socket, key: bytes) -> None:
-        self.sock = sock
-        self._channel = Channel(sock.fileno(), key)
-        self._lock = threading.Lock()
-
-    def send(self, message: Any) -> bool:
-        with self._lock:
-            try:
-                self._channel.send(message)
-                return True
-            except OSError:
-                return False
-
-    def recv(self) -> Any:
-        return self._channel.recv()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        with self._lock:
-            self.sock.close()
-
-
 class History:
-    """The job's events for a kernel that attaches: all but output, and each rank's last
-    ``TAIL_LINES`` lines of output per stream."""
+    """The job's events for a kernel that attaches: the job's story (its states, rounds,
+    failures, commits), each rank's last ``TAIL_LINES`` lines of output per stream, and the
+    newest ``LOGGED`` points of logged scalars (a training that logs every step for days
+    would otherwise grow the agent without end; ``JobResult.metrics`` keeps every point)."""
 
     def __init__(self) -> None:
         self._events: list[tuple[int, Event]] = []
+        self._logged: deque[tuple[int, Logged]] = deque()
+        self._points = 0
         self._output: dict[tuple[int, str], deque[tuple[int, Output]]] = {}
         self._lines: dict[tuple[int, str], int] = {}
         self._count = 0
@@ -100,6 +96,12 @@ class History:
 
     def add(self, event: Event) -> None:
         self._count += 1
+        if isinstance(event, Logged):
+            self._logged.append((self._count, event))
+            self._points += len(event.points)
+            while len(self._logged) > 1 and self._points > LOGGED:
+                self._points -= len(self._logged.popleft()[1].points)
+            return
         if not isinstance(event, Output):
             self._events.append((self._count, event))
             return
@@ -114,7 +116,8 @@ class History:
 
     def events(self) -> tuple[Event, ...]:
         merged: list[tuple[int, Event]] = [
-            *self._events, *(item for kept in self._output.values() for item in kept)]
+            *self._events, *self._logged,
+            *(item for kept in self._output.values() for item in kept)]
         return tuple(event for _, event in sorted(merged, key=lambda item: item[0]))
 
 
@@ -129,9 +132,9 @@ class DetachedAgent:
         self.history = History()
         self.ended: attach.Ended | None = None
         self.taken = threading.Event()
+        self.stopping: str | None = None  # a signal's name: the job stops, the agent goes
         self._lock = threading.Lock()  # history and the attached kernels change together
-        self._kernels: list[SignedSocket] = []
-        self._requests: dict[tuple[int, int], Any] = {}
+        self._kernels: list[Link] = []
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.socket = folder / detached_folder.socket_name(order.run_id)
         with contextlib.suppress(FileNotFoundError):
@@ -152,16 +155,23 @@ class DetachedAgent:
         self.job.start()
         try:
             self._pump()
-            self.taken.wait(self.order.spec.keep)
+            shutdown_pool()  # no group starts again: the warm pool goes, the result waits
+            deadline = time.monotonic() + self.order.spec.keep
+            while not self.taken.wait(0.2) and self.stopping is None \
+                    and time.monotonic() < deadline:
+                pass
         finally:
             self._close()
         return 0
 
     def _pump(self) -> None:
         """The job's events and status to every attached kernel, until it ends."""
-        status = self.job.status_snapshot
+        status, stopped = self.job.status_snapshot, False
         while True:
             batch = next_batch(self.job.events, wait=True)
+            if self.stopping is not None and not stopped:  # a signal's handler said so
+                self.job.stop(f"the detached agent got {self.stopping}")
+                stopped = True
             now = self.job.status_snapshot
             with self._lock:
                 for event in batch:
@@ -181,7 +191,13 @@ class DetachedAgent:
                     return
 
     def _broadcast(self, message: Any) -> None:
-        self._kernels = [kernel for kernel in self._kernels if kernel.send(message)]
+        kept = []
+        for kernel in self._kernels:
+            if kernel.send(message):
+                kept.append(kernel)
+            else:  # gone, or it stopped reading (mid-frame, maybe): its reader closes it
+                kernel.shutdown()
+        self._kernels = kept
 
     def _accept(self) -> None:
         while True:
@@ -199,8 +215,11 @@ class DetachedAgent:
                   f"{os.getuid()}'s", file=sys.stderr, flush=True)
             sock.close()
             return
+        # A kernel that stops reading (frozen, or its machine asleep) is let go rather
+        # than blocking the job's events for every other kernel.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT, 0))
         try:
-            kernel = SignedSocket(sock, challenge(sock, self.token, "a kernel"))
+            kernel = Link(sock, challenge(sock, self.token, "a kernel"), "a kernel")
         except (HubError, OSError) as exc:
             print(f"refused an attach: {exc}", file=sys.stderr, flush=True)
             sock.close()
@@ -214,11 +233,13 @@ class DetachedAgent:
                 self._kernels.append(kernel)
         self._serve(kernel)
 
-    def _serve(self, kernel: SignedSocket) -> None:
+    def _serve(self, kernel: Link) -> None:
         while True:
             try:
                 message = kernel.recv()
             except Exception:  # gone, or a frame that failed its signature
+                with self._lock:  # no broadcast writes to it once its descriptor is closed
+                    self._kernels = [k for k in self._kernels if k is not kernel]
                 kernel.close()
                 return
             match message:
@@ -227,39 +248,76 @@ class DetachedAgent:
                 case attach.StacksAsked(request):
                     self.job.request_stacks().add_done_callback(
                         _answering(kernel, request))
+                case attach.ScaleNodes(nnodes):
+                    with contextlib.suppress(ValueError):  # it ended meanwhile
+                        self.job.scale_nodes(nnodes)
                 case attach.ResultTaken():
                     self.taken.set()
 
     def _close(self) -> None:
-        detached_folder.remove(self.folder, self.order.run_id, log=True)
+        ended_well = self.ended is not None and self.ended.error is None
+        detached_folder.remove(self.folder, self.order.run_id, log=ended_well)
+        with contextlib.suppress(OSError):  # wakes the accepting thread; close() would not
+            self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
         with self._lock:
             for kernel in self._kernels:
-                kernel.close()
+                kernel.shutdown()  # each reader closes its own
             self._kernels = []
 
 
-def _answering(kernel: SignedSocket, request: int) -> Callable[[Future[dict[int, str]]], None]:
+def _answering(kernel: Link, request: int) -> Callable[[Future[dict[int, str]]], None]:
     def answer(done: Future[dict[int, str]]) -> None:
         kernel.send(attach.StacksAnswer(request, done.result()))
 
     return answer
 
 
-def main() -> int:
-    """``elastic_magic.agent.handles.detached_agent``: started by ``attached.start``."""
-    order = pickle.load(sys.stdin.buffer)  # our own kernel's pipe: nobody else writes it
-    assert isinstance(order, Order)
-    agent = DetachedAgent(order, detached_folder.runtime_folder())
+def _warm(wanted: Prewarm) -> None:
+    """A standby's warm pool, as a kernel's is after a job of this size: the zygote, and
+    a spare rank forked ahead for each of the job's workers."""
+    with contextlib.suppress(PoolError):
+        zygote = warm_pool().zygote_for(inherited_env(wanted.nproc), wanted.cwd,
+                                        wanted.sys_path, wanted.preload)
+        zygote.keep_spares(wanted.nproc)
 
-    def stop(signum: int, _: Any) -> None:
-        agent.job.stop(f"the detached agent got {signal.Signals(signum).name}")
-        agent.taken.set()
+
+def _order(folder: Path, log: str) -> Order | None:
+    """The job, from our own kernel's pipe (nobody else writes it); a standby warms its
+    pool first. None when the kernel closed the pipe instead (it is gone, or gave us up)."""
+    try:
+        first = pickle.load(sys.stdin.buffer)
+        if isinstance(first, Prewarm):
+            threading.Thread(target=_warm, args=(first,), daemon=True,
+                             name="elastic-standby-warm").start()
+            first = pickle.load(sys.stdin.buffer)
+    except (EOFError, pickle.UnpicklingError):  # the kernel went (or gave us up)
+        shutdown_pool()
+        with contextlib.suppress(FileNotFoundError):
+            (folder / log).unlink()
+        return None
+    assert isinstance(first, Order)
+    os.rename(folder / log, folder / f"{first.run_id}.log")  # where its kernel looks
+    return first
+
+
+def main() -> int:
+    """``elastic_magic.agent.handles.detached_agent LOG``: started by ``detached_launch``
+    (LOG: its log's name in the runtime folder, its stderr)."""
+    folder = detached_folder.runtime_folder()
+    order = _order(folder, sys.argv[1])
+    if order is None:
+        return 0
+    agent = DetachedAgent(order, folder)
+
+    def stop(signum: int, _: Any) -> None:  # no lock taken here: the pump acts on it
+        agent.stopping = signal.Signals(signum).name
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     agent.publish()
-    print(agent.socket, flush=True)  # the kernel's go-ahead
+    with contextlib.suppress(OSError):  # a kernel interrupted meanwhile: the job runs on
+        print(agent.socket, flush=True)  # the kernel's go-ahead
     with contextlib.suppress(OSError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     return agent.serve()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import struct
 import tempfile
@@ -19,7 +20,7 @@ from ... import folders
 
 
 def runtime_folder() -> Path:
-    """``~/.cache/elastic_magic/detached``, made private if new.
+    """``~/.cache/elastic_magic/detached/HOSTNAME``, made private if new.
 
     Raises:
         NotPrivate: It exists and someone else owns it or may write to or read it.
@@ -27,6 +28,9 @@ def runtime_folder() -> Path:
     cache = folders.cache_folder()
     where = cache / "detached" if cache else Path(
         tempfile.gettempdir(), f"elastic_magic-{os.getuid()}", "detached")
+    # A home folder a cluster's machines share: each machine's jobs apart (their PIDs and
+    # sockets mean nothing on another machine).
+    where /= re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
     fd, real = folders.own_path(where, create=True, private=True)
     os.close(fd)
     return real
@@ -75,7 +79,7 @@ def connections(folder: Path | None = None) -> list[Connection]:
     found = []
     for path in sorted(folder.glob("em-*.json")):
         connection = read(path)
-        if connection is not None and _alive(connection.pid):
+        if connection is not None and alive(connection.pid):
             found.append(connection)
         elif connection is not None:  # its agent was killed: nothing to attach to
             remove(folder, connection.run_id)
@@ -110,11 +114,13 @@ def peer_uid(sock: socket.socket) -> int:
     return int(struct.unpack("3i", creds)[1])
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a live process of the user's has this PID on this machine (one that died
+    and waits to be reaped, a zombie, is not)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process has that PID now
-        return False
-    return True
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[0]
+    except (ProcessLookupError, PermissionError, FileNotFoundError, IndexError):
+        return False  # gone; or another user's process has that PID now
+    return state != b"Z"

@@ -189,13 +189,10 @@ class AgentThread:
             SpecError: The job has no --launcher, or ``nnodes`` is outside MIN:MAX.
             ValueError: The job has ended.
         """
-        if self.spec.launcher is None:
-            raise SpecError("scale --nodes needs a job started with --launcher (slurm, ssh); "
-                            "without one, machines join and leave with elastic-magic join.")
-        if not self.spec.min_nodes <= nnodes <= self.spec.max_nodes:
-            raise SpecError(f"scale --nodes {nnodes}: this job runs between "
-                            f"{self.spec.min_nodes} and {self.spec.max_nodes} machines "
-                            "(--nnodes MIN:MAX).")
+        self._check_nodes(nnodes)
+        self._ask_for_machines(nnodes)
+
+    def _ask_for_machines(self, nnodes: int) -> None:
         agent = self._agent  # the launcher's target is thread-safe to move
         if agent is None:  # it ended (or is ending): nothing will ask for machines
             raise ValueError(f"{self.run_id} has already ended.")
@@ -203,6 +200,15 @@ class AgentThread:
         if not isinstance(role, Head):  # cannot be: a job with --launcher hosts the others
             raise SpecError(f"scale --nodes: {self.run_id} does not host its machines.")
         role.launched.scale(nnodes)
+
+    def _check_nodes(self, nnodes: int) -> None:
+        if self.spec.launcher is None:
+            raise SpecError("scale --nodes needs a job started with --launcher (slurm, ssh); "
+                            "without one, machines join and leave with elastic-magic join.")
+        if not self.spec.min_nodes <= nnodes <= self.spec.max_nodes:
+            raise SpecError(f"scale --nodes {nnodes}: this job runs between "
+                            f"{self.spec.min_nodes} and {self.spec.max_nodes} machines "
+                            "(--nnodes MIN:MAX).")
 
     def wait_for_join_command(self, timeout: float | None = None) -> str | None:
         """The command other machines run to join (``--nnodes`` above 1), once the

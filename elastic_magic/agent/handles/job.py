@@ -249,7 +249,10 @@ class Job(AgentThread):
             raise agent_error("the elastic agent", self.error) from self.error
         if interrupted:
             raise KeyboardInterrupt
-        assert self.result is not None
+        return self._ended_with()
+
+    def _ended_with(self) -> JobResult:
+        assert self.result is not None  # the agent ended without error: it left one
         return self.result
 
     def _interrupted(self) -> None:

@@ -31,7 +31,9 @@ import socket
 import struct
 import threading
 from datetime import timedelta
+from typing import Any
 
+from ...wire.attach_messages import ToAgent, ToKernel
 from ...wire.chunk_messages import ChunkPiece
 from ...wire.link_messages import Heartbeat, JobOffer, LinkMessage
 from ...wire.protocol import Channel
@@ -99,6 +101,10 @@ def answer_challenge(sock: socket.socket, token: str, refused: str, unproven: st
     return _proof(token, b"key", server_nonce, client_nonce)
 
 
+# What a link carries: between machines, and between a detached job's agent and kernels.
+Frame = LinkMessage | ToKernel | ToAgent
+
+
 class Link:
     """One authenticated connection; sends are serialised (several threads send)."""
 
@@ -128,23 +134,32 @@ class Link:
             if not self.send(Heartbeat()):
                 return
 
-    def send(self, message: LinkMessage) -> bool:
-        """False once the connection is gone."""
+    def send(self, message: Frame) -> bool:
+        """False once the connection is gone (or closed here: its descriptor may already
+        name another file)."""
         with self._lock:
+            if self._closed.is_set():
+                return False
             try:
                 self._channel.send(message)
                 return True
             except OSError:
                 return False
 
-    def recv(self) -> LinkMessage:
-        message: LinkMessage = self._channel.recv()
-        return message
+    def recv(self) -> Any:
+        """The next frame, verified: a link's message, as the other side typed it."""
+        return self._channel.recv()
+
+    def shutdown(self) -> None:
+        """Wakes its reader (it reads the end) and a send blocked on a full socket; the
+        reader then closes it (a descriptor closed under a reader could be reused by
+        another file before it reads again)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self._closed.set()
-        with contextlib.suppress(OSError):  # wakes a send blocked on a full socket
-            self.sock.shutdown(socket.SHUT_RDWR)
+        self.shutdown()
         heart = self._heart
         if heart is not None and heart is not threading.current_thread():
             heart.join(timeout=5)
