@@ -42,6 +42,14 @@ JOB is a number from `%elastic jobs` or a run id; the default is the latest job 
 logs and stacks: the session, while one is active)."""
 
 
+def _not_followed(job: Job | EndedJob) -> str:
+    """Why a command cannot reach ``job`` from here: it ended, or this kernel let it go."""
+    if getattr(job, "detached", False):
+        return (f"{job.run_id} runs on, detached from this kernel: `%elastic attach "
+                f"{job.run_id}` follows it again")
+    return f"{job.run_id} has already ended ({job.state.value})"
+
+
 def visible(line: str) -> str:
     """A log line as a terminal showed it: after its last carriage return; its colours
     kept and its cursor codes dropped, as ``--text`` prints it (``ui.ansi``)."""
@@ -70,7 +78,7 @@ class JobCommands:
         for old in finished[:max(0, len(self.jobs) - JOB_HISTORY)]:
             del self.jobs[old]
         for n, kept in self.jobs.items():
-            if isinstance(kept, Job) and kept.done:
+            if isinstance(kept, Job) and kept.done and not getattr(kept, "detached", False):
                 self.jobs[n] = EndedJob.of(kept)
         self.channel.forget(self.jobs.values())
         return number
@@ -113,7 +121,7 @@ class JobCommands:
     def stop(self, words: list[str]) -> None:
         job = self.job(words)
         if job.done:
-            say(f"{job.run_id} has already ended ({job.state.value})")
+            say(_not_followed(job))
             return
         job.stop("%elastic stop")
         if job.wait_done(timeout=30):
@@ -127,7 +135,7 @@ class JobCommands:
         nproc, rest, immediate, include = parse_scale(words)
         job = self.job(rest)
         if job.done:
-            raise UsageError(f"%elastic scale: {job.run_id} has already ended.")
+            raise UsageError(f"%elastic scale: {_not_followed(job)}.")
         try:
             job.scale(nproc, immediate=immediate, include=include)
         except SpecError as exc:
@@ -140,7 +148,7 @@ class JobCommands:
                              "`%elastic scale --nodes 3`.")
         job = self.job(words[1:])
         if job.done:
-            raise UsageError(f"%elastic scale: {job.run_id} has already ended.")
+            raise UsageError(f"%elastic scale: {_not_followed(job)}.")
         try:
             job.scale_nodes(int(words[0]))
         except SpecError as exc:

@@ -140,9 +140,7 @@ class ElasticMagics(Magics):
             raise UsageError("%%elastic --setup: no session is active; `%elastic session "
                              "start` starts one.")
         spec = self._spec(opts)
-        payload = self._payload(cell, spec)
-        job = detached_launch.start(spec, payload, title=f"%%elastic {line}".strip()) \
-            if spec.detach else Job(spec, payload)
+        job = self._job(spec, cell, f"%%elastic {line}".strip())
         view: Renderer | None = None
         try:  # from here on, an interrupt or error anywhere must not orphan the job
             job.start()
@@ -220,6 +218,15 @@ class ElasticMagics(Magics):
             return JobSpec.create(**options)
         except SpecError as exc:
             raise UsageError(f"%%elastic: {exc}") from None
+
+    def _job(self, spec: JobSpec, cell: str, title: str) -> Job:
+        """The cell's job, not started (a detached one is). Its payload is no local of the
+        cell magic's frame: a failure's traceback, which IPython keeps, would keep it (a
+        cell's variables, 50 MB of them say) alive until the next error."""
+        payload = self._payload(cell, spec)
+        if spec.detach:
+            return detached_launch.start(spec, payload, title=title)
+        return Job(spec, payload)
 
     def _payload(self, cell: str, spec: JobSpec) -> Payload:
         require_plain_python(self.shell, cell)

@@ -11,6 +11,7 @@ import itertools
 import queue
 import socket
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
@@ -64,8 +65,8 @@ class AttachedJob(Job):
             raise
         except Exception as exc:  # refused, gone, or a frame that failed its signature
             sock.close()
-            raise DetachedError(f"cannot attach to {run_id}: {exc or type(exc).__name__}"
-                                ) from None
+            why = str(exc) or type(exc).__name__
+            raise DetachedError(f"cannot attach to {run_id}: {why}") from None
         except BaseException:  # Ctrl-C while attaching: nothing is left open
             sock.close()
             raise
@@ -129,7 +130,11 @@ class AttachedJob(Job):
 
     def _lost(self, why: str) -> str:
         run_id = self.run_id
-        if detached_folder.alive(self.connection.pid):
+        deadline = time.monotonic() + 1.0  # a killed agent: dead in a moment (its link closed)
+        while (running := detached_folder.alive(self.connection.pid, self.connection.started)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if running:
             return (f"the link to the detached agent of {run_id} failed ({why}); the job "
                     f"may run on: %elastic attach {run_id} follows it again")
         return (f"the detached agent of {run_id} is gone ({why}): its workers ended with "
@@ -148,6 +153,7 @@ class AttachedJob(Job):
         finally:
             self._link.close()  # only now: no thread reads or sends on it any more
             self._answer_late()
+            self._answer_unserved(None)  # stacks asked for, never answered: none come
 
     def _answer_unserved(self, item: Any) -> None:
         super()._answer_unserved(item)

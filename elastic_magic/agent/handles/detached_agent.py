@@ -24,15 +24,16 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ...checks import SpecError
 from ...spec import JobSpec
 from ...wire import attach_messages as attach
-from ...wire.events import Event, Output
+from ...wire.events import Committed, Event, Output
 from ...wire.metrics import Logged
 from ...wire.payload import Payload
 from ..machines.hub import HubError, Link, challenge, new_token
@@ -45,6 +46,7 @@ from .job import Job
 
 SEND_TIMEOUT = 30  # seconds a send to an attached kernel may block before it is let go
 TAIL_LINES = 1000  # output lines per rank and stream a kernel gets when it attaches
+COMMITS = 1000  # commits it gets, the newest (a long training commits every few steps)
 LOGGED = 200_000  # logged points it gets at most, the newest (about 20 MB in the agent)
 
 
@@ -58,6 +60,7 @@ class Prewarm:
     sys_path: tuple[str, ...]
     preload: tuple[str, ...]
     environ: str
+    pool: bool  # False (--no-pool): nothing to warm
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,14 @@ def status_fields(status: JobStatus) -> dict[str, Any]:
 
 class History:
     """The job's events for a kernel that attaches: the job's story (its states, rounds,
-    failures, commits), each rank's last ``TAIL_LINES`` lines of output per stream, and the
-    newest ``LOGGED`` points of logged scalars (a training that logs every step for days
-    would otherwise grow the agent without end; ``JobResult.metrics`` keeps every point)."""
+    failures, the newest ``COMMITS`` commits), each rank's last ``TAIL_LINES`` lines of
+    output per stream, and the newest ``LOGGED`` points of logged scalars (a training that
+    commits and logs every step for days would otherwise grow the agent without end;
+    ``JobResult.metrics`` keeps every point)."""
 
     def __init__(self) -> None:
         self._events: list[tuple[int, Event]] = []
+        self._commits: deque[tuple[int, Committed]] = deque(maxlen=COMMITS)
         self._logged: deque[tuple[int, Logged]] = deque()
         self._points = 0
         self._output: dict[tuple[int, str], deque[tuple[int, Output]]] = {}
@@ -102,6 +107,9 @@ class History:
             while len(self._logged) > 1 and self._points > LOGGED:
                 self._points -= len(self._logged.popleft()[1].points)
             return
+        if isinstance(event, Committed):  # one per commit: the newest tell the story
+            self._commits.append((self._count, event))
+            return
         if not isinstance(event, Output):
             self._events.append((self._count, event))
             return
@@ -116,7 +124,7 @@ class History:
 
     def events(self) -> tuple[Event, ...]:
         merged: list[tuple[int, Event]] = [
-            *self._events, *self._logged,
+            *self._events, *self._commits, *self._logged,
             *(item for kept in self._output.values() for item in kept)]
         return tuple(event for _, event in sorted(merged, key=lambda item: item[0]))
 
@@ -246,11 +254,16 @@ class DetachedAgent:
                 case attach.Command(command):
                     self.job._inbox.put(command)
                 case attach.StacksAsked(request):
-                    self.job.request_stacks().add_done_callback(
-                        _answering(kernel, request))
+                    # answered from a thread of its own: the future completes on the
+                    # job's own loop, which a slow kernel must not hold up
+                    threading.Thread(target=_answer_stacks, daemon=True,
+                                     args=(kernel, request, self.job.request_stacks()),
+                                     name="elastic-attached-stacks").start()
                 case attach.ScaleNodes(nnodes):
-                    with contextlib.suppress(ValueError):  # it ended meanwhile
+                    try:
                         self.job.scale_nodes(nnodes)
+                    except (ValueError, SpecError) as exc:  # it ended; or out of bounds
+                        print(f"scale --nodes {nnodes}: {exc}", file=sys.stderr, flush=True)
                 case attach.ResultTaken():
                     self.taken.set()
 
@@ -266,16 +279,19 @@ class DetachedAgent:
             self._kernels = []
 
 
-def _answering(kernel: Link, request: int) -> Callable[[Future[dict[int, str]]], None]:
-    def answer(done: Future[dict[int, str]]) -> None:
-        kernel.send(attach.StacksAnswer(request, done.result()))
-
-    return answer
+def _answer_stacks(kernel: Link, request: int, stacks: Future[dict[int, str]]) -> None:
+    try:
+        found = stacks.result(timeout=60)
+    except FutureTimeout:  # the job's loop is tearing a group down: none this time
+        found = {}
+    kernel.send(attach.StacksAnswer(request, found))
 
 
 def _warm(wanted: Prewarm) -> None:
     """A standby's warm pool, as a kernel's is after a job of this size: the zygote, and
     a spare rank forked ahead for each of the job's workers."""
+    if not wanted.pool:
+        return
     with contextlib.suppress(PoolError):
         zygote = warm_pool().zygote_for(inherited_env(wanted.nproc), wanted.cwd,
                                         wanted.sys_path, wanted.preload)

@@ -79,7 +79,7 @@ def connections(folder: Path | None = None) -> list[Connection]:
     found = []
     for path in sorted(folder.glob("em-*.json")):
         connection = read(path)
-        if connection is not None and alive(connection.pid):
+        if connection is not None and alive(connection.pid, connection.started):
             found.append(connection)
         elif connection is not None:  # its agent was killed: nothing to attach to
             remove(folder, connection.run_id)
@@ -114,13 +114,23 @@ def peer_uid(sock: socket.socket) -> int:
     return int(struct.unpack("3i", creds)[1])
 
 
-def alive(pid: int) -> bool:
+def alive(pid: int, started: float | None = None) -> bool:
     """Whether a live process of the user's has this PID on this machine (one that died
-    and waits to be reaped, a zombie, is not)."""
+    and waits to be reaped, a zombie, is not); with ``started``, one that began before that
+    time (after a reboot another process may have the PID)."""
     try:
         os.kill(pid, 0)
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rpartition(b")")[2].split()[0]
-    except (ProcessLookupError, PermissionError, FileNotFoundError, IndexError):
+            fields = stat.read().rpartition(b")")[2].split()
+    except (ProcessLookupError, PermissionError, FileNotFoundError):
         return False  # gone; or another user's process has that PID now
-    return state != b"Z"
+    if len(fields) < 20 or fields[0] == b"Z":
+        return False
+    return started is None or _start_time(int(fields[19])) <= started + 1.0
+
+
+def _start_time(ticks: int) -> float:
+    """A process's start (``/proc/PID/stat``'s field 22, clock ticks after boot) as a time."""
+    with open("/proc/stat", "rb") as stat:
+        boot = next(int(line.split()[1]) for line in stat if line.startswith(b"btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")

@@ -9,6 +9,7 @@ extension is unloaded, and its zygote with it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -114,7 +115,7 @@ def start(spec: JobSpec, payload: Payload, *, title: str = "",
     global _standby
     run_id = run_id or new_run_id()
     warm = Prewarm(spec.nproc, payload.cwd, tuple(payload.sys_path), spec.preload,
-                   _environ())
+                   _environ(), spec.pool)
     agent = _ready_agent(warm)
     try:
         with agent.stdin:
@@ -131,8 +132,8 @@ def start(spec: JobSpec, payload: Payload, *, title: str = "",
         said = log.read_text(errors="replace")
         log.unlink()  # said here: nothing is left
         raise DetachedError(f"the detached agent of {run_id} did not start:\n{said[-2000:]}")
-    with _lock:  # the next detached job of this kernel finds its agent warm
-        if _standby is None:
+    with _lock, contextlib.suppress(Exception):  # the next detached job finds it warm
+        if _standby is None:  # (best effort: this job runs, and its handle comes back)
             _standby = _spawn(warm)
     connection = detached_folder.read(folder / f"{run_id}.json")
     if connection is None:

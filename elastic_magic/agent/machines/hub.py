@@ -143,7 +143,8 @@ class Link:
             try:
                 self._channel.send(message)
                 return True
-            except OSError:
+            except OSError:  # maybe mid-frame (a send timeout): nothing may follow it
+                self.shutdown()
                 return False
 
     def recv(self) -> Any:
