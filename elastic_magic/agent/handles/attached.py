@@ -167,7 +167,7 @@ class AttachedJob(Job):
         """Stop following the job here; it runs on (``attach`` finds it again)."""
         if not self.done:
             self.detached = True
-            self._link.shutdown()  # the reader closes it
+            self._link.shutdown()  # wakes the reader; the sender closes it after
 
     def _interrupted(self) -> None:
         self.detach()
