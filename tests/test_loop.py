@@ -250,7 +250,9 @@ def run_job(world: World, spec: JobSpec):
     started = time.monotonic()
     engine = world.engine(spec, Payload(source="job"))
     result = JobLoop(engine).run()
-    assert time.monotonic() - started < 1.0
+    # no wait on a timeout (monitor, rendezvous, grace: 5 s or more); not a speed check,
+    # which a loaded machine would fail (2 s seen in a clean-clone run)
+    assert time.monotonic() - started < 4.0
     return result, engine
 
 
