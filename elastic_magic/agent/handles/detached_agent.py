@@ -308,10 +308,12 @@ def _order(folder: Path, log: str) -> Order | None:
                              name="elastic-standby-warm").start()
             first = pickle.load(sys.stdin.buffer)
     except (EOFError, pickle.UnpicklingError):  # the kernel went (or gave us up)
-        shutdown_pool()
         with contextlib.suppress(FileNotFoundError):
             (folder / log).unlink()
-        return None
+        # No job ran: nothing to release but the warm pool, whose zygote ends with us. Its
+        # orderly shutdown could wait for ever on a zygote still starting (seen: standbys
+        # left behind by finished benchmark scripts, blocked in it).
+        os._exit(0)
     assert isinstance(first, Order)
     os.rename(folder / log, folder / f"{first.run_id}.log")  # where its kernel looks
     return first
