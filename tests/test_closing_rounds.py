@@ -190,6 +190,8 @@ def test_a_machine_that_comes_after_the_round_closed_joins_the_next_one():
         while cluster.head.num_nodes_waiting() == 0:  # it waits: torch's scale-up signal
             assert time.monotonic() < deadline, "the late machine never waited for a round"
             time.sleep(0.01)
+        # who waits, as the head tells a machine it let in from one it sent away
+        assert cluster.head.waiting_agents() == {me("127.0.0.3")}
         expected.add(me("127.0.0.3"))  # its Hello arrived meanwhile
         rejoined = [Joining(cluster.head), Joining(cluster.all[1])]
         assert [j.result().nnodes for j in (*rejoined, third)] == [3, 3, 3]

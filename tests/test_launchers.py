@@ -74,6 +74,42 @@ def test_bad_launcher_options_say_what_to_do(options, fragment, tmp_path, monkey
 
 
 @pytest.mark.unit
+def test_only_a_machine_the_head_let_in_waiting_for_a_round_regroups_the_job(log_dir):
+    """torch's "a machine waits" signal, as the head reads it: a machine sent away (its
+    allocation given back) joins torch's wait list as it says Hello, so it may be there
+    after the head took it out; it is taken out again, and regroups nothing. A machine
+    whose Hello has not come regroups nothing yet; one let in does."""
+    from elastic_magic.agent.inbox import Inbox
+    from elastic_magic.agent.machines.head import Head
+
+    class Waiting:  # torch's rendezvous state, the head's outside
+        def __init__(self, *agents: tuple[str, int]) -> None:
+            self.agents, self.removed = set(agents), []
+
+        def num_nodes_waiting(self) -> int:
+            return len(self.agents)
+
+        def waiting_agents(self) -> set[tuple[str, int]]:
+            return set(self.agents)
+
+        def remove_node(self, host: str, pid: int) -> int | None:
+            self.removed.append((host, pid))
+            self.agents.discard((host, pid))
+            return None
+
+    spec = em.JobSpec.create(1, nnodes="1:3", log_dir=log_dir)
+    head = Head(spec, "em-test", lambda event: None, token="t",
+                payload=build_payload("1", spec), inbox=Inbox())
+    head.sent_away[7] = ("10.0.0.7", 70)
+    head.names[8], head.pids[8] = "10.0.0.8", 80
+    assert not head.nodes_waiting(Waiting())
+    rendezvous = Waiting(("10.0.0.7", 70), ("10.0.0.9", 90))  # sent away; not greeted yet
+    assert not head.nodes_waiting(rendezvous)
+    assert rendezvous.removed == [("10.0.0.7", 70)]
+    assert head.nodes_waiting(Waiting(("10.0.0.8", 80)))  # let in: the job regroups
+
+
+@pytest.mark.unit
 def test_scaling_machines_needs_a_launcher_and_stays_within_nnodes(log_dir):
     job = Job(em.JobSpec.create(1, nnodes="1:3", log_dir=log_dir),
               build_payload("1", em.JobSpec.create(1, log_dir=log_dir)))

@@ -381,6 +381,7 @@ CONTEXT: Need = rounds.CONTEXT
 pace_rendezvous_polls, operation_state = rounds.pace_rendezvous_polls, rounds.operation_state
 read_state_at_every_poll, completing_join = (rounds.read_state_at_every_poll,
                                              rounds.completing_join)
+waiting_rendezvous_nodes = rounds.waiting_rendezvous_nodes
 NEEDS += (STATE_CACHE, JOIN_OP, ACTIONS, CONTEXT)
 
 # Collectives refused on a rank that replays setup cells alone (worker/replay_alone.py)

@@ -12,7 +12,17 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _RENDEZVOUS, DELAY, HANDLER_STATE, OPERATION_RUN, RENDEZVOUS_STATE, Need, _get
+from . import (
+    _RENDEZVOUS,
+    DELAY,
+    HANDLER_STATE,
+    NODE,
+    OPERATION_RUN,
+    RENDEZVOUS_STATE,
+    STATE_HOLDER,
+    Need,
+    _get,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -108,3 +118,16 @@ def completing_join(operation: Any, complete: Callable[[Any], bool]) -> Any:
         return close if action is sync and complete(ctx) else action
 
     return join
+
+
+def waiting_rendezvous_nodes(handler: DynamicRendezvousHandler) -> set[tuple[str, int]]:
+    """The machines in the rendezvous state's wait list, as (address, agent pid): those
+    ``num_nodes_waiting`` counts, which is all torch tells. Read through ``handler``'s
+    state holder after a sync; ``handler`` must be one no other thread uses."""
+    _get(HANDLER_STATE)
+    _get(STATE_HOLDER)
+    _get(RENDEZVOUS_STATE)
+    _get(NODE)
+    holder = handler._state_holder
+    holder.sync()
+    return {(node.addr, node.pid) for node in holder.state.wait_list}

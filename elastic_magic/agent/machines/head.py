@@ -48,6 +48,20 @@ if TYPE_CHECKING:
 GIVEN_BACK = "given back to the scheduler (scale)"
 
 
+def let_in_waiting(rendezvous: Rendezvous, sent_away: dict[int, tuple[str, int]],
+                   names: dict[int, str], pids: dict[int, int]) -> bool:
+    """Whether a machine the head let in waits for the next round (torch's signal to
+    regroup). A machine sent away is no reason: its join may reach torch's wait list after
+    ``Head._out_of_rounds`` took it out (it joins as it says Hello), and it is taken out
+    again here. Nor is one whose Hello has not come: the check after it regroups."""
+    if rendezvous.num_nodes_waiting() == 0:  # the common answer: one store read
+        return False
+    waiting = rendezvous.waiting_agents()
+    for host, pid in set(sent_away.values()) & waiting:
+        rendezvous.remove_node(host, pid)
+    return any((names.get(node), pid) in waiting for node, pid in pids.items())
+
+
 class Head(SingleMachine):
     """The kernel of a multi-node job: hosts the rendezvous and a hub that other machines
     join with the token; serves their State requests and collects their results."""
@@ -243,7 +257,7 @@ class Head(SingleMachine):
             self.emit(NodeConnected(name, 0, False, reason or ""))
 
     def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
-        return rendezvous.num_nodes_waiting() > 0
+        return let_in_waiting(rendezvous, dict(self.sent_away), dict(self.names), dict(self.pids))
 
     def stopping_job(self, reason: str) -> None:
         self.launched.ending()  # before its machines go: none of them is replaced

@@ -280,6 +280,16 @@ class Rendezvous:
         finally:
             torch_internals.release_handler(other)
 
+    def waiting_agents(self) -> set[tuple[str, int]]:
+        """The machines waiting for the next round, as (address, agent pid): read through
+        a second handler's state holder (handlers are not thread-safe)."""
+        store, _ = self._live()
+        other = self._new_handler(store)
+        try:
+            return torch_internals.waiting_rendezvous_nodes(other)
+        finally:
+            torch_internals.release_handler(other)
+
     def cancel(self) -> None:
         """Close the run id from a second handler: a next_round() blocked on another thread
         sees the closed state at its next poll (within a quarter second: quick_rounds) and
