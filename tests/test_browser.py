@@ -24,6 +24,9 @@ from conftest import wait_for_workers, wait_until_no_workers
 from netns import network as network  # the fixture
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import expect, sync_playwright
+from test_detach import cache as cache  # the fixture: this test's detached jobs' folder
+
+from elastic_magic.agent.handles import detached_folder
 
 pytestmark = pytest.mark.browser
 
@@ -503,6 +506,91 @@ def test_elastic_jobs_panel_lists_a_background_job_and_stops_it(panel_lab, tmp_p
         expect(row.locator(".em-panel-stop")).to_have_count(0, timeout=60_000)
         expect(page.locator("[data-em=status]")).to_have_text("")
         assert not wait_until_no_workers(timeout=30.0)
+
+
+DETACHED_CELLS = [
+    "%load_ext elastic_magic",
+    "%%elastic --detach --nproc 2\nimport time\n"
+    "for step in range(10**6):\n    print(f'step {step}', flush=True)\n    time.sleep(0.2)",
+]
+
+
+def last_step_shown(lines) -> int:
+    return max(int(n) for n in re.findall(r"step (\d+)", lines.inner_text()))
+
+
+def test_a_detached_training_is_attached_from_the_panel_after_a_kernel_restart(cache,
+                                                                                tmp_path):
+    """The kernel restarted under a --detach job: the panel lists the job as detached, its
+    Attach runs `%elastic attach` in a new cell whose dashboard shows the story from before
+    the restart and goes on live, a page reload shows it live again, and the panel stops it
+    leaving nothing."""
+    require_extension()
+    with jupyterlab(tmp_path, DETACHED_CELLS) as url, chromium_page() as page:
+        open_notebook(page, url, 2)
+        run_cell(page, 0)
+        run_cell(page, 1)
+        dash = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".em-dash")
+        expect(dash.locator("[data-em=lines]")).to_contain_text("step 3", timeout=90_000)
+        (connection,) = detached_folder.connections()
+        run_id = connection.run_id
+
+        # The notebook's kernel restarts, as after a %pip install: the job runs on.
+        page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Restart Kernel")).first.click()
+        page.locator(".jp-Dialog").get_by_role("button", name="Confirm Kernel Restart").click()
+        expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+               ).to_have_count(1, timeout=60_000)
+        assert len(wait_for_workers(2)) == 2
+        run_cell(page, 0)  # the new kernel loads the extension: the panel hears it
+        page.locator("li[data-id='elastic-magic-jobs']").click()
+        panel = page.locator("#elastic-magic-jobs")
+        row = panel.locator(f".em-panel-detached-row[data-em-job='{run_id}']")
+        expect(row).to_contain_text("%%elastic --detach --nproc 2", timeout=60_000)
+        expect(row).to_contain_text("running for")
+        panel.screenshot(path=str(ARTIFACTS / "elastic-jobs-panel-detached.png"))
+
+        # Attach: a new cell below the active one (cell 1) follows the job.
+        cells = page.locator(".jp-Notebook .jp-Cell").count()
+        row.locator(".em-panel-attach").click()
+        expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(cells + 1, timeout=30_000)
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
+        expect(cell.locator(".cm-content")).to_have_text(f"%elastic attach {run_id}")
+        dash = cell.locator(".em-dash")
+        expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
+        lines = dash.locator("[data-em=lines]")
+        expect(lines).to_contain_text("step 0")  # from before this kernel was born
+        seen = last_step_shown(lines)
+        expect(lines).to_contain_text(f"step {seen + 5}", timeout=30_000)  # then live
+        expect(row).to_have_count(0)  # followed here now: a job of the kernel's list
+        job_row = panel.locator(f".em-panel-row[data-em-job='{run_id}']")
+        expect(job_row).to_contain_text("running", timeout=30_000)
+
+        # A page reload mid-training: the attaching cell's dashboard is live again.
+        page.keyboard.press("Control+s")
+        expect(page.locator(".lm-TabBar-tab.jp-mod-dirty")).to_have_count(0, timeout=30_000)
+        page.reload()
+        dash = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".em-dash")
+        expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
+        lines = dash.locator("[data-em=lines]")
+        expect(lines).to_contain_text("step", timeout=30_000)
+        seen = last_step_shown(lines)
+        expect(lines).to_contain_text(f"step {seen + 5}", timeout=30_000)
+        dash.screenshot(path=str(ARTIFACTS / "dashboard-detached-after-reload.png"))
+
+        if not panel.is_visible():
+            page.locator("li[data-id='elastic-magic-jobs']").click()
+        job_row = panel.locator(f".em-panel-row[data-em-job='{run_id}']")
+        job_row.locator(".em-panel-stop").click()
+        expect(job_row).to_contain_text("stopped", timeout=60_000)
+        expect(page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".elastic-record")
+               ).to_contain_text("stopped", timeout=30_000)
+        assert not wait_until_no_workers(timeout=30.0)
+        deadline = time.monotonic() + 30  # the agent gave its result and left nothing
+        while list(detached_folder.runtime_folder().glob("em-*")) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not list(detached_folder.runtime_folder().glob("em-*"))
 
 
 @pytest.mark.parametrize("network", [2], indirect=True)

@@ -279,6 +279,20 @@ def test_the_detached_agent_killed_leaves_nothing_and_the_next_job_resumes(cache
     assert wait_until_no_workers(timeout=10) == []
     assert psutil.wait_procs(ours, timeout=10)[1] == []
     assert attached.detached_jobs() == []  # its stale connection file is not listed
+    # The standby made for the next job, killed before it had one (the OOM killer, say):
+    # its log goes at the next sweep; a living agent's never does, however old.
+    standby, folder = detached_launch._standby, detached_folder.runtime_folder()
+    assert standby is not None
+    log = folder / standby.log
+    os.utime(log, (0, 0))
+    detached_launch.sweep_logs(folder)
+    assert log.exists()
+    standby.process.kill()
+    deadline = time.monotonic() + 30  # its zygote, which shares its stderr, ends with it
+    while log.exists() and time.monotonic() < deadline:
+        detached_launch.sweep_logs(folder)
+        time.sleep(0.2)
+    assert not log.exists()
     # The next job (in the kernel, this time) resumes from the last commit on disk.
     spec = elastic_magic.JobSpec.create(2, log_dir=tmp_path / "logs2",
                                         checkpoint_dir=checkpoint)

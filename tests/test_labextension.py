@@ -8,13 +8,16 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from elastic_magic.agent.handles.ended import EndedJob
 from elastic_magic.agent.handles.job import Job
-from elastic_magic.notebook.comm import JobsChannel
+from elastic_magic.notebook import comm as comm_module
+from elastic_magic.notebook.comm import JobsChannel, ListedJob
 from elastic_magic.notebook.session import Session
 from elastic_magic.spec import JobSpec
 from elastic_magic.ui.dashboard import PanelView
@@ -182,3 +185,42 @@ def test_comm_lists_a_launcher_jobs_allocations(log_dir):
     channel._ticker.join(timeout=10)
     finished = [m for m in comm.sent if m["type"] == "finished"]
     assert len(finished) == 1 and finished[0]["item"]["machines"] == []
+
+
+@pytest.mark.unit
+def test_comm_offers_the_users_detached_jobs_that_this_kernel_does_not_follow(
+        tmp_path, monkeypatch):
+    """The panel's "Detached jobs" list: the user's live ones from the private runtime
+    folder (never the token), less those this kernel follows; a job this kernel let go
+    (Ctrl-C detaches) moves from its list there, with no "finished" message."""
+    from elastic_magic.agent.handles import detached_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = detached_folder.runtime_folder()
+    started = psutil.Process().create_time()  # as an agent's: it began before it wrote
+    for run_id in ("em-followed", "em-elsewhere", "em-let-go"):
+        detached_folder.Connection(run_id, os.getpid(), str(folder), "secret-token", started,
+                                   "%%elastic --detach --nproc 2").write(folder)
+    detached_folder.Connection("em-killed", 2**22 + 1, str(folder), "t", started,
+                               "%%elastic --detach").write(folder)  # no such process
+
+    class Handle:  # what the channel reads of a followed or a let-go AttachedJob
+        def __init__(self, run_id: str, done: bool, detached: bool) -> None:
+            self.run_id, self.done, self.detached = run_id, done, detached
+
+    channel = JobsChannel()
+    comm = FakeComm()
+    channel._attach(comm)
+    listed = comm_module.detached_elsewhere({"em-followed"})
+    assert [d["id"] for d in listed] == ["em-elsewhere", "em-let-go"]
+    assert listed[0]["title"] == "%%elastic --detach --nproc 2"
+    assert listed[0]["pid"] == os.getpid()
+    assert 0 <= listed[0]["elapsed"] <= time.time() - started
+    assert "secret-token" not in repr(listed)
+    assert not (folder / "em-killed.json").exists()  # a killed agent's file is cleared
+    channel._items["em-let-go"] = ListedJob(2, Handle("em-let-go", True, True), None, True)
+    channel.update()  # as the ticker does
+    (message,) = comm.sent  # the list, and no "finished": the let-go job did not end
+    assert message["items"] == [] and "em-let-go" not in channel._items
+    assert [d["id"] for d in message["detached"]] == ["em-elsewhere", "em-followed",
+                                                      "em-let-go"]

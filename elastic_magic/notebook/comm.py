@@ -8,7 +8,9 @@ connection key) can open or write to a comm, so the actions need no other check.
 generic list: ``kind`` "job" (a ``%%elastic`` cell) or "session" (``%elastic session start``,
 with the cells it ran); both answer stop, scale and request_stacks. A finished job's record is
 sent on request ("record"): a page reloaded before the job ended lost the display the record
-replaced, and the extension puts the record in its place.
+replaced, and the extension puts the record in its place. The list also names the user's
+detached jobs on this machine that this kernel does not follow ("detached"): the panel
+attaches one by running ``%elastic attach RUN_ID`` in a new cell, where its dashboard shows.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..agent.handles import attached
+from ..folders import NotPrivate
 from ..spec import SpecError
 
 if TYPE_CHECKING:
@@ -107,6 +111,24 @@ def describe_job(item: ListedJob) -> dict[str, Any]:
         "widget": item.view.widget_id if item.view is not None else None,
         "has_record": item.view is not None and item.view.has_record,
     }
+
+
+def detached_elsewhere(followed: set[str]) -> list[dict[str, Any]]:
+    """The user's detached jobs on this machine that this kernel does not follow (no token:
+    attaching reads it from the private connection file)."""
+    try:
+        found = attached.detached_jobs()
+    except (OSError, NotPrivate):  # no runtime folder of ours to read: none to offer
+        return []
+    now = time.time()
+    return [{"id": c.run_id, "title": c.title, "elapsed": now - c.started, "pid": c.pid}
+            for c in found if c.run_id not in followed]
+
+
+def _let_go(item: ListedJob) -> bool:
+    """A detached job this kernel stopped following (Ctrl-C, ``detach()``): it runs on, so
+    it leaves the kernel's list for the detached ones rather than show a stale state."""
+    return getattr(item.job, "detached", False) is True
 
 
 def _busy(item: ListedJob) -> bool:
@@ -241,8 +263,12 @@ class JobsChannel:
 
     def message(self) -> dict[str, Any]:
         with self._lock:
+            for run_id in [r for r, i in self._items.items() if _let_go(i)]:
+                del self._items[run_id]
             items = list(self._items.values())
-        return {"type": "items", "items": [describe(i) for i in items]}
+        followed = {i.job.run_id for i in items if not i.job.done}
+        return {"type": "items", "items": [describe(i) for i in items],
+                "detached": detached_elsewhere(followed)}
 
     def _tick(self) -> None:
         while True:
@@ -298,7 +324,7 @@ class JobsChannel:
     def act(self, data: dict[str, Any]) -> None:
         """Carry out one action from the panel; an error goes back as a message."""
         action, run_id = data.get("action"), data.get("id")
-        if action == "refresh":
+        if action == "refresh":  # the panel shown, or its look at the detached jobs
             self._sent = ""
             self.update()
             return

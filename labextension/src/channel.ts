@@ -1,6 +1,6 @@
 import { Kernel, KernelMessage as KM } from '@jupyterlab/services';
 
-import { Action, IItem, KernelMessage } from './model';
+import { Action, IDetached, IItem, KernelMessage } from './model';
 
 /** The comm target that elastic_magic registers in the kernel (elastic_magic/notebook/comm.py). */
 export const TARGET = 'elastic_magic';
@@ -22,6 +22,7 @@ export function isAnnouncement(msg: KM.IIOPubMessage): boolean {
  */
 export class KernelChannel {
   items: IItem[] = [];
+  detached: IDetached[] = []; // the user's detached jobs this kernel does not follow
   stacks = new Map<string, Record<string, string>>();
   errors = new Map<string, string>();
   records = new Map<string, Record<string, unknown>>(); // finished cells', until placed
@@ -45,6 +46,7 @@ export class KernelChannel {
     kernel.statusChanged.connect((_, status) => {
       if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
         this.items = [];
+        this.detached = [];
         this.comms = [];
         this.changed();
       }
@@ -92,6 +94,12 @@ export class KernelChannel {
     }
   }
 
+  /** Whether an action sent now is carried out now: the kernel is idle, or takes comm
+   * messages on a subshell beside a running cell (otherwise they would queue behind it). */
+  get responsive(): boolean {
+    return this.kernel.status === 'idle' || this.kernel.supportsSubshells;
+  }
+
   send(action: Action): void {
     const comm = this.comms.filter(c => !c.isDisposed).pop();
     comm?.send(action as unknown as KM.ICommMsgMsg['content']['data']);
@@ -114,6 +122,7 @@ export class KernelChannel {
     switch (message?.type) {
       case 'items':
         this.items = message.items;
+        this.detached = message.detached ?? [];
         break;
       case 'finished':
         this.items = this.items.map(i => (i.id === message.item.id ? message.item : i));

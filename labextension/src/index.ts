@@ -5,12 +5,14 @@ import {
 } from '@jupyterlab/application';
 import { Notification } from '@jupyterlab/apputils';
 import { IEditorLanguageRegistry } from '@jupyterlab/codemirror';
-import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
 import { KernelChannel } from './channel';
 import {
+  attachSource,
+  IDetached,
   IItem,
   isElasticCell,
   notificationFor,
@@ -110,9 +112,19 @@ const plugin: JupyterFrontEndPlugin<void> = {
       void nb.content.scrollToItem(index, 'center');
     };
 
+    /** Attach: a new cell below the active one runs `%elastic attach RUN_ID`; the job's
+     * dashboard shows there (and is saved with the notebook), as when typed by hand. */
+    const attachInCell = (nb: NotebookPanel) => (job: IDetached) => {
+      app.shell.activateById(nb.id);
+      NotebookActions.insertBelow(nb.content);
+      nb.content.activeCell?.model.sharedModel.setSource(attachSource(job));
+      void NotebookActions.run(nb.content, nb.sessionContext);
+    };
+
     const refresh = () => {
       const nb = tracker.currentWidget;
-      panel.show_(channelOf(nb), nb ? goToCell(nb) : () => undefined);
+      panel.show_(channelOf(nb), nb ? goToCell(nb) : () => undefined,
+                  nb ? attachInCell(nb) : () => undefined);
       status.node.textContent = statusText(channelOf(nb)?.items ?? []);
       tracker.forEach(placeRecords);
     };

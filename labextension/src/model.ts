@@ -35,6 +35,15 @@ export interface IItem {
   has_record?: boolean;
 }
 
+/** A detached job of the user's on this machine that this kernel does not follow (a
+ * `%%elastic --detach` cell of another kernel, or of this one before it restarted). */
+export interface IDetached {
+  id: string;
+  title: string; // the cell's first line
+  elapsed: number; // seconds since it started
+  pid: number; // its agent's
+}
+
 /** One allocation line of a --launcher job, and its state for the eye (pending ones are
  * what people look for: the scheduler's reason says why they wait). */
 export interface IAllocation {
@@ -44,7 +53,7 @@ export interface IAllocation {
 
 /** Messages from the kernel (elastic_magic/notebook/comm.py). */
 export type KernelMessage =
-  | { type: 'items'; items: IItem[] }
+  | { type: 'items'; items: IItem[]; detached?: IDetached[] }
   | { type: 'finished'; item: IItem }
   | { type: 'stacks'; id: string; ranks: Record<string, string> }
   | { type: 'error'; id: string | null; text: string }
@@ -158,6 +167,17 @@ export function resizeRequest(item: IItem, typed: string): Action | string {
     return `this ${item.kind} runs between ${item.min_nproc} and ${item.max_nproc} workers`;
   }
   return { action: 'scale', id: item.id, nproc: n };
+}
+
+/** A detached job's facts, as the panel lists it. */
+export function describeDetached(job: IDetached): string {
+  return `${job.title} · running for ${formatElapsed(job.elapsed)} · agent pid ${job.pid}`;
+}
+
+/** The cell the panel's Attach runs: the job's dashboard then shows in it, as after
+ * `%elastic attach` typed by hand. */
+export function attachSource(job: IDetached): string {
+  return `%elastic attach ${job.id}`;
 }
 
 /** A cell that runs as an elastic job: its first line is the %%elastic cell magic. */

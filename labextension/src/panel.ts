@@ -1,3 +1,4 @@
+import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 import uPlot from 'uplot';
 
@@ -6,7 +7,16 @@ import uPlot from 'uplot';
 import { liveCharts } from '../../elastic_magic/ui/live_charts.js';
 
 import { KernelChannel } from './channel';
-import { actionsFor, allocationsOf, describeItem, IItem, resizeRequest, titleOf } from './model';
+import {
+  actionsFor,
+  allocationsOf,
+  describeDetached,
+  describeItem,
+  IDetached,
+  IItem,
+  resizeRequest,
+  titleOf
+} from './model';
 
 /** What liveCharts gives back: it draws the kernel's Charts.live() into its box. */
 interface ILiveCharts {
@@ -23,10 +33,19 @@ interface IRowChart {
 /** Where a row's "cell" link leads: the notebook scrolls to the cell that started the job. */
 export type CellLink = (cellId: string) => void;
 
+/** What a detached job's Attach does: run `%elastic attach RUN_ID` in a new cell. */
+export type AttachInCell = (job: IDetached) => void;
+
+/** Seconds between the panel's looks at the detached jobs while it is shown (they start and
+ * end in other kernels, which tell this one nothing). */
+const LOOK_EVERY = 5;
+
 /** The "Elastic jobs" side panel: the current notebook's jobs, newest first. */
 export class ElasticPanel extends Widget {
   private channel: KernelChannel | null = null;
   private goToCell: CellLink = () => undefined;
+  private attachInCell: AttachInCell = () => undefined;
+  private looking: number | null = null; // the timer of the looks, while shown
   private typed = new Map<string, string>(); // resize boxes, kept across re-renders
   private charts = new Map<string, IRowChart>(); // job id -> its world size chart
 
@@ -39,10 +58,43 @@ export class ElasticPanel extends Widget {
     this.render();
   }
 
-  show_(channel: KernelChannel | null, goToCell: CellLink): void {
+  show_(channel: KernelChannel | null, goToCell: CellLink, attachInCell: AttachInCell): void {
+    const changed = channel !== this.channel;
     this.channel = channel;
     this.goToCell = goToCell;
+    this.attachInCell = attachInCell;
     this.render();
+    if (changed && this.isVisible) {
+      this.look();
+    }
+  }
+
+  protected onAfterShow(msg: Message): void {
+    super.onAfterShow(msg);
+    this.look();
+    this.looking = window.setInterval(() => this.look(), LOOK_EVERY * 1000);
+  }
+
+  protected onBeforeHide(msg: Message): void {
+    if (this.looking !== null) {
+      window.clearInterval(this.looking);
+      this.looking = null;
+    }
+    super.onBeforeHide(msg);
+  }
+
+  dispose(): void {
+    if (this.looking !== null) {
+      window.clearInterval(this.looking);
+    }
+    super.dispose();
+  }
+
+  /** Ask the kernel for the list again (detached jobs included), where it answers now. */
+  private look(): void {
+    if (this.channel?.responsive) {
+      this.channel.send({ action: 'refresh' });
+    }
   }
 
   render(): void {
@@ -55,6 +107,10 @@ export class ElasticPanel extends Widget {
     heading.textContent = 'Elastic jobs';
     root.appendChild(heading);
     const items = [...(this.channel?.items ?? [])].sort((a, b) => b.number - a.number);
+    const detached = this.channel?.detached ?? [];
+    if (detached.length > 0) {
+      root.appendChild(this.detachedList(detached));
+    }
     if (items.length === 0) {
       const empty = document.createElement('p');
       empty.className = 'em-panel-empty';
@@ -73,6 +129,35 @@ export class ElasticPanel extends Widget {
       this.charts.get(item.id)?.charts.update(item.chart);
     }
     this.dropCharts(new Set(items.map(item => item.id)));
+  }
+
+  /** The user's detached jobs that this kernel does not follow, each with its Attach. */
+  private detachedList(jobs: IDetached[]): HTMLElement {
+    const list = document.createElement('section');
+    list.className = 'em-panel-detached';
+    const heading = document.createElement('h3');
+    heading.textContent = 'Detached jobs on this machine';
+    heading.title = 'running in agents of their own; Attach follows one in a new cell below the active one';
+    list.appendChild(heading);
+    for (const job of jobs) {
+      const row = document.createElement('div');
+      row.className = 'em-panel-row em-panel-detached-row';
+      row.dataset.emJob = job.id;
+      const title = document.createElement('div');
+      title.className = 'em-panel-title';
+      title.textContent = job.id;
+      row.appendChild(title);
+      const facts = document.createElement('div');
+      facts.className = 'em-panel-facts';
+      facts.textContent = describeDetached(job);
+      row.appendChild(facts);
+      const actions = document.createElement('div');
+      actions.className = 'em-panel-actions';
+      actions.appendChild(this.button('Attach', 'em-panel-attach', () => this.attachInCell(job)));
+      row.appendChild(actions);
+      list.appendChild(row);
+    }
+    return list;
   }
 
   /** The box of the row's world size over time, with the marks of its restarts and

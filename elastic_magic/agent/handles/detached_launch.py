@@ -10,13 +10,16 @@ extension is unloaded, and its zygote with it."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import pickle
 import secrets
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 from ... import folders
@@ -29,6 +32,7 @@ from .detached_agent import Order, Prewarm
 from .handle import new_run_id
 
 _MODULE = "elastic_magic.agent.handles.detached_agent"
+STALE_LOG = 60.0  # seconds: an agent's log this old, that no process holds, is left over
 
 
 @dataclass
@@ -55,11 +59,28 @@ _standby: _Agent | None = None
 _lock = threading.Lock()
 
 
+def sweep_logs(folder: Path) -> None:
+    """Remove the logs of agents killed before they had a job (a standby killed by the OOM
+    killer, say). An agent holds its log's lock from birth (its stderr shares the lock the
+    kernel took); one killed released it. A job's agent renames its log to the job's."""
+    for path in folder.glob(".agent-*.log"):
+        with contextlib.suppress(OSError):  # BlockingIOError: its agent lives
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                if time.time() - os.fstat(fd).st_mtime > STALE_LOG:  # not one starting now
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    path.unlink()
+            finally:
+                os.close(fd)
+
+
 def _spawn(prewarm: Prewarm | None) -> _Agent:
     folder = detached_folder.runtime_folder()
+    sweep_logs(folder)
     name = f".agent-{secrets.token_hex(6)}.log"
     log = os.open(folder / name, folders.NEW_FILE, 0o600)
     try:
+        fcntl.flock(log, fcntl.LOCK_EX)  # the agent's stderr: held while the agent lives
         process = subprocess.Popen(
             interpreter.command(_MODULE, name), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=log,

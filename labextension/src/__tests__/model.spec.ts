@@ -1,6 +1,8 @@
 import {
   actionsFor,
   allocationsOf,
+  attachSource,
+  describeDetached,
   describeItem,
   formatElapsed,
   IItem,
@@ -146,5 +148,16 @@ describe('recordsToAsk', () => {
     expect(recordsToAsk(items, () => false, asked)).toEqual([]); // the swap came: none
     asked.add('em-1');
     expect(recordsToAsk(items, () => true, asked)).toEqual([]);
+  });
+});
+
+describe('detached jobs', () => {
+  const job = { id: 'em-20261129-1', title: '%%elastic --detach --nproc 2', elapsed: 125, pid: 4242 };
+  it('are listed by their cell, how long they ran and their agent', () => {
+    expect(describeDetached(job)).toBe(
+      '%%elastic --detach --nproc 2 · running for 2m 05s · agent pid 4242');
+  });
+  it('are attached by the line magic a user would type', () => {
+    expect(attachSource(job)).toBe('%elastic attach em-20261129-1');
   });
 });
