@@ -183,7 +183,9 @@ def chromium_page() -> Iterator:
                   "--disable-sync"],
         )
         try:
-            yield browser.new_page(viewport={"width": 1280, "height": 1000})
+            # a context of its own: a test may close the page and open another in it
+            context = browser.new_context(viewport={"width": 1280, "height": 1000})
+            yield context.new_page()
         finally:
             browser.close()
 
@@ -523,8 +525,8 @@ def test_a_detached_training_is_attached_from_the_panel_after_a_kernel_restart(c
                                                                                 tmp_path):
     """The kernel restarted under a --detach job: the panel lists the job as detached, its
     Attach runs `%elastic attach` in a new cell whose dashboard shows the story from before
-    the restart and goes on live, a page reload shows it live again, and the panel stops it
-    leaving nothing."""
+    the restart and goes on live, the notebook opened again after the browser was closed
+    shows it current and live, and the panel stops it leaving nothing."""
     require_extension()
     with jupyterlab(tmp_path, DETACHED_CELLS) as url, chromium_page() as page:
         open_notebook(page, url, 2)
@@ -566,18 +568,25 @@ def test_a_detached_training_is_attached_from_the_panel_after_a_kernel_restart(c
         job_row = panel.locator(f".em-panel-row[data-em-job='{run_id}']")
         expect(job_row).to_contain_text("running", timeout=30_000)
 
-        # A page reload mid-training: the attaching cell's dashboard is live again.
+        # The browser closed mid-training, and the notebook opened again a while later:
+        # the attaching cell's dashboard is current (what ran meanwhile), then live.
         page.keyboard.press("Control+s")
         expect(page.locator(".lm-TabBar-tab.jp-mod-dirty")).to_have_count(0, timeout=30_000)
-        page.reload()
+        closed_at = last_step_shown(lines)
+        context = page.context
+        page.close()
+        time.sleep(6)  # 30 steps run with no page open
+        page = context.new_page()
+        page.goto(url)
         dash = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".em-dash")
         expect(dash.locator("[data-em=state]")).to_have_text("running", timeout=60_000)
         lines = dash.locator("[data-em=lines]")
-        expect(lines).to_contain_text("step", timeout=30_000)
+        expect(lines).to_contain_text(f"step {closed_at + 20}", timeout=30_000)
         seen = last_step_shown(lines)
         expect(lines).to_contain_text(f"step {seen + 5}", timeout=30_000)
         dash.screenshot(path=str(ARTIFACTS / "dashboard-detached-after-reload.png"))
 
+        panel = page.locator("#elastic-magic-jobs")
         if not panel.is_visible():
             page.locator("li[data-id='elastic-magic-jobs']").click()
         job_row = panel.locator(f".em-panel-row[data-em-job='{run_id}']")
