@@ -12,7 +12,7 @@ last rank printing READY at world size 2 (its first step at the new size):
   again); then ``scale_nodes(2)`` is timed: sbatch, Slurm starting the allocation, the
   join, the regroup at the next commit.
 - by hand: the same job without a launcher, and ``sbatch examples/slurm/join.sbatch
-  ENDPOINT`` (the README's hand-written script running ``elastic-magic join``, the token in
+  ENDPOINT`` (the docs' hand-written script running ``elastic-magic join``, the token in
   a 0600 file) submitted while it runs.
 
 Both sides run on the same cluster, one after the other (which goes first alternates from

@@ -209,7 +209,7 @@ EFFICIENCY = cells.MLP_SETUP + textwrap.dedent("""
     del loader
     dist.destroy_process_group()
 """)
-# The same going on in place (@elastic_magic.run), as the README shows it.
+# The same going on in place (@elastic_magic.run), as the docs show it.
 EFFICIENCY_IN_PLACE = cells.MLP_OBJECTS + textwrap.dedent("""
     import os, time
     state = elastic_magic.State(model=net, optimizer=optimizer, loader=loader, step=0)

@@ -105,7 +105,7 @@ OPTIONS: tuple[Option, ...] = (
            "new ranks start (cells that use elastic_magic.State; others restart as without "
            "it; in a session, the healthy ranks keep their namespaces and only new ranks "
            "replay the setup cells); a rank that cannot leave within --link-timeout starts "
-           "again. README: Survivors stay", action="store_true", check=lambda _, v: bool(v)),
+           "again. docs: Survivors stay", action="store_true", check=lambda _, v: bool(v)),
     Option("monitor_interval", "--monitor-interval", 0.1, "seconds between health checks "
            "of the workers", "S", interval),
     Option("env", "--env", None, "set an environment variable in the workers (repeatable)",
@@ -121,10 +121,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("launcher", "--launcher", None, "with --nnodes: start the other machines through "
            "a scheduler (slurm, ssh, or one registered by entry point), grown toward MAX "
            "as allocations start and all cancelled when the job ends; options from --launch "
-           "and the launcher config file (README: Launchers)", "NAME",
+           "and the launcher config file (docs: Launchers)", "NAME",
            lambda _, v: None if v is None else str(v), per_machine=True),
     Option("launch", "--launch", None, "a launcher option (repeatable): hosts=A,B (ssh); "
-           "partition=P, account=A, time=1:00:00 (slurm); see README: Launchers",
+           "partition=P, account=A, time=1:00:00 (slurm); see docs: Launchers",
            "KEY=VALUE", lambda _, v: _launch_options(v), action="append", per_machine=True),
     Option("link_timeout", "--link-timeout", 6.0, "with --nnodes: a machine that sends "
            "nothing, not even a heartbeat (every S/4 seconds), for S seconds is lost: the "
@@ -159,7 +159,7 @@ OPTIONS: tuple[Option, ...] = (
            "is not the one its folder last held here: you moved, renamed or copied its "
            "folder since it was written, or put back an older copy (without this, such a "
            "checkpoint is refused: someone who can write a folder on the way may have put "
-           "another of your folders in its place). README: Security",
+           "another of your folders in its place). docs: Security",
            action="store_true", check=lambda _, v: bool(v), per_machine=True),
     Option("detach", "--detach", False, "run the job's agent in a process of its own, "
            "not in the kernel: the job outlives the kernel's restart, crash or Ctrl-C (which "

@@ -1,5 +1,5 @@
 """The package's shape, read from its source with ``ast``: imports go only the directions the
-README's Layout section draws, with no circle (imports made only for type checking count: a
+docs' Architecture page draws, with no circle (imports made only for type checking count: a
 reader follows them too); no class over 250 lines, no module over 400. A long class or
 module is a sign of several jobs in one place."""
 

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.browser
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = ROOT / "test-artifacts"
+# Where the screenshots go (docs/screenshots.py points it at a folder of its own).
+ARTIFACTS = Path(os.environ.get("ELASTIC_MAGIC_SCREENSHOTS") or ROOT / "test-artifacts")
 # Where the Python package's build puts the JupyterLab extension (labextension/).
 EXTENSION = ROOT / "elastic_magic" / "labextension"
 

@@ -51,6 +51,16 @@ def test_the_site_builds_with_its_examples_run_and_its_references_taken_from_the
     detached = html.unescape((out / "how-to" / "detach.html").read_text())
     assert "[rank 0] step 10" in detached  # followed again after the detach
     assert "('succeeded', {0: 30.0, 1: 30.0})" in detached, detached[-3000:]
+    pasted = html.unescape((out / "how-to" / "torchrun-script.html").read_text())
+    assert "[rank 0] epoch 1 loss" in pasted and "[rank 1] epoch 1 loss" in pasted
+    session = html.unescape((out / "how-to" / "sessions.html").read_text())
+    assert re.search(r"\{0: (-?[\d.]+), 1: \1\}", session), session[-3000:]  # one model
+    assert "torch.Size([1, 4])" in session and "session ended" in session
+    hang = html.unescape(re.sub("<[^>]+>", "", (out / "how-to" / "debug-a-hang.html"
+                                                ).read_text()))
+    assert re.search(r"==> rank 1 <==\s+Thread MainThread \(main\), most recent call last:"
+                     r"\s+Cell line 4, in <module>\s+time\.sleep\(0\.1\)", hang), hang[-3000:]
+    assert "'stopped'" in hang
     # every option of spec.OPTIONS, with its flag, as the magic's parser has it
     options = (out / "reference" / "options.html").read_text()
     for option in OPTIONS:
@@ -67,6 +77,28 @@ def test_the_site_builds_with_its_examples_run_and_its_references_taken_from_the
     assert 'id="elastic_magic.launch"' in api and 'id="elastic_magic.State"' in api
     for page in out.rglob("*.html"):  # a site that works offline, as it was built
         assert not re.search(r"<script[^>]+src=\"https?://", page.read_text()), page
+    look_at_pages_in_chromium(out)
+
+
+def look_at_pages_in_chromium(out: Path) -> None:
+    """The index, a tutorial and a reference page as a reader's Chromium shows them: the
+    theme's style and navigation there, every picture loaded; screenshots kept."""
+    from playwright.sync_api import expect
+    from test_browser import ARTIFACTS, chromium_page, require_chromium
+
+    require_chromium()
+    with chromium_page() as page:
+        for name in ("index", "tutorials", "reference/options", "explanation/dashboard"):
+            page.goto((out / f"{name}.html").as_uri())
+            expect(page.locator("nav.bd-docs-nav, .bd-sidebar-primary")).not_to_have_count(0)
+            expect(page.locator("article h1")).to_have_count(1)
+            font = page.evaluate("getComputedStyle(document.body).fontFamily")
+            assert "serif" not in font.replace("sans-serif", ""), (name, font)  # themed
+            for picture in page.locator("article img").all():
+                assert picture.evaluate("(img) => img.complete && img.naturalWidth > 0"), (
+                    name, picture.get_attribute("src"))
+            page.screenshot(path=str(ARTIFACTS / f"docs-{name.replace('/', '-')}.png"),
+                            full_page=False)
 
 
 def test_an_example_that_breaks_fails_the_build(tmp_path):

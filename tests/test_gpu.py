@@ -1,6 +1,6 @@
 """The GPU path: one worker per GPU, nccl, torch.cuda.set_device(LOCAL_RANK), elastic state
 on CUDA, and GPU memory released when a job is stopped. CI has no GPU, so these run on a
-GPU machine (README, "GPUs": `python -m pytest -m gpu`); without CUDA they are reported as
+GPU machine (docs/explanation/gpus.md: `python -m pytest -m gpu`); without CUDA they are reported as
 skipped."""
 
 from __future__ import annotations

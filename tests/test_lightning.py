@@ -2,7 +2,7 @@
 ``elastic_magic.integrations.lightning``): a rank SIGKILLed between commits resumes
 ``trainer.fit`` from the last commit and ends at the uninterrupted run's weights, bit for
 bit, having trained again only the steps since that commit; a resize 2 -> 3 at a commit
-ends within float rounding of it; the README's example runs as written."""
+ends within float rounding of it; the docs' example runs as written."""
 
 from __future__ import annotations
 

@@ -52,8 +52,8 @@ sched.step()
 ema.update_parameters(model)"""}
 
 
-def blocks_run_by_tests() -> dict[int, str]:
-    """README line -> the test file that runs that block: every ``readme.block(...)`` or
+def blocks_run_by_tests() -> dict[str, str]:
+    """Where a block is (page:line) -> the test file that runs it: every ``readme.block(...)`` or
     ``readme.cells(...)`` call with its text written out, in every test file."""
     found = {}
     for path in sorted(ROOT.glob("tests/*.py")):
@@ -63,7 +63,7 @@ def blocks_run_by_tests() -> dict[int, str]:
                     and node.func.attr in ("block", "cells")
                     and all(isinstance(arg, ast.Constant) for arg in node.args[:2])):
                 args = [arg.value for arg in node.args[:2]]
-                found[readme.block(*args).line] = path.name
+                found[readme.block(*args).where] = path.name
     return found
 
 
@@ -71,18 +71,19 @@ def blocks_run_by_tests() -> dict[int, str]:
 def test_every_readme_block_runs_in_a_test_or_says_why_not():
     ran = blocks_run_by_tests()
     unexplained, both = [], []
-    for block in readme.blocks():
+    for block in readme.all_blocks():
         excused = [first for first in NOT_RUN if block.first.startswith(first)]
-        if block.line in ran and excused:
-            both.append(f"line {block.line}: run by {ran[block.line]} and listed in NOT_RUN")
-        elif block.line not in ran and not excused:
-            unexplained.append(f"line {block.line}: {block.first!r}")
-    assert not unexplained, ("README code blocks no test runs (run them with readme.block, "
-                             "or say why not in NOT_RUN):\n" + "\n".join(unexplained))
+        if block.where in ran and excused:
+            both.append(f"{block.where}: run by {ran[block.where]} and listed in NOT_RUN")
+        elif block.where not in ran and not excused:
+            unexplained.append(f"{block.where}: {block.first!r}")
+    assert not unexplained, ("code blocks of the README and the docs that no test runs (run "
+                             "them with readme.block, or say why not in NOT_RUN):\n"
+                             + "\n".join(unexplained))
     assert not both, "\n".join(both)
-    firsts = [block.first for block in readme.blocks()]
+    firsts = [block.first for block in readme.all_blocks()]
     stale = [first for first in NOT_RUN if not any(f.startswith(first) for f in firsts)]
-    assert not stale, f"NOT_RUN names blocks the README no longer has: {stale}"
+    assert not stale, f"NOT_RUN names blocks the README and the docs no longer have: {stale}"
 
 
 @pytest.mark.unit
@@ -92,6 +93,10 @@ def test_the_block_reader_finds_indented_and_fenced_blocks_and_fills_placeholder
     assert [(b.line, b.text) for b in readme.blocks(text)] == [
         (3, "a = 1\n\nb = 2"), (10, "fenced"),
         (13, "%load_ext x\n\n%%elastic --nproc 2\nfor i in x:\n    ...step...")]
+    # a MyST directive is the docs build's to run, not a block (its fence neither)
+    page = "# A page\n\n```{code-cell} ipython3\nx = 1\n```\n\n```bash\nls\n```\n"
+    assert [(b.line, b.text, b.where) for b in readme.blocks(page, "docs/p.md")] == [
+        (8, "ls", "docs/p.md:8")]
     assert readme.magic("%%elastic --nproc 2\nx = 1") == ("--nproc 2", "x = 1\n")
     twice = "%%elastic --nproc 4"  # two blocks begin so: the caller says which
     with pytest.raises(LookupError, match="2 code blocks"):
@@ -101,7 +106,7 @@ def test_the_block_reader_finds_indented_and_fenced_blocks_and_fills_placeholder
 
 
 def readme_lines(prefix: str) -> list[str]:
-    return [line.strip() for block in readme.blocks() for line in block.text.splitlines()
+    return [line.strip() for block in readme.all_blocks() for line in block.text.splitlines()
             if line.strip().startswith(prefix)]
 
 
@@ -128,7 +133,7 @@ def test_every_magic_line_parses(monkeypatch, tmp_path):
 def test_the_join_commands_parse():
     from elastic_magic.cli import _parser
 
-    commands = [line for block in readme.blocks() for line in block.text.splitlines()
+    commands = [line for block in readme.all_blocks() for line in block.text.splitlines()
                 if re.search(r"(^elastic-magic|\")\s+join ", line)]
     assert len(commands) == 2
     for command in commands:
@@ -176,6 +181,20 @@ def test_the_benchmark_commands_name_real_scenarios():
         assert {w for w in words if w.startswith("--")} <= flags, line
         if "--only" in words:
             assert set(words[words.index("--only") + 1].split(",")) <= names, line
+
+
+@pytest.mark.unit
+def test_every_link_and_picture_of_the_readme_and_the_docs_is_there():
+    """A link to a page or a file of the repository (and a screenshot) from the README or a
+    docs page leads to something that exists, as GitHub and the docs site resolve it."""
+    broken = []
+    for page in readme.documents():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # another site's, or a heading of the page
+            if not (page.parent / target.split("#")[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
 
 
 @pytest.mark.unit

@@ -313,7 +313,7 @@ def test_data_loader_records_what_the_loop_consumed_and_refuses_what_it_cannot()
 
 @pytest.mark.unit
 def test_a_global_batch_size_alone_makes_a_shuffled_elastic_loader():
-    """As the README's examples write it: DataLoader(data, global_batch_size=...)."""
+    """As the docs' examples write it: DataLoader(data, global_batch_size=...)."""
     dataset = TensorDataset(torch.arange(20))
     loader = em.DataLoader(dataset, global_batch_size=6)
     sampler = loader.elastic_sampler

@@ -421,7 +421,7 @@ def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, l
     assert ip.run_line_magic("elastic", "pull w --rank 1") == [1, 3]
     ip.run_line_magic("elastic", "gather factor")
     assert ip.user_ns["w"] == [1, 3] and ip.user_ns["factor"] == {0: 3, 1: 3}
-    # As the README writes it: the value is the magic's, not only the kernel variable's.
+    # As the docs write it: the value is the magic's, not only the kernel variable's.
     ip.run_cell("factors = %elastic gather factor\n"
                 "both = %elastic pull w factor").raise_error()
     assert ip.user_ns["factors"] == {0: 3, 1: 3}

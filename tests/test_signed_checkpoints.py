@@ -127,7 +127,7 @@ def test_a_forged_checkpoint_is_never_unpickled(tmp_path, log_dir, signature):
     checkpoint_key()  # the user's own (a missing one is refused: test_checkpoint_folders)
     message = refused(ckpt, log_dir)
     expected = "does not match your key" if magic == b"EMCKPT02" else "without a signature"
-    assert expected in message and "README" in message, message
+    assert expected in message and "docs/explanation/security.md" in message, message
     assert not canary.exists()
 
 

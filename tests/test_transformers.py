@@ -2,7 +2,7 @@
 SIGKILLed between commits makes the restarted ``trainer.train()`` go on from the last
 commit, redo only the steps since, and end at the uninterrupted run's weights and log
 history bit for bit; a resize 2 -> 3 (survivors staying) ends within float rounding of
-it; the README's example runs as written. Real processes, gloo on CPU."""
+it; the docs' example runs as written. Real processes, gloo on CPU."""
 
 from __future__ import annotations
 
