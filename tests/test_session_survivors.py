@@ -230,3 +230,22 @@ def test_a_rank_whose_setup_replay_a_death_cut_short_does_not_stay(log_dir, tmp_
         result = s.run("(after, base, os.getpid())")
         assert [v[:2] for v in result.values.values()] == [(8, 7), (8, 7)], result.values
         assert os.path.exists(flag)  # rank 1 died in the replay, as planned
+
+
+def test_a_survivor_goes_back_to_the_first_values_when_nothing_was_committed(log_dir):
+    """A death in a cell before the session's first commit: the new rank's State starts
+    from its first values (there is nothing to restore), and the survivor, a step further
+    when its peer died, goes back to them too. (It stayed a step ahead, and the next cells
+    saw two different steps: session chaos, killed 0.00 s into its first cell.)"""
+    with em.Session(nproc=2, max_restarts=1, survivors=True, log_dir=log_dir) as s:
+        s.run("import os, time, torch, torch.distributed as dist, elastic_magic as em\n"
+              "state = em.State(step=0, w=torch.zeros(3))", setup=True)
+        pids = s.run("os.getpid()").values
+        with pytest.raises(em.JobFailedError):
+            s.run("state.step += 1\nstate.w += 1\ndist.barrier()\n"
+                  "if dist.get_rank() == 1:\n    os._exit(3)\ntime.sleep(60)")
+        result = s.run("(os.getpid(), state.step, state.w.tolist())")
+        assert result.values[0] == (pids[0], 0, [0.0, 0.0, 0.0])  # stayed, and went back
+        assert result.values[1][0] != pids[1] and result.values[1][1:] == (0, [0.0] * 3)
+        assert any("rank 0: State back at the last commit (step 0) from step 1" in line
+                   for line in result.tails[0]), result.tails

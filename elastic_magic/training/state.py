@@ -71,9 +71,17 @@ def roll_back_kept_states() -> tuple[Any, Any] | None:
     snapshot belongs to goes back to it, as the new ranks restore it (a death in a cell
     left it ahead of that commit). (step before, step now), or None where there is none."""
     state = _owner() if _owner is not None else None
-    before = state.step if state is not None else None
-    return (before, state.step) if state is not None and _restore(state, together=False) \
-        else None
+    if state is None:
+        return None
+    before = state.step
+    if _restore(state, together=False):
+        return before, state.step
+    first = state._first  # nothing committed yet: the new ranks start from the first values
+    if first is None or not first.holds(first.token, state._objects):
+        raise RuntimeError("nothing was committed yet, and the State's large objects have "
+                           "changed since it was made")
+    first.roll_back(state, int(os.environ.get("WORLD_SIZE", "1")))
+    return before, state.step
 
 
 class State:
@@ -119,6 +127,7 @@ class State:
         object.__setattr__(self, "_staged", None)  # the last commit's copy, once sent
         object.__setattr__(self, "restored_step", None)
         object.__setattr__(self, "_kept", None)  # our own record of the last commit
+        object.__setattr__(self, "_first", None)  # its first values, while nothing is committed
         object.__setattr__(self, "_sharded", False)  # holds DTensors: cannot go on in place
         object.__setattr__(self, "_on_reset", [])
         global _latest
@@ -128,7 +137,8 @@ class State:
         for name, value in {**named, **values}.items():
             if value is not None or name in values:
                 setattr(self, name, value)
-        self.restore()
+        if not self.restore() and current() is not None:
+            _first_values(self)
 
     # state.step, state.epoch, state.model: values and objects read and set as attributes
     def __getattr__(self, name: str) -> Any:
@@ -302,6 +312,16 @@ def _samples(objects: dict[str, Any]) -> int | None:
         if isinstance(sampler, ElasticSampler):
             return sampler.samples_seen
     return None
+
+
+def _first_values(state: State) -> None:
+    """Nothing committed yet in this job: a rank that joins starts from this State's first
+    values, so a session's survivor goes back to them (``roll_back_kept_states``)."""
+    global _owner
+    dicts = {name: obj.state_dict() for name, obj in state._objects.items()}
+    first = Kept.of(-1, dicts, state._values, 0, [rng.current()], 0)
+    object.__setattr__(state, "_first", first)
+    _owner = weakref.ref(state)
 
 
 def _restore(state: State, *, together: bool) -> bool:
