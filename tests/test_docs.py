@@ -92,8 +92,9 @@ def look_at_pages_in_chromium(out: Path) -> None:
             page.goto((out / f"{name}.html").as_uri())
             expect(page.locator("nav.bd-docs-nav, .bd-sidebar-primary")).not_to_have_count(0)
             expect(page.locator("article h1")).to_have_count(1)
-            font = page.evaluate("getComputedStyle(document.body).fontFamily")
-            assert "serif" not in font.replace("sans-serif", ""), (name, font)  # themed
+            themed = page.evaluate("getComputedStyle(document.documentElement)"
+                                   ".getPropertyValue('--pst-color-primary')")
+            assert themed.strip(), name  # the pydata theme's stylesheet was loaded
             for picture in page.locator("article img").all():
                 assert picture.evaluate("(img) => img.complete && img.naturalWidth > 0"), (
                     name, picture.get_attribute("src"))
@@ -115,3 +116,20 @@ def test_an_example_that_breaks_fails_the_build(tmp_path):
     said = done.stdout + done.stderr
     assert done.returncode != 0 and "ExecutionError" in said, said[-3000:]
     assert str(source / "index.md") in said  # the page that broke
+
+
+@pytest.mark.unit
+def test_the_environment_page_names_every_variable_the_code_reads_or_sets():
+    """Every ``ELASTIC_MAGIC_*`` name of the package, and every variable a worker is
+    given as torchrun gives it, is on the page; the page names no variable the code has
+    not (a hand-written table that could drift, checked against the code)."""
+    page = (DOCS / "reference" / "environment.md").read_text()
+    source = "\n".join(p.read_text() for p in (DOCS.parent / "elastic_magic").rglob("*.py"))
+    ours = set(re.findall(r"\bELASTIC_MAGIC_[A-Z_]+\b", source))
+    environment = (DOCS.parent / "elastic_magic" / "agent" / "node" / "environment.py")
+    torchrun = set(re.findall(r'^\s+"([A-Z_]+)": ', environment.read_text(), re.M))
+    on_page = set(re.findall(r"`([A-Z][A-Z_]+[A-Z])`", page))
+    assert ours | torchrun <= on_page, (ours | torchrun) - on_page
+    known = ours | torchrun | {"XDG_CACHE_HOME", "XDG_CONFIG_HOME", "SLURM_JOB_ID",
+                               "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
+    assert on_page <= known, on_page - known

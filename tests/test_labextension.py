@@ -201,8 +201,12 @@ def test_comm_offers_the_users_detached_jobs_that_this_kernel_does_not_follow(
     for run_id in ("em-followed", "em-elsewhere", "em-let-go"):
         detached_folder.Connection(run_id, os.getpid(), str(folder), "secret-token", started,
                                    "%%elastic --detach --nproc 2").write(folder)
-    detached_folder.Connection("em-killed", 2**22 + 1, str(folder), "t", started,
+    detached_folder.Connection("em-killed", 2**22 - 1, str(folder), "t", started,
                                "%%elastic --detach").write(folder)  # no such process
+    odd = folder / "em-odd.json"  # not an agent's: never listed, and it breaks nothing
+    odd.write_text('{"run_id": "em-odd", "pid": 1, "folder": "/", "token": "t", '
+                   '"started": "yesterday", "title": "?"}')
+    odd.chmod(0o600)
 
     class Handle:  # what the channel reads of a followed or a let-go AttachedJob
         def __init__(self, run_id: str, done: bool, detached: bool) -> None:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..agent.handles import attached
-from ..folders import NotPrivate
 from ..spec import SpecError
 
 if TYPE_CHECKING:
@@ -118,11 +117,11 @@ def detached_elsewhere(followed: set[str]) -> list[dict[str, Any]]:
     attaching reads it from the private connection file)."""
     try:
         found = attached.detached_jobs()
-    except (OSError, NotPrivate):  # no runtime folder of ours to read: none to offer
-        return []
-    now = time.time()
-    return [{"id": c.run_id, "title": c.title, "elapsed": now - c.started, "pid": c.pid}
-            for c in found if c.run_id not in followed]
+        now = time.time()
+        return [{"id": c.run_id, "title": c.title, "elapsed": now - c.started, "pid": c.pid}
+                for c in found if c.run_id not in followed]
+    except Exception:  # no folder of ours, or an odd file in it: the panel is a convenience,
+        return []  # and its thread must go on
 
 
 def _let_go(item: ListedJob) -> bool:

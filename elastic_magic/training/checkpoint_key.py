@@ -34,7 +34,8 @@ from ..folders import (
 ENV = "ELASTIC_MAGIC_CHECKPOINT_KEY"
 KEY_SIZE = 32
 _FIX = ("Remove it (a new key is made; checkpoints signed with the old one are then refused) "
-        f"or point {ENV} at a key file of yours, mode 0600. See docs/explanation/security.md.")
+        f"or point {ENV} at a key file of yours, mode 0600. See the Security page of the "
+        "docs, docs/explanation/security.md.")
 
 
 def key_path() -> Path:
@@ -69,7 +70,7 @@ def checkpoint_key(*, signed: Path | None = None) -> bytes:
                     "refuse it). If the key is elsewhere (moved, or on the machine that wrote "
                     f"the checkpoint), copy its key file here, or point {ENV} at it; if it is "
                     "lost, move the checkpoint away to start from scratch. See "
-                    "docs/explanation/security.md.") from None
+                    "the Security page of the docs, docs/explanation/security.md.") from None
             _create(folder, path.name)
             return _read(folder, path)
     finally:
@@ -82,7 +83,8 @@ def key_folder(path: Path | None = None) -> int:
     no one else can replace the key. Raises NotPrivate saying what to do."""
     path = absolute(path or key_path())
     fix = (f"Keep the key below folders that only you (or root) can write: fix the modes, "
-           f"or point {ENV} at a key file in such a folder. See docs/explanation/security.md.")
+           f"or point {ENV} at a key file in such a folder. See the Security page of the "
+           "docs, docs/explanation/security.md.")
     try:
         folder, where = open_path(path.parent, create=True)
     except NotPrivate as exc:

@@ -46,6 +46,7 @@ export class ElasticPanel extends Widget {
   private goToCell: CellLink = () => undefined;
   private attachInCell: AttachInCell = () => undefined;
   private looking: number | null = null; // the timer of the looks, while shown
+  private attaching = new Set<string>(); // detached jobs whose Attach was clicked
   private typed = new Map<string, string>(); // resize boxes, kept across re-renders
   private charts = new Map<string, IRowChart>(); // job id -> its world size chart
 
@@ -72,7 +73,9 @@ export class ElasticPanel extends Widget {
   protected onAfterShow(msg: Message): void {
     super.onAfterShow(msg);
     this.look();
-    this.looking = window.setInterval(() => this.look(), LOOK_EVERY * 1000);
+    if (this.looking === null) {
+      this.looking = window.setInterval(() => this.look(), LOOK_EVERY * 1000);
+    }
   }
 
   protected onBeforeHide(msg: Message): void {
@@ -108,6 +111,8 @@ export class ElasticPanel extends Widget {
     root.appendChild(heading);
     const items = [...(this.channel?.items ?? [])].sort((a, b) => b.number - a.number);
     const detached = this.channel?.detached ?? [];
+    const listed = new Set(detached.map(job => job.id));
+    this.attaching.forEach(id => listed.has(id) || this.attaching.delete(id));
     if (detached.length > 0) {
       root.appendChild(this.detachedList(detached));
     }
@@ -153,7 +158,13 @@ export class ElasticPanel extends Widget {
       row.appendChild(facts);
       const actions = document.createElement('div');
       actions.className = 'em-panel-actions';
-      actions.appendChild(this.button('Attach', 'em-panel-attach', () => this.attachInCell(job)));
+      const attach = this.button('Attach', 'em-panel-attach', () => {
+        this.attaching.add(job.id); // one cell: the row goes once the kernel follows it
+        this.attachInCell(job);
+        this.render();
+      });
+      attach.disabled = this.attaching.has(job.id);
+      actions.appendChild(attach);
       row.appendChild(actions);
       list.appendChild(row);
     }

@@ -96,9 +96,16 @@ def read(path: Path) -> Connection | None:
         if folders.private_file_problem(fd, path) is not None:
             return None
         try:
-            return Connection(**json.load(file))
+            connection = Connection(**json.load(file))
         except (ValueError, TypeError):
             return None
+    fields: dict[str, type | tuple[type, ...]] = {
+        "run_id": str, "pid": int, "folder": str, "token": str, "started": (int, float),
+        "title": str}
+    if not all(isinstance(getattr(connection, name), kind) for name, kind in fields.items()) \
+            or not 0 < connection.pid < 2**22:  # the kernel's pid_max at most
+        return None  # not one an agent wrote: nothing to reach
+    return connection
 
 
 def remove(folder: Path, run_id: str, *, log: bool = False) -> None:

@@ -33,6 +33,7 @@ from .handle import new_run_id
 
 _MODULE = "elastic_magic.agent.handles.detached_agent"
 STALE_LOG = 60.0  # seconds: an agent's log this old, that no process holds, is left over
+LOG_PREFIX = ".agent-locked-"  # logs whose agent holds their lock (the sweep looks at no other)
 
 
 @dataclass
@@ -63,7 +64,7 @@ def sweep_logs(folder: Path) -> None:
     """Remove the logs of agents killed before they had a job (a standby killed by the OOM
     killer, say). An agent holds its log's lock from birth (its stderr shares the lock the
     kernel took); one killed released it. A job's agent renames its log to the job's."""
-    for path in folder.glob(".agent-*.log"):
+    for path in folder.glob(f"{LOG_PREFIX}*.log"):
         with contextlib.suppress(OSError):  # BlockingIOError: its agent lives
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
@@ -77,10 +78,13 @@ def sweep_logs(folder: Path) -> None:
 def _spawn(prewarm: Prewarm | None) -> _Agent:
     folder = detached_folder.runtime_folder()
     sweep_logs(folder)
-    name = f".agent-{secrets.token_hex(6)}.log"
+    name = f"{LOG_PREFIX}{secrets.token_hex(6)}.log"
     log = os.open(folder / name, folders.NEW_FILE, 0o600)
     try:
-        fcntl.flock(log, fcntl.LOCK_EX)  # the agent's stderr: held while the agent lives
+        # The agent's stderr: held while the agent lives. Where the filesystem has no
+        # flock, the sweep cannot take it either, and removes nothing.
+        with contextlib.suppress(OSError):
+            fcntl.flock(log, fcntl.LOCK_EX)
         process = subprocess.Popen(
             interpreter.command(_MODULE, name), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=log,
@@ -150,8 +154,11 @@ def start(spec: JobSpec, payload: Payload, *, title: str = "",
     if not ready:
         log = folder / f"{run_id}.log"
         log = log if log.exists() else folder / agent.log
-        said = log.read_text(errors="replace")
-        log.unlink()  # said here: nothing is left
+        try:
+            said = log.read_text(errors="replace")
+            log.unlink()  # said here: nothing is left
+        except OSError as exc:
+            said = f"(its log {log} could not be read: {exc})"
         raise DetachedError(f"the detached agent of {run_id} did not start:\n{said[-2000:]}")
     with _lock, contextlib.suppress(Exception):  # the next detached job finds it warm
         if _standby is None:  # (best effort: this job runs, and its handle comes back)

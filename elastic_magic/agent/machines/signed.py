@@ -47,7 +47,8 @@ def _rejected(what: str, where: str) -> RendezvousRejected:
         f"unauthenticated rendezvous state rejected: {what} in the rendezvous store at "
         f"{where}. It was not written by this job's agents, so it was not used; someone "
         "who can reach that port wrote into the store, and the job was stopped. Keep the "
-        "rendezvous endpoint on a private network (see docs/explanation/security.md).")
+        "rendezvous endpoint on a private network (see the Security page of the docs, "
+        "docs/explanation/security.md).")
 
 
 def put_signed(store: Store, key: bytes, name: str, value: str, *, scope: str = "") -> None:

@@ -75,7 +75,8 @@ def load(file: BinaryIO, path: Path, key: bytes) -> tuple[dict[str, Any], int]:
         raise CheckpointRefused(
             f"the checkpoint {path} was written by an earlier version of elastic_magic, "
             "without a signature: it is not loaded (loading it runs whatever it holds). "
-            "Move it away to start from scratch; see docs/explanation/security.md.")
+            "Move it away to start from scratch; see the Security page of the docs, "
+            "docs/explanation/security.md.")
     if head[:len(MAGIC)] != MAGIC or len(head) < _START:
         raise CheckpointRefused(f"{path} is not a checkpoint written by elastic_magic: it is "
                                 "not loaded. Move it away, or give another --checkpoint-dir.")
@@ -141,5 +142,6 @@ def _exactly(file: BinaryIO, size: int, path: Path) -> bytes:
 def _refused(path: Path, why: str) -> CheckpointRefused:
     return CheckpointRefused(
         f"the checkpoint {path} is not loaded: {why}. Nothing in it was used. If another "
-        "machine wrote it, copy its key file here (see docs/explanation/security.md); "
-        "otherwise move the checkpoint away to start from scratch.")
+        "machine wrote it, copy its key file here (see the Security page of the docs, "
+        "docs/explanation/security.md); otherwise move the checkpoint away to start from "
+        "scratch.")

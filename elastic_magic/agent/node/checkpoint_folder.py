@@ -101,7 +101,7 @@ class CheckpointFolder:
                     advice += ": find where your folder went, with its latest checkpoint"
             raise checkpoint_file.CheckpointRefused(
                 f"the checkpoint {self.path / FILE} is not loaded: {problem}. {advice}. See "
-                "docs/explanation/security.md.")
+                "the Security page of the docs, docs/explanation/security.md.")
         checkpoint_ledger.record(self.id, self.path, _counter(seal), reset=True)
         return problem
 

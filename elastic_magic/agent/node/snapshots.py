@@ -128,7 +128,7 @@ class SnapshotStore:
                 f"the checkpoint {folder.path / _LEGACY_DATA} was written by an earlier "
                 "version of elastic_magic, without a signature: it is not loaded (loading "
                 "it runs whatever it holds). Move it away to start from scratch; see "
-                "docs/explanation/security.md.") from None
+                "the Security page of the docs, docs/explanation/security.md.") from None
         with file:  # a signed one there: a missing key is an error, never a new key
             signed = file.read(len(checkpoint_file.MAGIC)) == checkpoint_file.MAGIC
             file.seek(0)
