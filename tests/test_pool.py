@@ -256,13 +256,23 @@ def test_many_cells_from_the_pool_leak_nothing(log_dir):
                            backend="gloo", log_dir=log_dir, render=lambda e: None)
         assert result.values == {0: 1, 1: 1}
 
+    def held() -> tuple[list[str], list[str], list[int]]:
+        """Our descriptors (what each is), threads and children: named, so a difference
+        says what it is (one run in CI ended with a descriptor fewer than it began)."""
+        fds = []
+        for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed
+                fds.append(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+        return fds, sorted(t.name for t in threading.enumerate()), \
+            sorted(c.pid for c in me.children())
+
     for _ in range(3):  # the pool, torch's and logging's once-only state
         cell()
-    before = (me.num_fds(), threading.active_count(), len(me.children()))
+    before = held()
     for _ in range(30):
         cell()
-    after = (me.num_fds(), threading.active_count(), len(me.children()))
-    assert after == before
+    after = held()
+    assert [len(x) for x in after] == [len(x) for x in before], (before, after)
     (zygote,) = [child for child in me.children() if child.name() == ZYGOTE]
     _wait_for_spares(2)  # refilled: the last of them half a second after the first
     idle = zygote.cpu_times()
