@@ -79,18 +79,20 @@ export class ElasticPanel extends Widget {
   }
 
   protected onBeforeHide(msg: Message): void {
-    if (this.looking !== null) {
-      window.clearInterval(this.looking);
-      this.looking = null;
-    }
+    this.stopLooking();
     super.onBeforeHide(msg);
   }
 
   dispose(): void {
+    this.stopLooking();
+    super.dispose();
+  }
+
+  private stopLooking(): void {
     if (this.looking !== null) {
       window.clearInterval(this.looking);
+      this.looking = null;
     }
-    super.dispose();
   }
 
   /** Ask the kernel for the list again (detached jobs included), where it answers now. */

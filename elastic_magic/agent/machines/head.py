@@ -257,7 +257,7 @@ class Head(SingleMachine):
             self.emit(NodeConnected(name, 0, False, reason or ""))
 
     def nodes_waiting(self, rendezvous: Rendezvous) -> bool:
-        return let_in_waiting(rendezvous, dict(self.sent_away), dict(self.names), dict(self.pids))
+        return let_in_waiting(rendezvous, self.sent_away, self.names, self.pids)  # loop thread
 
     def stopping_job(self, reason: str) -> None:
         self.launched.ending()  # before its machines go: none of them is replaced

@@ -23,6 +23,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -40,6 +41,8 @@ from .signed import (
     put_signed,
     rendezvous_key,
 )
+
+_T = TypeVar("_T")
 
 __all__ = ["Rendezvous", "RendezvousRejected", "SignedBackend", "get_signed",
            "hosted_store", "put_signed", "rendezvous_key"]
@@ -273,31 +276,26 @@ class Rendezvous:
         once a heartbeat expires: the next round completes without it at once. Its node
         rank in the round it took part in, if any. Written through a second handler's
         state holder (handlers are not thread-safe), compare-and-set until it holds."""
-        store, _ = self._live()
-        other = self._new_handler(store)
-        try:
-            return torch_internals.remove_rendezvous_node(other, addr, pid)
-        finally:
-            torch_internals.release_handler(other)
+        return self._on_second_handler(
+            lambda other: torch_internals.remove_rendezvous_node(other, addr, pid))
 
     def waiting_agents(self) -> set[tuple[str, int]]:
         """The machines waiting for the next round, as (address, agent pid): read through
         a second handler's state holder (handlers are not thread-safe)."""
-        store, _ = self._live()
-        other = self._new_handler(store)
-        try:
-            return torch_internals.waiting_rendezvous_nodes(other)
-        finally:
-            torch_internals.release_handler(other)
+        return self._on_second_handler(torch_internals.waiting_rendezvous_nodes)
 
     def cancel(self) -> None:
         """Close the run id from a second handler: a next_round() blocked on another thread
         sees the closed state at its next poll (within a quarter second: quick_rounds) and
         raises. (Handlers are not thread-safe: the blocked one must not be touched.)"""
-        store, _ = self._live()
-        other = self._new_handler(store)
+        self._on_second_handler(lambda other: other.shutdown())
+
+    def _on_second_handler(self, act: Callable[[DynamicRendezvousHandler], _T]) -> _T:
+        """``act`` on a handler of our own over the same store, let go after (without
+        closing the run id): the main handler may be in use on another thread."""
+        other = self._new_handler(self._live()[0])
         try:
-            other.shutdown()
+            return act(other)
         finally:
             torch_internals.release_handler(other)
 
