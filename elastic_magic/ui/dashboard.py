@@ -215,4 +215,8 @@ class LiveView:
                 self._handle.update(record, raw=True)
             self.widget.close()
         finally:
+            # The widget's handler is this view's method: a cycle that would keep the job
+            # (and its result's snapshot, a memory file as large as the training state)
+            # until Python's cyclic collector happens to run.
+            self.widget.on_msg(self._on_message, remove=True)
             self.panel_view.freeze(record)  # the panel keeps the chart, not the view

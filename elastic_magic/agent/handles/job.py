@@ -17,6 +17,7 @@ from ...wire.payload import Payload
 from ..loop.assemble import job_agent
 from ..machines.joined import JoinedJob
 from ..status import JobStatus
+from ..weak import weakly
 from .handle import (
     RENDER_INTERVAL,
     AgentError,
@@ -59,8 +60,10 @@ class Job(AgentThread):
         super().__init__(spec, run_id, hosts=joined is None)
         self.events: queue.Queue[Event] = queue.Queue()
         self._forward = forward  # a joined machine: the events the head shows too
+        # Weakly: a cycle among the agent's parts must not keep this job, and its result,
+        # for the collector once it has ended.
         self._agent = job_agent(
-            spec, payload, self.run_id, self._emit, self._inbox, self._board,
+            spec, payload, self.run_id, weakly(self._emit, None), self._inbox, self._board,
             token=self.token, joined=joined)
         # Spawning from this long-lived thread matters: PR_SET_PDEATHSIG fires when the
         # spawning *thread* exits.

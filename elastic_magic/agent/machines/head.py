@@ -35,6 +35,7 @@ from ..node.network import choose
 from ..node.snapshots import StateServer
 from ..policy import GroupOutcome
 from ..round_info import RoundInfo
+from ..weak import weakly
 from .hub import HUB_KEY, Hub
 from .launched import Launched
 from .remote_state import HeadCopies, answer_node
@@ -81,7 +82,7 @@ class Head(SingleMachine):
         self.rendezvous: Rendezvous | None = None
         self.results: dict[str, dict[int, GroupResult]] = {}  # round id -> node rank
         # what a --launcher started for the job, and gives back
-        self.launched = Launched(spec, run_id, emit, self._give_back)
+        self.launched = Launched(spec, run_id, emit, weakly(self._give_back, None))
         self.copies = HeadCopies()  # our ranks' chunks, on another machine
         self.token_file: TokenFile | None = None  # what the join command names
 
@@ -97,7 +98,7 @@ class Head(SingleMachine):
             self.emit(self.network)
             self.emit(AcceptingNodes(rendezvous.endpoint, self.join_command))
             self.rendezvous, rendezvous.name_machine = rendezvous, self.launched.label
-            rendezvous.close_rounds_when_joined(self._joining)
+            rendezvous.close_rounds_when_joined(weakly(self._joining, None))
             self.launched.start(rendezvous.endpoint, self.token)
         except BaseException:
             self.close_rendezvous(rendezvous)
