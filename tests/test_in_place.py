@@ -106,6 +106,42 @@ def test_survivors_go_on_in_place_through_kills_and_a_resize(tmp_path, log_dir, 
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+def test_commits_every_few_steps_count_from_the_commit_a_survivor_rolled_back_to(
+        log_dir, recorder):
+    """``commit(every=4)``: rank 1 dies at step 6, two calls past the commit of step 4.
+    Rank 0 rolls back to it in place and the new rank 1 restores it: both commit next at
+    step 8, not rank 0 at step 6 (its count since the commit, kept through the rollback,
+    had it commit where the new rank ran a step: a hang in mismatched collectives)."""
+    cell = textwrap.dedent("""
+        import os, signal, torch, torch.distributed as dist, elastic_magic
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = torch.nn.Linear(4, 1)
+        state = elastic_magic.State(model=model, step=0)
+        commits = []
+
+        @elastic_magic.run
+        def train(state):
+            ddp = DDP(model)
+            while state.step < 12:
+                ddp(torch.ones(2, 4)).sum().backward()
+                state.step += 1
+                if state.commit(every=4):
+                    commits.append(state.step)
+                if (os.environ["TORCHELASTIC_RESTART_COUNT"], state.step, dist.get_rank()) \
+                        == ("0", 6, 1):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        train(state)
+        commits
+    """)
+    spec = JobSpec.create(2, log_dir=log_dir, max_restarts=1, survivors=True,
+                          stall_timeout=30)
+    result = Job(spec, build_payload(cell, spec)).start().wait(recorder)
+    assert result.ok, f"{result}\n{recorder.story()}"
+    assert_stayed(recorder, [(0,)])
+    assert result.values == {0: [4, 8, 12], 1: [8, 12]}, result.values
+
+
 # Rank 0 is held after every rank agreed on the commit of step 3 and before its send
 # starts (copying a value of the State is the last thing before it), until the agent's word
 # has come: rank 1 died right after that commit. Then rank 1 dies inside the commit of

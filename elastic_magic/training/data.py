@@ -183,6 +183,17 @@ class ElasticSampler:
             self.offset = state["position"] * (self.global_batch_size or 0)
 
 
+def samples_seen(objects: dict[str, Any]) -> int | None:
+    """The data position's samples so far, where a State's objects hold an ElasticSampler
+    (or a loader made with one)."""
+    for obj in objects.values():
+        sampler = obj if isinstance(obj, ElasticSampler) else getattr(obj, "elastic_sampler",
+                                                                       None)
+        if isinstance(sampler, ElasticSampler):
+            return sampler.samples_seen
+    return None
+
+
 def _refuse_torch_dataloader() -> Iterator[list[int]]:
     """A torch DataLoader pulls batches from its sampler ahead of the loop (worker
     prefetch) and draws its worker seed from the global RNG: its commits would record

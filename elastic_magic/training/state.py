@@ -41,7 +41,7 @@ from .collectives import (
     gather_ints,
     rank_and_world,
 )
-from .data import DataLoader, ElasticSampler
+from .data import DataLoader, ElasticSampler, samples_seen
 from .kept import Kept
 from .stateful import GeneratorState, stateful_of
 
@@ -54,9 +54,13 @@ _owner: weakref.ref[State] | None = None
 _latest: weakref.ref[State] | None = None  # made, committed or restored last
 
 
-def _owns_the_commits(state: State) -> None:
+def _at_a_commit(state: State) -> None:
+    """``state`` made or restored the agent's latest commit. ``commit(every=N)`` counts from
+    it on every rank alike: a survivor rolled back forgets the calls it made past it."""
     global _owner, _latest
     _owner = _latest = weakref.ref(state)
+    object.__setattr__(state, "_since_commit", 0)
+    object.__setattr__(state, "_last_commit", time.monotonic())
 
 
 def latest_step() -> Any:
@@ -81,6 +85,7 @@ def roll_back_kept_states() -> tuple[Any, Any] | None:
         raise RuntimeError("nothing was committed yet, and the State's large objects have "
                            "changed since it was made")
     first.roll_back(state, int(os.environ.get("WORLD_SIZE", "1")))
+    _at_a_commit(state)
     return before, state.step
 
 
@@ -255,9 +260,7 @@ class State:
                 due = broadcast_flag(dist, due)
         if not due:
             return False
-        object.__setattr__(self, "_since_commit", 0)
-        object.__setattr__(self, "_last_commit", time.monotonic())
-        _owns_the_commits(self)
+        _at_a_commit(self)
         if client is not None:
             client.drain()  # the commit before is in the agent (or raises why not)
         # every rank's random streams; waits until all finished the step
@@ -292,7 +295,7 @@ class State:
             if client is not None and prepared is not None:
                 commit = functools.partial(Commit, step=self.step, time=time.time(),
                                            part=rank, parts=len(sizes), token=token,
-                                           sizes=sizes, samples=_samples(self._objects))
+                                           sizes=sizes, samples=samples_seen(self._objects))
                 client.behind(functools.partial(handoff.send, client, prepared, commit))
         if leave:  # the commit must be whole in the agent before any rank leaves
             if client is not None:
@@ -301,17 +304,6 @@ class State:
                 gather_int(dist, 0)
             raise ResizeExit(self.step)
         return True
-
-
-def _samples(objects: dict[str, Any]) -> int | None:
-    """The data position's samples so far, where the State holds an ElasticSampler (or a
-    loader made with one)."""
-    for obj in objects.values():
-        sampler = obj if isinstance(obj, ElasticSampler) else getattr(obj, "elastic_sampler",
-                                                                       None)
-        if isinstance(sampler, ElasticSampler):
-            return sampler.samples_seen
-    return None
 
 
 def _first_values(state: State) -> None:
@@ -360,7 +352,7 @@ def _restore(state: State, *, together: bool) -> bool:
     else:
         state.load(reply.snapshot)
     object.__setattr__(state, "restored_step", state.step)
-    _owns_the_commits(state)
+    _at_a_commit(state)
     object.__setattr__(state, "_kept", kept)  # after a load, the objects have changed
     return True
 
