@@ -29,10 +29,16 @@ nb_execution_mode = "force"
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 300
+# The tutorials are the course's notebooks as the tests ran them, outputs kept
+# (docs/refresh.py): shown, not run again.
+nb_execution_excludepatterns = ["tutorials/*.ipynb"]
 nb_merge_streams = True
 # A finished job's dashboard is replaced by its record (HTML): no widget is left to load,
 # so no page fetches the widget manager's scripts from a CDN.
 nb_ipywidgets_js: dict[str, dict[str, str]] = {}
+# A dashboard still live when a tutorial was saved shows as its text (where the job
+# stands), not as a widget the page would have no script to draw.
+nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.browser
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
-# Where the screenshots go (docs/screenshots.py points it at a folder of its own).
+# Where the screenshots go (docs/refresh.py points it at a folder of its own).
 ARTIFACTS = Path(os.environ.get("ELASTIC_MAGIC_SCREENSHOTS") or ROOT / "test-artifacts")
 # Where the Python package's build puts the JupyterLab extension (labextension/).
 EXTENSION = ROOT / "elastic_magic" / "labextension"

@@ -43,6 +43,25 @@ def test_the_site_builds_with_its_examples_run_and_its_references_taken_from_the
     resume = (out / "how-to" / "resume.html").read_text()  # a crash, resumed at the commit
     assert "restarting the group (1/1) after rank 1" in resume
     assert "(1, {0: (10, 20), 1: (10, 20)})" in resume
+    # resized 2 -> 3 at a commit: the three ranks started there, at world size 3
+    assert re.search(r"\(3, 1, 0\)", resume), resume[-3000:]
+    assert re.search(r"\(\{0: \((\d+), 3\), 1: \(\1, 3\), 2: \(\1, 3\)\}, 40\)",
+                     html.unescape(resume)), resume[-3000:]
+    survivors = html.unescape((out / "how-to" / "survivors.html").read_text())
+    assert "ranks 0 stayed in their processes" in survivors
+    stayed = re.search(r"\(1, \{0: \(20, (\d+), (\d+)\), 1: \(20, (\d+), (\d+)\)\}\)",
+                       survivors)
+    assert stayed and stayed[1] == stayed[2] and stayed[3] == stayed[4], survivors[-3000:]
+    joined = html.unescape((out / "how-to" / "join-machines.html").read_text())
+    assert "elastic-magic join 127.0.0.1:" in joined and "--token-file" in joined
+    assert "(2, 2)" in joined and "({0: 2, 1: 2}, 2, 0)" in joined, joined[-3000:]
+    # a tutorial, as the tests ran it: its outputs, and its records drawn in the page
+    tutorial = html.unescape(re.sub(r"<script.*?</script>", "", (
+        out / "tutorials" / "01_quickstart.html").read_text(), flags=re.S))
+    assert "elastic-record" in tutorial and "epoch 4: loss" in tutorial
+    assert "rank 1 failed: RuntimeError: simulated crash on rank 1" in tutorial
+    live = html.unescape((out / "tutorials" / "03_elastic_training.html").read_text())
+    assert "widget-view+json" not in live  # a dashboard live when saved shows as text
     grown = html.unescape((out / "how-to" / "several-machines.html").read_text())
     # --launcher local: three machines (which is node 0 is the rendezvous's choice)
     assert re.search(r"\(\d, 3, 'head'\)", grown), grown[-3000:]
@@ -88,7 +107,8 @@ def look_at_pages_in_chromium(out: Path) -> None:
 
     require_chromium()
     with chromium_page() as page:
-        for name in ("index", "tutorials", "reference/options", "explanation/dashboard"):
+        for name in ("index", "tutorials/index", "tutorials/01_quickstart", "reference/options",
+                     "explanation/dashboard"):
             page.goto((out / f"{name}.html").as_uri())
             expect(page.locator("nav.bd-docs-nav, .bd-sidebar-primary")).not_to_have_count(0)
             expect(page.locator("article h1")).to_have_count(1)
@@ -133,3 +153,33 @@ def test_the_environment_page_names_every_variable_the_code_reads_or_sets():
     known = ours | torchrun | {"XDG_CACHE_HOME", "XDG_CONFIG_HOME", "SLURM_JOB_ID",
                                "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
     assert on_page <= known, on_page - known
+
+
+@pytest.mark.unit
+def test_the_tutorials_pages_are_the_course_as_the_tests_ran_it():
+    """docs/tutorials/ holds each notebook of the course with the outputs of a test's run
+    (docs/refresh.py): the same cells as notebooks/, every code cell run, in order, and no
+    error but where the course shows one on purpose. A saved notebook is shared: no job
+    token (32 hex digits) is in it, but the widgets' ids."""
+    import nbformat
+
+    course = sorted((DOCS.parent / "notebooks").glob("*.ipynb"))
+    kept = sorted((DOCS / "tutorials").glob("*.ipynb"))
+    assert [p.name for p in kept] == [p.name for p in course], \
+        "run `python docs/refresh.py tutorials`"
+    for ours, theirs in zip(course, kept, strict=True):
+        nb, ran = nbformat.read(ours, as_version=4), nbformat.read(theirs, as_version=4)
+        assert [(c.cell_type, c.source) for c in ran.cells] == [
+            (c.cell_type, c.source) for c in nb.cells], \
+            f"{theirs.name} is not the course's: run `python docs/refresh.py tutorials`"
+        code = [c for c in ran.cells if c.cell_type == "code"]
+        assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), theirs.name
+        for cell in code:
+            errors = [o for o in cell.outputs if o.output_type == "error"]
+            assert not errors or "raises-exception" in cell.metadata.get("tags", []), \
+                (theirs.name, cell.source[:80])
+        saved = theirs.read_text()
+        widgets = ran.metadata.get("widgets", {}).get(
+            "application/vnd.jupyter.widget-state+json", {}).get("state", {})
+        hex32 = set(re.findall(r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])", saved))
+        assert hex32 <= set(widgets), (theirs.name, hex32 - set(widgets))

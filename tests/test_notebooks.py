@@ -18,6 +18,11 @@ from nbclient import NotebookClient
 pytestmark = pytest.mark.kernel
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+# Where the executed notebooks go (docs/refresh.py points it at a folder of its own; the
+# docs site shows them, outputs included, as its tutorials).
+EXECUTED = os.environ.get("ELASTIC_MAGIC_TUTORIALS")
+
+
 def execute(name: str, tmp_path: Path, timeout: int = 300):
     """Run a tutorial top to bottom in a real kernel, from a scratch folder, every cell as
     ``jupyter nbconvert --execute`` runs it (none is skipped: each runs on CPUs). Nothing
@@ -35,6 +40,8 @@ def execute(name: str, tmp_path: Path, timeout: int = 300):
     assert sorted(p.name for p in NOTEBOOKS.iterdir()) == before  # nothing left behind
     # the extension's comm is the frontend's to open: a headless run hears nothing of it
     assert not [m for m in heard.messages if "comm target" in m], heard.messages
+    if EXECUTED:
+        nbformat.write(nb, Path(EXECUTED, name))
     return nb
 
 

@@ -37,6 +37,15 @@ NOT_RUN = {
     "runs the script with a stand-in srun, test_slurm the launcher against real daemons",
     "%%elastic --nnodes 1:4 --rdzv-endpoint 10.0.0.5 --launcher slurm": "flags only: "
     "test_every_magic_line_parses; test_slurm and test_launchers run the launchers",
+    "%%elastic --nnodes 1:3 --rdzv-endpoint 10.0.0.5:29400": "flags only (the head of a "
+    "Kubernetes job): test_every_magic_line_parses",
+    "kubectl create secret generic": "needs a Kubernetes cluster: test_schedulers checks the "
+    "manifest's token wiring and runs its command against a real head",
+    "kubectl apply -f examples/kubernetes": "the same",
+    "%%elastic --max-restarts 3 -o run": "needs CUDA GPUs: test_gpu_resume trains with AMP, "
+    "a GradScaler and dropout on GPUs, killed and resized; CI has no GPU",
+    "%%elastic --nproc 8 --backend gloo": "flags only: test_every_magic_line_parses; 8 "
+    "workers on a 2-core CI machine would only measure its load",
     "python -m benchmarks --repeat 5": "benchmarks take minutes to an hour: "
     "test_the_benchmark_commands_name_real_scenarios",
     "  the kernel ": "a drawing",
