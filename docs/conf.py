@@ -40,6 +40,7 @@ nb_ipywidgets_js: dict[str, dict[str, str]] = {}
 # stands), not as a widget the page would have no script to draw.
 nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
 myst_enable_extensions = ["colon_fence", "deflist"]
+nb_render_markdown_format = "myst"  # a cell's Markdown output may be a table (the launchers')
 myst_heading_anchors = 3
 
 autodoc_typehints = "description"

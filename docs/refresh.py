@@ -64,6 +64,11 @@ def refresh(kept: Kept) -> int:
         if run.returncode != 0:
             print(f"{' '.join(kept.tests)} failed: nothing was replaced", file=sys.stderr)
             return run.returncode
+        missing = [name for name in kept.files if not (Path(taken) / name).exists()]
+        if missing:  # a test that skipped (a package not installed) wrote nothing
+            print(f"no {', '.join(missing)} from the tests (skipped?): nothing was replaced",
+                  file=sys.stderr)
+            return 1
         kept.folder.mkdir(parents=True, exist_ok=True)
         for name, docs_name in kept.files.items():
             shutil.copyfile(Path(taken) / name, kept.folder / docs_name)

@@ -10,6 +10,7 @@ import re
 import textwrap
 import threading
 
+import pytest
 from conftest import assert_stayed
 
 from elastic_magic.agent.handles.job import Job
@@ -106,12 +107,16 @@ def test_survivors_go_on_in_place_through_kills_and_a_resize(tmp_path, log_dir, 
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize(("killed_at", "committed"), [
+    (6, {0: [4, 8, 12], 1: [8, 12]}), (2, {0: [4, 8, 12], 1: [4, 8, 12]})])
 def test_commits_every_few_steps_count_from_the_commit_a_survivor_rolled_back_to(
-        log_dir, recorder):
+        killed_at, committed, log_dir, recorder):
     """``commit(every=4)``: rank 1 dies at step 6, two calls past the commit of step 4.
     Rank 0 rolls back to it in place and the new rank 1 restores it: both commit next at
     step 8, not rank 0 at step 6 (its count since the commit, kept through the rollback,
-    had it commit where the new rank ran a step: a hang in mismatched collectives)."""
+    had it commit where the new rank ran a step: a hang in mismatched collectives). Killed
+    at step 2, before any commit: rank 0 goes back in place to the State's first values,
+    where the new rank starts (it went on from step 2, and trained two steps fewer)."""
     cell = textwrap.dedent("""
         import os, signal, torch, torch.distributed as dist, elastic_magic
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -128,7 +133,7 @@ def test_commits_every_few_steps_count_from_the_commit_a_survivor_rolled_back_to
                 if state.commit(every=4):
                     commits.append(state.step)
                 if (os.environ["TORCHELASTIC_RESTART_COUNT"], state.step, dist.get_rank()) \
-                        == ("0", 6, 1):
+                        == ("0", KILLED_AT, 1):
                     os.kill(os.getpid(), signal.SIGKILL)
 
         train(state)
@@ -136,10 +141,11 @@ def test_commits_every_few_steps_count_from_the_commit_a_survivor_rolled_back_to
     """)
     spec = JobSpec.create(2, log_dir=log_dir, max_restarts=1, survivors=True,
                           stall_timeout=30)
-    result = Job(spec, build_payload(cell, spec)).start().wait(recorder)
+    payload = build_payload(cell, spec, namespace={"KILLED_AT": killed_at})
+    result = Job(spec, payload).start().wait(recorder)
     assert result.ok, f"{result}\n{recorder.story()}"
     assert_stayed(recorder, [(0,)])
-    assert result.values == {0: [4, 8, 12], 1: [8, 12]}, result.values
+    assert result.values == committed, result.values
 
 
 # Rank 0 is held after every rank agreed on the commit of step 3 and before its send

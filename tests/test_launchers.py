@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -823,8 +824,10 @@ def test_the_local_launcher_starts_a_machine_and_leaves_no_process(log_dir, reco
         # the timeline names the machine by its address and the allocation it ran in
         (joined,) = [e.peer for e in recorder.of(NodeConnected) if e.connected]
         assert re.fullmatch(r"127\.0\.0\.1 \(local\S+\)", joined), joined
+        gone, run_id = weakref.ref(job), job.run_id
         del job, result
-        assert not [o for o in gc.get_objects() if isinstance(o, Job | Head)]
+        assert gone() is None  # (other tests' jobs may be alive: this one is not)
+        assert not [o for o in gc.get_objects() if isinstance(o, Head) and o.run_id == run_id]
     finally:
         gc.enable()
 

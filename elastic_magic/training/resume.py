@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from ..worker.in_place import rejoin
-from .state import State
+from .state import State, back_to_first_values
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -63,10 +63,25 @@ def run(function: Callable[P, R]) -> Callable[P, R]:
             try:
                 return function(*args, **kwargs)
             except BaseException as exc:
-                if not rejoin(exc, in_place=not state._sharded):
+                if not rejoin(exc, in_place=_can_go_back(state)):
                     raise
-            state.restore()  # the last commit, from our memory where it is still whole
+            if not state.restore():  # the last commit, from our memory where it is whole
+                back_to_first_values(state)  # none yet: where the new ranks start
             for callback in state._on_reset:
                 callback()
 
     return in_place
+
+
+def _can_go_back(state: State) -> bool:
+    """Whether a survivor can go back, in place, to where the new ranks start: the last
+    commit (every rank takes part in each, so this process knows whether there is one), or
+    with none yet, the first values, if its large objects are as they were then. Else it
+    runs the cell again from the top. A sharded State always does (its shards move)."""
+    if state._sharded:
+        return False
+    if state._kept is not None or state.restored_step is not None:
+        return True
+    first = state._first
+    return first is not None and first.holds(first.token, state._objects)
+

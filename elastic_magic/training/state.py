@@ -78,15 +78,20 @@ def roll_back_kept_states() -> tuple[Any, Any] | None:
     if state is None:
         return None
     before = state.step
-    if _restore(state, together=False):
-        return before, state.step
-    first = state._first  # nothing committed yet: the new ranks start from the first values
+    if not _restore(state, together=False):
+        back_to_first_values(state)
+    return before, state.step
+
+
+def back_to_first_values(state: State) -> None:
+    """Nothing was committed yet: a survivor goes back to its State's first values, where
+    the new ranks start."""
+    first = state._first
     if first is None or not first.holds(first.token, state._objects):
         raise RuntimeError("nothing was committed yet, and the State's large objects have "
                            "changed since it was made")
     first.roll_back(state, int(os.environ.get("WORLD_SIZE", "1")))
     _at_a_commit(state)
-    return before, state.step
 
 
 class State:
