@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,32 @@ def test_every_readme_block_runs_in_a_test_or_says_why_not():
     firsts = [block.first for block in readme.all_blocks()]
     stale = [first for first in NOT_RUN if not any(f.startswith(first) for f in firsts)]
     assert not stale, f"NOT_RUN names blocks the README and the docs no longer have: {stale}"
+
+
+def test_the_blocks_no_test_runs_are_valid_python_or_shell():  # bash -n: a process
+    """What cannot run here (a GPU's cell, a cluster's commands) is at least well formed: a
+    cell's Python parses (a line of prose between dots, ``...one step...``, and a magic's
+    line stand for a statement), and a shell command passes ``bash -n``."""
+    shell = ("sudo ", "sbatch ", "kubectl ", "python ", "elastic-magic ", "for ")
+    checked = 0
+    for block in readme.all_blocks():
+        if not any(block.first.startswith(first) for first in NOT_RUN):
+            continue
+        lines = block.text.splitlines()
+        if block.first.startswith("%%elastic"):
+            body = "\n".join("pass" if re.fullmatch(r"\s*(\.\.\..*\.\.\.|%.*)", line)
+                             else line for line in lines)  # magics (cells) too
+            try:
+                ast.parse(body or "pass")
+            except SyntaxError as exc:
+                raise AssertionError(f"{block.where}: {exc}") from None
+            checked += 1
+        elif block.first.lstrip().startswith(shell):
+            done = subprocess.run(["bash", "-n", "-c", block.text], capture_output=True,
+                                  text=True)
+            assert done.returncode == 0, f"{block.where}: {done.stderr}"
+            checked += 1
+    assert checked >= 10, checked
 
 
 @pytest.mark.unit
