@@ -46,6 +46,15 @@ def is_spare(proc: psutil.Process) -> bool:
     return bool(children) and all(child.name() == SPARE for child in children)
 
 
+def descriptors() -> list[str]:
+    """This process's open descriptors, each as "fd:what it is" (a path, pipe:[inode]...)."""
+    found = []
+    for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed
+            found.append(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+    return found
+
+
 def job_processes() -> list[psutil.Process]:
     """Live processes of this test run that a job started: workers, their shepherds, and
     whatever those started (kernels, servers, browsers and the warm pool's zygote, which

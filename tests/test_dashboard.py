@@ -5,7 +5,6 @@ real job end to end."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import descriptors
 from recorded_jobs import Recorded, failed_job, hello_job, lines_by_group, restart_job
 
 from elastic_magic.agent.handles.job import Job
@@ -614,12 +614,7 @@ def test_text_cell_shows_colours_as_a_plain_cell_does(ip, log_dir, capsys, monke
 
 def memory_files() -> list[str]:
     """This process's descriptors of commits' memory files."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # the listing's own, closed
-            if "elastic-snapshot" in os.readlink(f"/proc/self/fd/{fd}"):
-                found.append(fd)
-    return found
+    return [fd for fd in descriptors() if "elastic-snapshot" in fd]
 
 
 def test_many_dashboard_cells_leave_no_widget_comm_or_result_behind(ip, log_dir, monkeypatch,

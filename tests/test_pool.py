@@ -15,7 +15,7 @@ import threading
 import time
 
 import psutil
-from conftest import SHEPHERD, TAG, ZYGOTE, is_spare, job_processes
+from conftest import SHEPHERD, TAG, ZYGOTE, descriptors, is_spare, job_processes
 
 import elastic_magic as em
 from elastic_magic.agent.node.pool import shutdown_pool, warm_pool
@@ -260,11 +260,7 @@ def test_many_cells_from_the_pool_leak_nothing(log_dir):
     def held() -> tuple[list[str], list[str], list[int]]:
         """Our descriptors (what each is), threads and children: named, so a difference
         says what it is (one run in CI ended with a descriptor fewer than it began)."""
-        fds = []
-        for fd in sorted(os.listdir("/proc/self/fd"), key=int):
-            with contextlib.suppress(OSError):  # the listing's own descriptor, closed
-                fds.append(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
-        return fds, sorted(t.name for t in threading.enumerate()), \
+        return descriptors(), sorted(t.name for t in threading.enumerate()), \
             sorted(c.pid for c in me.children())
 
     for _ in range(3):  # the pool, torch's and logging's once-only state

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from ..worker.in_place import rejoin
-from .state import State, back_to_first_values
+from .state import State, back_to_first_values, first_values_hold
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -80,8 +80,5 @@ def _can_go_back(state: State) -> bool:
     runs the cell again from the top. A sharded State always does (its shards move)."""
     if state._sharded:
         return False
-    if state._kept is not None or state.restored_step is not None:
-        return True
-    first = state._first
-    return first is not None and first.holds(first.token, state._objects)
-
+    return state._kept is not None or state.restored_step is not None \
+        or first_values_hold(state)

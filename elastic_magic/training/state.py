@@ -83,14 +83,18 @@ def roll_back_kept_states() -> tuple[Any, Any] | None:
     return before, state.step
 
 
-def back_to_first_values(state: State) -> None:
-    """Nothing was committed yet: a survivor goes back to its State's first values, where
-    the new ranks start."""
+def first_values_hold(state: State) -> bool:
+    """Nothing is committed yet, and the State's large objects are as they were made."""
     first = state._first
-    if first is None or not first.holds(first.token, state._objects):
+    return first is not None and first.holds(first.token, state._objects)
+
+
+def back_to_first_values(state: State) -> None:
+    """Nothing committed yet: a survivor goes back to the first values, where new ranks start."""
+    if not first_values_hold(state):
         raise RuntimeError("nothing was committed yet, and the State's large objects have "
                            "changed since it was made")
-    first.roll_back(state, int(os.environ.get("WORLD_SIZE", "1")))
+    state._first.roll_back(state, int(os.environ.get("WORLD_SIZE", "1")))
     _at_a_commit(state)
 
 
@@ -314,11 +318,10 @@ class State:
 def _first_values(state: State) -> None:
     """Nothing committed yet in this job: a rank that joins starts from this State's first
     values, so a session's survivor goes back to them (``roll_back_kept_states``)."""
-    global _owner
     dicts = {name: obj.state_dict() for name, obj in state._objects.items()}
     first = Kept.of(-1, dicts, state._values, 0, [rng.current()], 0)
     object.__setattr__(state, "_first", first)
-    _owner = weakref.ref(state)
+    _at_a_commit(state)  # as a commit would: the one a survivor goes back to
 
 
 def _restore(state: State, *, together: bool) -> bool:
