@@ -479,7 +479,10 @@ def test_in_a_real_kernel_ctrl_c_leaves_the_session_alive_and_it_ends_with_the_k
                                 trigger="[rank 1] waiting", action=km.interrupt_kernel)
         assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", before
         assert "KeyboardInterrupt" in before
-        reply, text = execute(kc, "%%elastic --text\nprint('still here', os.getpid())")
+        # Its own import: if the session re-formed, what the interrupted cell defined went
+        # with it (a rank that had not begun the cell when the interrupt came ran it on).
+        reply, text = execute(kc, "%%elastic --text\nimport os\n"
+                                  "print('still here', os.getpid())")
         # (the interrupted cell's lines too: a rank not back within the grace re-forms)
         assert reply["status"] == "ok" and "[rank 1] still here" in text, before + text
         assert len(wait_for_workers(2)) == 2
