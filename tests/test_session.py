@@ -403,8 +403,60 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+# Rank 0 is held after it has the next cell's Run, before it begins the cell: where it
+# enters the cell's folder (``os.chdir``, an audit event), until rank 1 has taken its
+# interrupt (the Interrupt to rank 0 was sent before that one).
+HOLD_RANK_0 = """import os, pathlib, sys, time
+def _hold_once(event, args, armed=[1] if os.environ["RANK"] == "0" else []):
+    if event == "os.chdir" and armed:
+        armed.clear()
+        folder = pathlib.Path(args[0])
+        (folder / "preparing-0").touch()
+        deadline = time.monotonic() + 60
+        while not (folder / "interrupted-1").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # rank 0's listener takes its Interrupt
+sys.addaudithook(_hold_once)
+"""
+
+INTERRUPTED_CELL = """pathlib.Path(f"began-{os.environ['RANK']}").touch()
+try:
+    time.sleep(120)
+except KeyboardInterrupt:
+    pathlib.Path(f"interrupted-{os.environ['RANK']}").touch()
+    raise
+"""
+
+
+def interrupt_before_rank_0_begins(ip, folder, monkeypatch) -> None:
+    """Ctrl-C while rank 1 runs the cell and rank 0 has its Run but has not begun it:
+    rank 0 is interrupted as it begins (the cell's code never runs there), every rank is
+    back at once and the session goes on with the same processes."""
+    monkeypatch.chdir(folder)
+    ip.run_cell_magic("elastic", "", HOLD_RANK_0)
+    session = ip.find_line_magic("elastic").__self__.sessions.session
+    pids = session.status()["pids"]
+    main = threading.main_thread().ident
+
+    def ctrl_c_once_rank_0_is_held() -> None:
+        deadline = time.monotonic() + 60
+        while not ((folder / "preparing-0").exists() and (folder / "began-1").exists()):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_rank_0_is_held, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("elastic", "", INTERRUPTED_CELL)
+    assert (folder / "interrupted-1").exists() and not (folder / "began-0").exists()
+    assert session.status()["pids"] == pids  # back within the grace: not re-formed
+    assert ip.run_cell_magic("elastic", "", "os.getpid()").values == pids
+
+
 def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, log_dir,
-                                                                           capsys):
+                                                                           capsys, tmp_path,
+                                                                           monkeypatch):
     from IPython.core.error import UsageError
 
     ip.run_line_magic("elastic", f"session start --nproc 2 --log-dir {log_dir}")
@@ -432,6 +484,7 @@ def test_session_magics_run_cells_in_the_session_and_hold_nothing_per_cell(ip, l
         ip.run_cell_magic("elastic", "--nproc 4", "1")
     with pytest.raises(UsageError, match="IPython syntax"):
         ip.run_cell_magic("elastic", "", "!ls")
+    interrupt_before_rank_0_begins(ip, tmp_path, monkeypatch)
 
     # Many cells: the kernel's threads and files stay as they were.
     for _ in range(5):

@@ -110,7 +110,6 @@ def serve_rank(control_fd: int, report_fd: int, shepherd_pid: int) -> None:
     control, report = Channel(control_fd, key), Channel(report_fd, key)
     client = agent_client.AgentClient(report)
     agent_client.install(client)
-    inbox = leave.inbox
     exiting = threading.Event()
 
     def listen() -> None:
@@ -131,14 +130,14 @@ def serve_rank(control_fd: int, report_fd: int, shepherd_pid: int) -> None:
                     client.deliver(message)
                 case Exit():
                     exiting.set()
-                    inbox.put(message)
+                    leave.receive(message)
                 case Run():
-                    inbox.put(message)
+                    leave.receive(message)
                 case DumpStacks(request_id):
                     answer_stacks(client, request_id)
                 case Interrupt():  # a session's cell, or a survivor's payload
+                    leave.ask()  # noted first: a cell that begins after it sees it
                     session.interrupt_main()
-                    leave.ask()
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
     buffer_stdout(nonce)

@@ -49,9 +49,8 @@ def rejoin(exc: BaseException, *, in_place: bool) -> bool:
     default_group.keep_destroyed_groups()
     if message.payload.init_process_group:  # made where the function first uses it
         default_group.arm(message.payload.backend, message.payload.timeout)
-    leave.begin()
-    leave.resume()
     leave.running(message.payload, message.stay)
     progress.running.set()
     report.send(Running(time.time(), os.getpid()))
+    leave.resume()  # an Interrupt already there for this group: the rank parks again
     return True

@@ -19,27 +19,42 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_asked = threading.Event()
+from elastic_magic.wire.messages import Run
+
+# An Interrupt is meant for the Run it follows on the control pipe, which the rank may not
+# have begun yet: the Runs are numbered as they arrive, and the number of the last one
+# received when an Interrupt came is kept. A flag would be lost when cleared as a Run begins,
+# or hit the next cell when it came late, as a cell ended.
 _lock = threading.Lock()
+_received = 0  # Runs received on the control pipe
+_interrupted = 0  # of them, the last one received before an Interrupt
+_current = 0  # the Run the rank acts on now (taken from the inbox, or put back)
 _busy = False  # the payload's code runs on the main thread
 
 
-def ask() -> None:
-    """From the control listener: leave the payload now, if it still runs."""
+def receive(message: Any) -> None:
+    """From the control listener: a Run or Exit, numbered, for :func:`next_message`."""
+    global _received
     with _lock:
-        _asked.set()
+        if isinstance(message, Run):
+            _received += 1
+        inbox.put((_received, message))
+
+
+def ask() -> None:
+    """From the control listener: the agent's Interrupt. The payload of the last Run leaves
+    now if its code runs, or as it begins."""
+    global _interrupted
+    with _lock:
+        _interrupted = _received
         if _busy:
             signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
 
 def asked() -> bool:
-    """The agent asked this rank to leave its payload (not a user's interrupt)."""
-    return _asked.is_set()
-
-
-def begin() -> None:
-    """A new payload starts: an Interrupt meant for the one before does not end it."""
-    _asked.clear()
+    """The agent's Interrupt came for the Run this rank acts on, begun or not (it says
+    which interrupt a KeyboardInterrupt is: the agent's, not a signal's)."""
+    return 0 < _current <= _interrupted
 
 
 @contextmanager
@@ -48,7 +63,7 @@ def leavable() -> Iterator[None]:
     the payload was being set up, at once)."""
     global _busy
     with _lock:
-        if _asked.is_set():
+        if asked():
             raise KeyboardInterrupt
         _busy = True
     try:
@@ -67,14 +82,17 @@ def pause() -> None:
             _busy = False
         signal.pthread_sigmask(signal.SIG_BLOCK, ())  # a call: a pending SIGINT raises here
     except KeyboardInterrupt:
-        if not _asked.is_set():  # a user's Ctrl-C, not the agent's word
+        if not asked():  # a user's Ctrl-C, not the agent's word
             raise
 
 
 def resume() -> None:
-    """The survivor's code runs again in its new group: the agent's word interrupts it."""
+    """The survivor's code runs again in its new group: the agent's word interrupts it (one
+    that came for the new group's Run already, at once)."""
     global _busy
     with _lock:
+        if asked():
+            raise KeyboardInterrupt
         _busy = True
 
 
@@ -107,18 +125,25 @@ class RerunCell(BaseException):
     that came instead, as after any parked payload."""
 
 
-inbox: queue.Queue[Any] = queue.Queue()  # the agent's Run and Exit, in order
-_put_back: list[Any] = []
+inbox: queue.Queue[tuple[int, Any]] = queue.Queue()  # the agent's Run and Exit, numbered
+_put_back: list[tuple[int, Any]] = []
 _running: list[Any] = []  # [payload, stay] of the payload that runs now
 
 
 def next_message() -> Any:
-    """The next Run or Exit for the worker's loop (or a survivor going on in its cell)."""
-    return _put_back.pop() if _put_back else inbox.get()
+    """The next Run or Exit for the worker's loop (or a survivor going on in its cell): the
+    rank acts on it from now on."""
+    global _current
+    number, message = _put_back.pop() if _put_back else inbox.get()
+    with _lock:
+        _current = number
+    return message
 
 
 def put_back(message: Any) -> None:
-    _put_back.append(message)
+    """The message just taken, for the worker's loop: the same Run, so an Interrupt that came
+    for it still counts."""
+    _put_back.append((_current, message))
 
 
 def running(payload: Any, stay: bool) -> None:

@@ -45,7 +45,6 @@ def run_payload(payload: Payload, report: AgentClient, *, stay: bool = False) ->
     value = None
     progress.running.set()
     metrics_log.reset()
-    leave.begin()
     leave.running(payload, stay)
     try:
         namespace = _prepare(payload)
@@ -188,11 +187,13 @@ def _result_message(payload: Payload, value: Any, namespace: dict[str, Any]) -> 
 
 
 def _user_traceback(exc: BaseException) -> types.TracebackType | None:
-    """The traceback from the first frame that is not ours (the cell's, usually)."""
+    """The traceback from the first frame that is not ours (the cell's, usually); none for
+    an interrupt taken in our code (before the cell began: nothing of the user's to show)."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(
+            (PACKAGE_DIR, contextlib.__file__)):
         tb = tb.tb_next
-    return tb or exc.__traceback__
+    return tb if tb is not None or isinstance(exc, KeyboardInterrupt) else exc.__traceback__
 
 
 def describe_exception(exc: BaseException, exit_code: int) -> ErrorInfo:

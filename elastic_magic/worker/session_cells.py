@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from elastic_magic.worker import leave
 from elastic_magic.worker.stdout import cell_end
 
 _module: types.ModuleType | None = None
@@ -45,10 +46,13 @@ def _on_interrupt(signum: int, frame: Any) -> None:
 
 @contextmanager
 def running_cell() -> Iterator[None]:
-    """Interrupts raise KeyboardInterrupt inside this block only."""
+    """Interrupts raise KeyboardInterrupt inside this block only, and one that came for this
+    cell before the rank began it, at once (the listener notes it before it signals)."""
     global _busy
     _busy = True
     try:
+        if leave.asked():
+            raise KeyboardInterrupt("before the cell began on this rank")
         yield
     finally:
         _busy = False
