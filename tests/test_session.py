@@ -404,18 +404,17 @@ def _open_fds() -> int:
 
 
 # Rank 0 is held after it has the next cell's Run, before it begins the cell: where it
-# enters the cell's folder (``os.chdir``, an audit event), until rank 1 has taken its
-# interrupt (the Interrupt to rank 0 was sent before that one).
+# enters the cell's folder (``os.chdir``, an audit event), until its listener has taken
+# the Interrupt.
 HOLD_RANK_0 = """import os, pathlib, sys, time
 def _hold_once(event, args, armed=[1] if os.environ["RANK"] == "0" else []):
     if event == "os.chdir" and armed:
         armed.clear()
-        folder = pathlib.Path(args[0])
-        (folder / "preparing-0").touch()
+        pathlib.Path(args[0], "preparing-0").touch()
+        leave = sys.modules["elastic_magic.worker.leave"]
         deadline = time.monotonic() + 60
-        while not (folder / "interrupted-1").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)  # rank 0's listener takes its Interrupt
+        while not leave.asked() and time.monotonic() < deadline:
+            time.sleep(0.02)
 sys.addaudithook(_hold_once)
 """
 
@@ -438,17 +437,21 @@ def interrupt_before_rank_0_begins(ip, folder, monkeypatch) -> None:
     pids = session.status()["pids"]
     main = threading.main_thread().ident
 
+    late: list[str] = []
+
     def ctrl_c_once_rank_0_is_held() -> None:
         deadline = time.monotonic() + 60
         while not ((folder / "preparing-0").exists() and (folder / "began-1").exists()):
             if time.monotonic() > deadline:
-                return
+                late.append(f"not held in time: {sorted(p.name for p in folder.iterdir())}")
+                break
             time.sleep(0.05)
         signal.pthread_kill(main, signal.SIGINT)
 
     threading.Thread(target=ctrl_c_once_rank_0_is_held, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         ip.run_cell_magic("elastic", "", INTERRUPTED_CELL)
+    assert not late
     assert (folder / "interrupted-1").exists() and not (folder / "began-0").exists()
     assert session.status()["pids"] == pids  # back within the grace: not re-formed
     assert ip.run_cell_magic("elastic", "", "os.getpid()").values == pids

@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
+from ..worker import leave
 from ..worker.in_place import rejoin
 from .state import State, back_to_first_values, first_values_hold
 
@@ -59,16 +60,20 @@ def run(function: Callable[P, R]) -> Callable[P, R]:
         if not isinstance(state, State):
             raise TypeError(f"@elastic_magic.run: call {function.__name__}(state, ...) with "
                             f"the elastic_magic.State first, not {type(state).__name__}")
+        rejoined = False
         while True:
             try:
+                if rejoined:  # in the next group; the agent's word may end it here too
+                    leave.resume()
+                    if not state.restore():  # the last commit, from our memory if whole
+                        back_to_first_values(state)  # none yet: where the new ranks start
+                    for callback in state._on_reset:
+                        callback()
                 return function(*args, **kwargs)
             except BaseException as exc:
                 if not rejoin(exc, in_place=_can_go_back(state)):
                     raise
-            if not state.restore():  # the last commit, from our memory where it is whole
-                back_to_first_values(state)  # none yet: where the new ranks start
-            for callback in state._on_reset:
-                callback()
+                rejoined = True
 
     return in_place
 

@@ -24,9 +24,11 @@ from elastic_magic.worker.runner import leave_group, report_parked, why_parked
 
 def rejoin(exc: BaseException, *, in_place: bool) -> bool:
     """After ``exc`` in the function of ``elastic_magic.run``: True once this rank is in
-    the next group, in place; False when it does not stay (no job, no ``--survivors``, a
-    session's cell, a user's interrupt): the caller raises ``exc``. ``in_place``: the
-    caller can go on in place (else it is told to run the cell again)."""
+    the next group, in place (the caller then calls :func:`leave.resume`, which raises for
+    an Interrupt that came for this group already, and the rank parks again); False when
+    it does not stay (no job, no ``--survivors``, a session's cell, a user's interrupt):
+    the caller raises ``exc``. ``in_place``: the caller can go on in place (else it is
+    told to run the cell again)."""
     running, report = leave.running_payload(), agent_client.current()
     if running is None or report is None or isinstance(exc, leave.RerunCell):
         return False
@@ -52,5 +54,4 @@ def rejoin(exc: BaseException, *, in_place: bool) -> bool:
     leave.running(message.payload, message.stay)
     progress.running.set()
     report.send(Running(time.time(), os.getpid()))
-    leave.resume()  # an Interrupt already there for this group: the rank parks again
     return True
