@@ -38,7 +38,10 @@ def run(function: Callable[P, R]) -> Callable[P, R]:
     is a plain call.
 
     Going on in place, a rank waits for the next group, rolls ``state`` back to its last
-    commit, runs the ``State.on_reset`` callbacks and calls ``function`` again.
+    commit, runs the ``State.on_reset`` callbacks and calls ``function`` again. An error
+    in the rollback or a callback is taken as one in ``function``: the rank reports it and
+    goes on in place in the next group (each such group counts as a restart), or it is
+    raised.
 
     Args:
         function: The training function; its first argument is the elastic State.

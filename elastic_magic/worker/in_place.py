@@ -23,7 +23,8 @@ from elastic_magic.worker.runner import leave_group, report_parked, why_parked
 
 
 def rejoin(exc: BaseException, *, in_place: bool) -> bool:
-    """After ``exc`` in the function of ``elastic_magic.run``: True once this rank is in
+    """After ``exc`` in the function of ``elastic_magic.run`` (or in its rollback and
+    ``on_reset`` callbacks, going on in place): True once this rank is in
     the next group, in place (the caller then calls :func:`leave.resume`, which raises for
     an Interrupt that came for this group already, and the rank parks again); False when
     it does not stay (no job, no ``--survivors``, a session's cell, a user's interrupt):

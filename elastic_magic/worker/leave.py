@@ -6,8 +6,11 @@ dead peer's socket closes). One that computes, or waits in a collective that doe
 error, is told by the agent (:class:`~elastic_magic.wire.messages.Interrupt`): the control listener
 signals the main thread (a blocking call returns with EINTR) and Python's SIGINT handler
 raises KeyboardInterrupt there; the runner tells it from a user's interrupt by
-:func:`asked`. The signal goes only while the payload's code runs (:func:`leavable`), so
-an Interrupt that arrives as the payload ends never breaks the report being written.
+:func:`asked`. The signal goes only while the payload's code runs (:func:`leavable`, and
+from :func:`resume` for a survivor going on in place), so an Interrupt that arrives as the
+payload ends never breaks the report being written. An Interrupt is meant for the Run it
+follows on the pipe: one that came before the rank began that Run's payload is raised as
+the payload's code begins.
 """
 
 from __future__ import annotations
