@@ -44,6 +44,7 @@ from elastic_magic.wire.messages import (
     Exit,
     Failed,
     Interrupt,
+    Resized,
     Result,
     Run,
     Running,
@@ -373,6 +374,28 @@ def test_a_rank_that_died_before_the_teardown_is_its_cause_though_its_end_was_re
     rank_1, rank_0 = group.failures_before(teardown_at)
     assert (rank_1.rank, rank_1.signal) == (1, "SIGTERM")
     assert rank_0.rank == 0 and rank_0.exc_type == "RuntimeError"
+
+
+@pytest.mark.parametrize("last_report", ["Resized", "none"])
+def test_a_clean_exit_counts_only_once_every_report_of_the_rank_is_read(last_report):
+    """A rank that leaves at a commit for a resize sends Resized and exits 0; its shepherd's
+    exit can be seen before the report pipe is read (a full loop's flake of
+    test_lost_machines: the job ended "succeeded" after 5 of its 40 steps). The exit is
+    judged once the pipe's end is read: a resize, or, with no result, success."""
+    group = WorkerGroup(0, 0, 1)
+    worker = group.workers[0]
+    worker.proc = FakeProcess(100)
+    worker.state = WorkerState.HEALTHY
+    worker.proc.returncode = 0  # type: ignore[union-attr]
+    status = group.poll()
+    assert not (status.succeeded or status.resized or status.failed)
+    if last_report == "Resized":
+        group.record(WorkerReport(0, 0, Resized(5, time.time()), time.time()))
+    group.record(WorkerReport(0, 0, None, time.time()))  # the pipe's end
+    status = group.poll()
+    assert (status.resized, status.succeeded) == (last_report == "Resized",
+                                                  last_report == "none")
+    assert not status.failed
 
 
 def _slot_1_fails_twice(scales: list[ScaleCommand]) -> Script:

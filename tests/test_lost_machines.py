@@ -40,8 +40,7 @@ def _training_shared(job, recorder) -> bool:
             return False
         time.sleep(0.05)
     first_shared = job.last_commit["step"] if job.last_commit else 0
-    job.wait_for_commit(first_shared + 3, timeout=120)
-    return True
+    return job.wait_for_commit(first_shared + 3, timeout=120)
 
 
 @pytest.mark.parametrize("how", ["killed", "cut", "killed-survivors-stay"])
@@ -56,10 +55,12 @@ def test_a_lost_machine_is_a_membership_change_not_a_failure(
     spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir, timeout=120, link_timeout=3,
                              survivors=survivors)
     frozen: list[psutil.Process] = []
+    lost_at: list[int | None] = []  # the last commit when the machine was lost
 
     def drive(job):
         if not _training_shared(job, recorder):
             return
+        lost_at.append(job.last_commit["step"] if job.last_commit else None)
         agent = psutil.Process(machines.procs[0].pid)
         if how == "killed":
             agent.send_signal(signal.SIGKILL)  # ours, by PID
@@ -76,8 +77,9 @@ def test_a_lost_machine_is_a_membership_change_not_a_failure(
         for proc in reversed(frozen):  # the cut heals: it finds the head gone
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGCONT)
-    assert result.ok, result
+    assert result.ok, recorder.story()
     assert result.restarts == 0 and result.max_restarts == 0 and result.failures == []
+    assert lost_at and len(recorder.of(Excluded)) == 1, (lost_at, recorder.story())
     (lost,) = recorder.of(Excluded)
     # Node ranks follow torch's order of the agents (address, then pid).
     assert re.fullmatch(r"machine 127\.0\.0\.1 \(node [01]\)", lost.what) and lost.goes_on

@@ -192,12 +192,15 @@ class WorkerGroup:
         now = time.time()
         for worker in self.workers:
             code = worker.exit_code()
-            if code is None or worker.exited_at is not None:
+            if code is None:
                 continue
-            worker.exited_at = now
+            if worker.exited_at is None:
+                worker.exited_at = now
+            # Exited cleanly without a result (os._exit(0) in the cell): success, no value;
+            # told only once every report it sent is read (one that left at a resize exits
+            # before its Resized is read: it would end the job as done).
             if code == 0 and not self.persistent and worker.state is WorkerState.HEALTHY \
-                    and worker.result is None and not worker.resized:
-                # Exited cleanly without a result (os._exit(0) in the cell): success, no value.
+                    and worker.result is None and not worker.resized and worker.has_ended():
                 worker.result = Result(cloudpickle.dumps(None))
                 worker.state = WorkerState.SUCCEEDED
 
