@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -11,6 +12,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 import elastic_magic
 
@@ -48,9 +52,21 @@ def torchrun(script: Path, nproc: int, *args: str, env: dict[str, str] | None = 
             while_running(proc.pid)
         proc.wait(timeout)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_torchrun(proc)
+
+
+def kill_torchrun(proc: subprocess.Popen[Any]) -> None:
+    """End a torchrun started in its own session, and its workers: torch starts each in a
+    session of its own, which killing torchrun's group does not reach (ours, by PID)."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(psutil.NoSuchProcess):
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()  # torchrun reaps its workers, or they go to init with it
 
 
 def launch(cell: str, nproc: int, **options: object) -> elastic_magic.JobResult:

@@ -31,7 +31,7 @@ from elastic_magic.spec import JobSpec
 from elastic_magic.wire.events import Output
 from elastic_magic.wire.payload import build_payload
 
-from .common import launch, scratch
+from .common import kill_torchrun, launch, scratch
 
 RESIZE_CELL = textwrap.dedent("""
     import time, torch, torch.distributed as dist, elastic_magic
@@ -154,9 +154,8 @@ def torchrun_resize() -> float:
         return float("nan")
     finally:
         for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            if proc is not None:
+                kill_torchrun(proc)
 
 
 def _commit_cost(repeat: int, checkpoint_dir: str | None) -> tuple[float, float]:

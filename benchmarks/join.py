@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import queue
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from elastic_magic.spec import JobSpec
 from elastic_magic.wire.events import Output, WorkersStarted
 from elastic_magic.wire.payload import build_payload
 
+from .common import kill_torchrun
 from .elastic import RESIZE_CELL
 
 # The resize benchmark's cell: a State committed every ~50 ms, READY <time> <world size>.
@@ -160,9 +160,8 @@ def torchrun_join(share_store: bool) -> float:
         return float("nan")
     finally:
         for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # ours, by PID (its own session)
-                proc.wait()
+            if proc is not None:
+                kill_torchrun(proc)
 
 
 def join(nproc: int, quick: bool) -> dict[str, float]:
