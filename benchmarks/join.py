@@ -59,14 +59,12 @@ def _ready(line: str, size: int) -> float | None:
 
 
 def start_joiner(command: str) -> subprocess.Popen[bytes]:
-    """Run the head's join command (``ELASTIC_MAGIC_TOKEN=... elastic-magic join HOST:PORT``)
-    as another machine would, with one worker: the token goes in the environment."""
-    assignment, _program, *args = shlex.split(command)
-    variable, _, token = assignment.partition("=")
+    """Run the head's join command (``elastic-magic join HOST:PORT --token-file PATH``) as
+    another machine would, with one worker."""
+    _program, *args = shlex.split(command)
     return subprocess.Popen(
         [sys.executable, "-m", "elastic_magic.cli", *args, "--nproc", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-        env={**os.environ, variable: token})
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
 
 
 def elastic_join() -> tuple[float, float]:
