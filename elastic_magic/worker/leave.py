@@ -41,7 +41,7 @@ def receive(message: Any) -> None:
     with _lock:
         if isinstance(message, Run):
             _received += 1
-        inbox.put((_received, message))
+        _inbox.put((_received, message))
 
 
 def ask() -> None:
@@ -65,10 +65,7 @@ def leavable() -> Iterator[None]:
     """The payload's code: an Interrupt interrupts it here, and only here (one that came while
     the payload was being set up, at once)."""
     global _busy
-    with _lock:
-        if asked():
-            raise KeyboardInterrupt
-        _busy = True
+    resume()
     try:
         yield
     finally:
@@ -128,7 +125,7 @@ class RerunCell(BaseException):
     that came instead, as after any parked payload."""
 
 
-inbox: queue.Queue[tuple[int, Any]] = queue.Queue()  # the agent's Run and Exit, numbered
+_inbox: queue.Queue[tuple[int, Any]] = queue.Queue()  # the agent's Run and Exit, numbered
 _put_back: list[tuple[int, Any]] = []
 _running: list[Any] = []  # [payload, stay] of the payload that runs now
 
@@ -137,7 +134,7 @@ def next_message() -> Any:
     """The next Run or Exit for the worker's loop (or a survivor going on in its cell): the
     rank acts on it from now on."""
     global _current
-    number, message = _put_back.pop() if _put_back else inbox.get()
+    number, message = _put_back.pop() if _put_back else _inbox.get()
     with _lock:
         _current = number
     return message
