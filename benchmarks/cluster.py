@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -36,11 +35,12 @@ from typing import Any
 
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.spec import JobSpec
-from elastic_magic.wire.events import NodeConnected, Output
+from elastic_magic.wire.events import NodeConnected
 from elastic_magic.wire.payload import build_payload
 
-from .common import scratch
+from .common import ready_times, scratch
 from .elastic import RESIZE_CELL
+from .join import join_command_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 HAND_SCRIPT = ROOT / "examples" / "slurm" / "join.sbatch"
@@ -90,14 +90,7 @@ def _cluster(folder: Path) -> Iterator[tuple[Any, Any]]:
 def _ready_at(events: list, size: int, after: float) -> float | None:
     """When the last of ``size`` ranks printed READY at world size ``size``, after
     ``after``; None until all have."""
-    stamps = []
-    for event in events:
-        if isinstance(event, Output):
-            for line in event.lines:
-                parts = line.split()
-                if len(parts) == 3 and parts[0] == "READY" and parts[2] == str(size) \
-                        and float(parts[1]) > after:
-                    stamps.append(float(parts[1]))
+    stamps = [stamp for stamp in ready_times(events, size) if stamp > after]
     return max(stamps) if len(stamps) >= size else None
 
 
@@ -184,12 +177,9 @@ def by_hand_side(network: Any, cluster: Any, folder: Path
     def drive(job: Job, events: list) -> tuple[float, float]:
         command = job.wait_for_join_command(timeout=60)
         assert command is not None
-        # what the cell prints: ELASTIC_MAGIC_TOKEN=... elastic-magic join HOST:PORT
-        assignment, *_program, endpoint = shlex.split(command)
-        token_file = folder / "hand-token"
-        with os.fdopen(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
-                       "w") as file:
-            file.write(assignment.partition("=")[2])
+        # the docs' script takes the endpoint as its argument, the token file from the
+        # environment
+        endpoint, token_file = join_command_parts(command)
         # the node idle (the other side's allocation may still be completing), training
         if not (_until(lambda: not cluster.queue()) and _until(cluster.idle)):
             return math.nan, math.nan
@@ -198,7 +188,7 @@ def by_hand_side(network: Any, cluster: Any, folder: Path
         done = subprocess.run(
             ["sbatch", "--parsable", "--nodes=1", "--partition=test", f"--chdir={folder}",
              str(HAND_SCRIPT), endpoint], capture_output=True, text=True, check=True,
-            env={**os.environ, "ELASTIC_MAGIC_TOKEN_FILE": str(token_file), "NPROC": "1"})
+            env={**os.environ, "ELASTIC_MAGIC_TOKEN_FILE": token_file, "NPROC": "1"})
         submitted.append(done.stdout.strip().split(";")[0])
         return _figures(events, asked)
 

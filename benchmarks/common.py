@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 import psutil
 
 import elastic_magic
+from elastic_magic.wire.events import Output
 
 
 def scratch(prefix: str = "em-bench-") -> Path:
@@ -27,6 +29,24 @@ def stamps(folder: Path, prefix: str) -> list[float]:
     """The times ranks wrote into ``folder/<prefix>*``."""
     return [float(path.read_text()) for path in sorted(folder.glob(f"{prefix}*"))
             if not path.name.endswith(".tmp")]
+
+
+# What the resize, join, leave and cluster cells print once their group formed.
+_READY = re.compile(r"READY (\d+(?:\.\d+)?) (\d+)")
+
+
+def ready_stamps(text: str, size: int) -> list[float]:
+    """The times of the ``READY <time> <world size>`` marks in ``text`` at world size
+    ``size``. Ranks that share a pipe (torchrun's workers all write to its stdout) can
+    interleave their lines (``READY t 3READY t 3`` then two newlines: print writes the
+    text and the newline apart), so marks are found wherever they are, not as lines."""
+    return [float(stamp) for stamp, world in _READY.findall(text) if int(world) == size]
+
+
+def ready_times(events: list[Any], size: int) -> list[float]:
+    """The READY marks at world size ``size`` in a job's output events."""
+    return [stamp for event in events if isinstance(event, Output)
+            for line in event.lines for stamp in ready_stamps(line, size)]
 
 
 def free_port() -> int:

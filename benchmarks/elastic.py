@@ -28,10 +28,9 @@ from pathlib import Path
 
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.spec import JobSpec
-from elastic_magic.wire.events import Output
 from elastic_magic.wire.payload import build_payload
 
-from .common import kill_torchrun, launch, scratch
+from .common import kill_torchrun, launch, ready_stamps, ready_times, scratch
 
 RESIZE_CELL = textwrap.dedent("""
     import time, torch, torch.distributed as dist, elastic_magic
@@ -83,16 +82,6 @@ COMMIT_CELL = textwrap.dedent("""
 """)
 
 
-def ready_times(events: list, size: int) -> list[float]:
-    stamps = []
-    for event in events:
-        if isinstance(event, Output):
-            for line in event.lines:
-                if line.startswith("READY") and line.endswith(f" {size}"):
-                    stamps.append(float(line.split()[1]))
-    return stamps
-
-
 def elastic_resize(immediate: bool) -> float:
     spec = JobSpec.create(2, min_nproc=1, max_nproc=3)
     job = Job(spec, build_payload(RESIZE_CELL, spec)).start()
@@ -136,8 +125,7 @@ def torchrun_resize() -> float:
         stamps: list[float] = []
         while len(stamps) < n:
             line = lines.get(timeout=60)  # queue.Empty: torchrun hung; counted as a failure
-            if line.startswith("READY"):
-                stamps.append(float(line.split()[1]))
+            stamps += ready_stamps(line, n)
         return max(stamps)
 
     first = start(2)

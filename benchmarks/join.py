@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import queue
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from elastic_magic.spec import JobSpec
 from elastic_magic.wire.events import Output, WorkersStarted
 from elastic_magic.wire.payload import build_payload
 
-from .common import kill_torchrun
+from .common import free_port, kill_torchrun, ready_stamps, ready_times
 from .elastic import RESIZE_CELL
 
 # The resize benchmark's cell: a State committed every ~50 ms, READY <time> <world size>.
@@ -51,19 +50,21 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 HANG = 60.0  # seconds without every rank up: counted as a hang
 
 
-def _ready(line: str, size: int) -> float | None:
-    parts = line.split()
-    if len(parts) == 3 and parts[0] == "READY" and parts[2] == str(size):
-        return float(parts[1])
-    return None
+def join_command_parts(command: str) -> tuple[str, str]:
+    """(HOST:PORT, the token file) of the join command a head shows, ``elastic-magic join
+    HOST:PORT --token-file PATH``."""
+    words = shlex.split(command)
+    if len(words) != 5 or words[:2] != ["elastic-magic", "join"] or words[3] != "--token-file":
+        raise ValueError(f"not a join command with a token file: {command!r}")
+    return words[2], words[4]
 
 
 def start_joiner(command: str) -> subprocess.Popen[bytes]:
-    """Run the head's join command (``elastic-magic join HOST:PORT --token-file PATH``) as
-    another machine would, with one worker."""
-    _program, *args = shlex.split(command)
+    """Run the head's join command as another machine would, with one worker."""
+    endpoint, token_file = join_command_parts(command)
     return subprocess.Popen(
-        [sys.executable, "-m", "elastic_magic.cli", *args, "--nproc", "1"],
+        [sys.executable, "-m", "elastic_magic.cli", "join", endpoint, "--token-file",
+         token_file, "--nproc", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
 
 
@@ -80,7 +81,7 @@ def elastic_join() -> tuple[float, float]:
     def render(events: list) -> None:
         for event in events:
             if isinstance(event, Output):
-                stamps.extend(s for line in event.lines if (s := _ready(line, 2)) is not None)
+                stamps.extend(ready_times([event], 2))
             elif isinstance(event, WorkersStarted) and started and event.time > started[0]:
                 regrouped.append(event.time)
 
@@ -104,18 +105,11 @@ def elastic_join() -> tuple[float, float]:
     return max(stamps) - started[0], max(stamps) - regrouped[0]
 
 
-def _free_port() -> int:
-    # torchrun needs its port up front (the competitor's way, not ours).
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun_join(share_store: bool) -> float:
     folder = Path(tempfile.mkdtemp(prefix="em-bench-join-"))
     script = folder / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
-    port = _free_port()
+    port = free_port()  # torchrun needs its port up front
     env = dict(os.environ)
     if not share_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -141,9 +135,7 @@ def torchrun_join(share_store: bool) -> float:
     def wait_ready(size: int, count: int) -> float:
         stamps: list[float] = []
         while len(stamps) < count:
-            stamp = _ready(lines.get(timeout=HANG), size)
-            if stamp is not None:
-                stamps.append(stamp)
+            stamps += ready_stamps(lines.get(timeout=HANG), size)
         return max(stamps)
 
     first = start()

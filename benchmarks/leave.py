@@ -29,6 +29,7 @@ from elastic_magic.spec import JobSpec
 from elastic_magic.wire.events import Excluded, Output, WorkersStarted
 from elastic_magic.wire.payload import build_payload
 
+from .common import ready_times
 from .elastic import RESIZE_CELL
 from .join import start_joiner
 
@@ -47,10 +48,8 @@ def lose(how: str) -> dict[str, float]:
         for event in events:
             after = bool(lost_at) and event.time >= lost_at[0]
             if isinstance(event, Output) and after and "running" not in seen:
-                if any(line.startswith("READY") and line.endswith(" 1")
-                       for line in event.lines):
-                    seen["running"] = float(next(
-                        line.split()[1] for line in event.lines if line.startswith("READY")))
+                if stamps := ready_times([event], 1):
+                    seen["running"] = stamps[0]
             elif isinstance(event, Excluded) and "detected" not in seen:
                 seen["detected"] = event.time
             elif isinstance(event, WorkersStarted) and after and "started" not in seen:
