@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -57,11 +58,12 @@ class Scenario:
     goal: str
     higher_is_better: bool = False
     also: tuple[str, ...] = ()  # further competitors, each with its own ratio
+    needs: tuple[str, ...] = ()  # modules of the bench extra it imports (its competitors)
 
 
 SCENARIOS = (
     Scenario("warm_launch", launch.warm_launch, "s", "torchrun",
-             "<= 0.1x torchrun; within 2x notebook_launcher"),
+             "<= 0.1x torchrun; within 2x notebook_launcher", needs=("accelerate",)),
     Scenario("first_cell", launch.first_cell, "s", "torchrun", "<= 1.0x torchrun"),
     Scenario("detach_launch", detach.detach_launch, "s", "in_kernel",
              "within 1.1x the agent in the kernel", also=("torchrun",)),
@@ -83,23 +85,27 @@ SCENARIOS = (
              "<= 1.0x sbatch + join by hand (root: the tests' Slurm in namespaces)"),
     Scenario("leave", leave.leave, "s", None, "regroup (to started) <= 1 s"),
     Scenario("session_cell", session.session_cell, "ms", "ipyparallel_px",
-             "<= 1.0x ipyparallel %px"),
+             "<= 1.0x ipyparallel %px", needs=("ipyparallel",)),
     Scenario("session_allreduce", session.session_allreduce, "ms", "ipyparallel_px",
-             "<= 1.0x ipyparallel %px"),
-    Scenario("session_start", session.session_start, "s", "ipyparallel_cluster", "report"),
+             "<= 1.0x ipyparallel %px", needs=("ipyparallel",)),
+    Scenario("session_start", session.session_start, "s", "ipyparallel_cluster", "report",
+             needs=("ipyparallel",)),
     Scenario("session_reform", session.session_reform, "s", None,
              "<= 0.5 s beyond the setup cell"),
     Scenario("train_mlp", training.train_mlp, "s", "torchrun",
-             "<= 0.1x torchrun; <= 0.25x notebook_launcher", also=("notebook_launcher",)),
-    Scenario("train_lightning", training.train_lightning, "s", "torchrun", "<= 0.2x torchrun"),
-    Scenario("train_hf", training.train_hf, "s", "torchrun", "<= 0.2x torchrun"),
+             "<= 0.1x torchrun; <= 0.25x notebook_launcher", also=("notebook_launcher",),
+             needs=("accelerate",)),
+    Scenario("train_lightning", training.train_lightning, "s", "torchrun", "<= 0.2x torchrun",
+             needs=("pytorch_lightning",)),
+    Scenario("train_hf", training.train_hf, "s", "torchrun", "<= 0.2x torchrun",
+             needs=("transformers",)),
     Scenario("train_recovery", training.train_recovery, "s", "torchrun", "<= 0.2x torchrun"),
     Scenario("lightning_recovery", frameworks.lightning_recovery, "s", "torchrun",
              "<= 0.1x torchrun resuming from Lightning's last checkpoint; steps lost <= the "
-             "commit interval"),
+             "commit interval", needs=("pytorch_lightning",)),
     Scenario("hf_recovery", frameworks.hf_recovery, "s", "torchrun",
              "<= 0.1x torchrun resuming from HF's last checkpoint; steps lost <= the commit "
-             "interval"),
+             "interval", needs=("transformers",)),
     Scenario("train_resize", training.train_resize, "s", None, "<= 0.5 s"),
     Scenario("train_recovery_survivors", training.train_recovery_survivors, "s", "torchrun",
              "survivors: <= 0.15 s and <= 0.1x torchrun"),
@@ -111,7 +117,7 @@ SCENARIOS = (
              "useful/undisturbed steps", "torchrun",
              "(reported) a failure every 10 s for 5 min", higher_is_better=True),
     Scenario("session_train", training.session_train, "s", "ipyparallel_px",
-             "(reported)"),
+             "(reported)", needs=("ipyparallel",)),
     Scenario("session_train_reform", training.session_train_reform, "s", None,
              "(reported)"),
     Scenario("state_commit", state.state_commit, "s", "dcp_async_save",
@@ -141,6 +147,12 @@ def main() -> None:
         parser.error(f"unknown scenario {', '.join(unknown)}; the scenarios are: "
                      f"{', '.join(names)}")
     scenarios = [s for s in SCENARIOS if s.name in chosen]
+    missing = sorted({module for s in scenarios for module in s.needs
+                      if importlib.util.find_spec(module) is None})
+    if missing:
+        needing = [s.name for s in scenarios if set(s.needs) & set(missing)]
+        parser.error(f"{', '.join(needing)} need {', '.join(missing)} (their competitors), "
+                     "not installed: pip install -e '.[bench]', or leave them out with --only")
 
     import torch
 

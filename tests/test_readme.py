@@ -47,8 +47,8 @@ NOT_RUN = {
     "a GradScaler and dropout on GPUs, killed and resized; CI has no GPU",
     "%%elastic --nproc 8 --backend gloo": "flags only: test_every_magic_line_parses; 8 "
     "workers on a 2-core CI machine would only measure its load",
-    "python -m benchmarks --repeat 5": "benchmarks take minutes to an hour: "
-    "test_the_benchmark_commands_name_real_scenarios",
+    "pip install -c constraints/ci.txt -e '.[bench]'": "the bench extra, then benchmarks that "
+    "take minutes to an hour: test_the_benchmark_commands_name_real_scenarios",
     "  the kernel ": "a drawing",
 }
 
