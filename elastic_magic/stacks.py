@@ -12,6 +12,7 @@ from __future__ import annotations
 import linecache
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -187,3 +188,19 @@ def place_of(stacks: RankStacks) -> RankPosition:
     if operation:
         return RankPosition(RankActivity.COLLECTIVE, operation, line, text)
     return RankPosition(RankActivity.OUTSIDE, "", line, text)
+
+
+def drop_locals(error: BaseException | None) -> None:
+    """Drop the variables of every frame in ``error``'s traceback and in the tracebacks of
+    the errors it chains to (``raise ... from``, an error raised while handling another):
+    any of those frames may hold a model, a DDP reducer or an agent's stores, alive for as
+    long as the error is kept. The tracebacks still print."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]

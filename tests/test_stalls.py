@@ -3,6 +3,9 @@ watchdog's and the timeout's decisions, and how consequences are told apart and 
 
 from __future__ import annotations
 
+import gc
+import traceback
+import weakref
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,7 @@ from elastic_magic.stacks import (
     RankPosition,
     RankStacks,
     ThreadStack,
+    drop_locals,
     place_of,
 )
 
@@ -86,6 +90,43 @@ def test_stack_text_shows_cell_lines_and_threads():
     assert 'distributed_c10d.py", line 3252, in all_reduce' in text
     assert "Thread loader, most recent call last:\n  Cell line 6" in text
     assert RankStacks(3, note="finished").format() == "finished"
+
+
+class _Model:
+    """Stands for what a failed frame holds: a model, a DDP reducer, an agent's stores."""
+
+
+def _fails_holding(model: _Model, error: BaseException, cause: BaseException | None = None):
+    if cause is None:
+        raise error
+    raise error from cause
+
+
+def test_an_errors_frames_and_those_of_every_error_it_chains_to_let_go_of_their_variables():
+    # what a survivor drops before the next group: the collective's error, raised from the
+    # peer's loss, raised while the user's code handled an error of its own
+    held = {name: _Model() for name in ("raised", "cause", "context")}
+    refs = {name: weakref.ref(model) for name, model in held.items()}
+    try:
+        _fails_holding(held.pop("context"), KeyError("the user's own"))
+    except KeyError:
+        try:
+            _fails_holding(held.pop("cause"), OSError("peer gone"))
+        except OSError as cause:
+            try:
+                _fails_holding(held.pop("raised"), RuntimeError("the collective failed"), cause)
+            except RuntimeError as exc:
+                error = exc
+    text = "".join(traceback.format_exception(error))
+    assert error.__cause__ is not None and error.__context__ is not None
+    gc.collect()
+    assert all(ref() is not None for ref in refs.values())  # the frames hold them
+
+    drop_locals(error)
+    gc.collect()
+    assert [name for name, ref in refs.items() if ref() is not None] == []
+    assert "".join(traceback.format_exception(error)) == text  # still printable
+    drop_locals(None)
 
 
 # -- the watchdog -------------------------------------------------------------------------

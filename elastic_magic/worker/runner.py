@@ -19,7 +19,7 @@ import cloudpickle
 
 from elastic_magic import torch_internals
 from elastic_magic.result_parts import Unpicklable
-from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR
+from elastic_magic.stacks import CELL_FILENAME, PACKAGE_DIR, drop_locals
 from elastic_magic.training import log as metrics_log
 from elastic_magic.wire.messages import (
     ErrorInfo,
@@ -241,8 +241,7 @@ def report_parked(report: AgentClient, exc: BaseException) -> None:
 def leave_group(exc: BaseException | None) -> None:
     """Drop what held the old process group (the failed frames' DDP reducer first), then
     the group."""
-    if exc is not None:
-        traceback.clear_frames(exc.__traceback__)
+    drop_locals(exc)
     del exc
     gc.collect()  # the model, the DDP reducer: what held the old group goes first
     with contextlib.suppress(Exception):  # a group whose peer died may refuse a clean end
@@ -257,7 +256,7 @@ def _park(report: AgentClient, exc: BaseException, namespace: dict[str, Any]) ->
     process group are dropped, and the rank waits for the next Run, which runs the cell
     from the top."""
     report_parked(report, exc)
-    traceback.clear_frames(exc.__traceback__)
+    drop_locals(exc)
     del exc
     drop_cell(namespace)
 
@@ -276,7 +275,7 @@ def _fail(report: AgentClient, exc: BaseException, exit_code: int, leave: bool =
             report.drain()
         sys.stderr.write(info.traceback)  # an interrupted cell shows where it was
         progress.running.clear()
-        traceback.clear_frames(exc.__traceback__)
+        drop_locals(exc)
         session.end_output()
         report.send(Failed(info))
         return

@@ -10,7 +10,6 @@ import queue
 import signal
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ...checks import SpecError
 from ...result import JobResult, JobState
 from ...spec import JobSpec
+from ...stacks import drop_locals
 from ...wire.events import Event
 from ...wire.messages import StacksCommand
 from ..inbox import Inbox, InboxItem
@@ -53,18 +53,6 @@ def agent_error(what: str, error: BaseException) -> AgentError:
 
 class AgentError(RuntimeError):
     """The agent itself failed (not the user's code); workers were stopped."""
-
-
-def _without_locals(error: BaseException) -> BaseException:
-    """``error`` with its frames' variables dropped (the traceback still prints): they
-    would keep the agent, its stores and their ports alive as long as the error is kept."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
-    return error
 
 
 class Loop(Protocol):
@@ -104,7 +92,8 @@ class AgentThread:
         try:
             self.result = self._agent.run()
         except BaseException as exc:
-            self.error = _without_locals(exc)
+            drop_locals(exc)  # its frames would keep the agent, its stores and ports alive
+            self.error = exc
         finally:
             self._agent = None  # what ended keeps its result, not its payload or stores
             self._done.set()
