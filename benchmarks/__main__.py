@@ -147,12 +147,11 @@ def main() -> None:
         parser.error(f"unknown scenario {', '.join(unknown)}; the scenarios are: "
                      f"{', '.join(names)}")
     scenarios = [s for s in SCENARIOS if s.name in chosen]
-    missing = sorted({module for s in scenarios for module in s.needs
-                      if importlib.util.find_spec(module) is None})
+    missing = [f"{s.name} needs {', '.join(lacking)}" for s in scenarios
+               if (lacking := [m for m in s.needs if importlib.util.find_spec(m) is None])]
     if missing:
-        needing = [s.name for s in scenarios if set(s.needs) & set(missing)]
-        parser.error(f"{', '.join(needing)} need {', '.join(missing)} (their competitors), "
-                     "not installed: pip install -e '.[bench]', or leave them out with --only")
+        parser.error(f"{'; '.join(missing)} (the competitors), not installed: pip install -c "
+                     "constraints/ci.txt -e '.[bench]', or leave them out with --only")
 
     import torch
 

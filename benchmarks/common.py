@@ -32,14 +32,16 @@ def stamps(folder: Path, prefix: str) -> list[float]:
 
 
 # What the resize, join, leave and cluster cells print once their group formed.
-_READY = re.compile(r"READY (\d+(?:\.\d+)?) (\d+)")
+# Each is one f-string, so one write: a mark never splits, whatever comes between two.
+_READY = re.compile(r"READY (\d+(?:\.\d+)?) (\d+)(?!\d)")
 
 
 def ready_stamps(text: str, size: int) -> list[float]:
     """The times of the ``READY <time> <world size>`` marks in ``text`` at world size
     ``size``. Ranks that share a pipe (torchrun's workers all write to its stdout) can
-    interleave their lines (``READY t 3READY t 3`` then two newlines: print writes the
-    text and the newline apart), so marks are found wherever they are, not as lines."""
+    interleave their lines (``READY t 3READY t 3`` then two newlines: torchrun runs them
+    with ``python -u``, where print writes the text and the newline apart), so marks are
+    found wherever they are, not as lines."""
     return [float(stamp) for stamp, world in _READY.findall(text) if int(world) == size]
 
 

@@ -5,7 +5,7 @@ Resize: from the request to every rank of the new group running user code again.
   at the next commit; steps take ~50 ms), and ``job.scale(3, immediate=True)``;
 - torchrun: stop the 2-worker torchrun (SIGTERM) and start a 3-worker one that loads the
   last ``torch.save`` checkpoint, the usual way to change the size of a torchrun job
-  (NaN: it hung, no rank up within 60 s).
+  (NaN: not every rank printed READY at the new size within 60 s).
 
 Commit: one ``state.commit()`` of a ~100 MB model (25M float32 parameters) on 2 ranks,
 against ``torch.save`` of the same state_dict to a file with fsync, timed in the same
@@ -124,7 +124,7 @@ def torchrun_resize() -> float:
         threading.Thread(target=read, daemon=True).start()
         stamps: list[float] = []
         while len(stamps) < n:
-            line = lines.get(timeout=60)  # queue.Empty: torchrun hung; counted as a failure
+            line = lines.get(timeout=60)  # queue.Empty: no rank up in 60 s: a failure
             stamps += ready_stamps(line, n)
         return max(stamps)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from elastic_magic.agent.handles.job import Job
 from elastic_magic.spec import JobSpec
-from elastic_magic.wire.events import Output, WorkersStarted
+from elastic_magic.wire.events import WorkersStarted
 from elastic_magic.wire.payload import build_payload
 
 from .common import free_port, kill_torchrun, ready_stamps, ready_times
@@ -80,9 +80,8 @@ def elastic_join() -> tuple[float, float]:
 
     def render(events: list) -> None:
         for event in events:
-            if isinstance(event, Output):
-                stamps.extend(ready_times([event], 2))
-            elif isinstance(event, WorkersStarted) and started and event.time > started[0]:
+            stamps.extend(ready_times([event], 2))
+            if isinstance(event, WorkersStarted) and started and event.time > started[0]:
                 regrouped.append(event.time)
 
     def drive() -> None:
@@ -109,7 +108,7 @@ def torchrun_join(share_store: bool) -> float:
     folder = Path(tempfile.mkdtemp(prefix="em-bench-join-"))
     script = folder / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
-    port = free_port()  # torchrun needs its port up front
+    port = free_port()
     env = dict(os.environ)
     if not share_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

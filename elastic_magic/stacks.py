@@ -4,7 +4,9 @@ A worker's control-listener thread captures every thread's stack on request
 (``sys._current_frames()``: the main thread may be asleep or inside a collective, both of
 which release the GIL). The agent formats them for people and classifies them: a rank
 whose main thread is inside ``torch.distributed`` waits in a collective; any other rank is
-somewhere of its own. Pure stdlib, so workers import it for nothing.
+somewhere of its own. A failed rank's frames are dropped here too (:func:`drop_locals`),
+so that the error it keeps does not keep its objects. Pure stdlib, so workers import it for
+nothing.
 """
 
 from __future__ import annotations
@@ -203,4 +205,5 @@ def drop_locals(error: BaseException | None) -> None:
             continue
         seen.add(id(current))
         traceback.clear_frames(current.__traceback__)
-        pending += [current.__cause__, current.__context__]
+        pending += [current.__cause__, current.__context__,
+                    *getattr(current, "exceptions", ())]  # an exception group's own

@@ -12,15 +12,18 @@ import pytest
 from elastic_magic.agent.machines.token_file import TokenFile
 from elastic_magic.wire.events import Output
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package
-from benchmarks.common import ready_stamps, ready_times
-from benchmarks.join import join_command_parts
+ROOT = str(Path(__file__).resolve().parents[1])  # the benchmarks package's folder
+if ROOT not in sys.path:  # (an editable install puts it there already)
+    sys.path.append(ROOT)
+from benchmarks.common import ready_stamps, ready_times  # noqa: E402
+from benchmarks.join import join_command_parts  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
 
 def test_ready_marks_are_found_in_lines_that_ranks_sharing_a_pipe_interleaved():
-    # torchrun's 3 workers on one stdout: print writes the text and the newline apart
+    # torchrun's 3 workers on one stdout, under python -u: print writes the text and the
+    # newline apart
     lines = ["READY 1795961634.860557 3READY 1795961634.8605714 3\n", "\n",
              "READY 1795961634.860945 3\n"]
     assert [s for line in lines for s in ready_stamps(line, 3)] == [

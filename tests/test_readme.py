@@ -100,7 +100,7 @@ def test_the_blocks_no_test_runs_are_valid_python_or_shell():  # bash -n: a proc
     """What cannot run here (a GPU's cell, a cluster's commands) is at least well formed: a
     cell's Python parses (a line of prose between dots, ``...one step...``, and a magic's
     line stand for a statement), and a shell command passes ``bash -n``."""
-    shell = ("sudo ", "sbatch ", "kubectl ", "python ", "elastic-magic ", "for ")
+    shell = ("sudo ", "sbatch ", "kubectl ", "python ", "pip ", "elastic-magic ", "for ")
     checked = 0
     for block in readme.all_blocks():
         if not any(block.first.startswith(first) for first in NOT_RUN):

@@ -104,21 +104,24 @@ def _fails_holding(model: _Model, error: BaseException, cause: BaseException | N
 
 def test_an_errors_frames_and_those_of_every_error_it_chains_to_let_go_of_their_variables():
     # what a survivor drops before the next group: the collective's error, raised from the
-    # peer's loss, raised while the user's code handled an error of its own
+    # peer's loss while the user's code handled an error of its own (a cause and a context
+    # that differ: a walk along one of them misses the other)
     held = {name: _Model() for name in ("raised", "cause", "context")}
     refs = {name: weakref.ref(model) for name, model in held.items()}
+    try:
+        _fails_holding(held.pop("cause"), OSError("peer gone"))
+    except OSError as exc:
+        cause = exc
     try:
         _fails_holding(held.pop("context"), KeyError("the user's own"))
     except KeyError:
         try:
-            _fails_holding(held.pop("cause"), OSError("peer gone"))
-        except OSError as cause:
-            try:
-                _fails_holding(held.pop("raised"), RuntimeError("the collective failed"), cause)
-            except RuntimeError as exc:
-                error = exc
+            _fails_holding(held.pop("raised"), RuntimeError("the collective failed"), cause)
+        except RuntimeError as exc:
+            error = exc
+    del cause
     text = "".join(traceback.format_exception(error))
-    assert error.__cause__ is not None and error.__context__ is not None
+    assert isinstance(error.__cause__, OSError) and isinstance(error.__context__, KeyError)
     gc.collect()
     assert all(ref() is not None for ref in refs.values())  # the frames hold them
 

@@ -106,10 +106,12 @@ class ElasticMagics(Magics):
         a membership change: it does not count as a restart.
 
         Several machines: `--nnodes 1:4 --rdzv-endpoint 10.0.0.5:29400` prints
-        `ELASTIC_MAGIC_TOKEN=... elastic-magic join 10.0.0.5:29400`; run it on each other
-        machine (the token stays off the command line, where `ps` shows it to everyone). A
-        machine that joins or leaves, or a resize here, makes every machine re-rendezvous
-        (torch's waiting-node mechanism); their ranks' output shows here.
+        `elastic-magic join 10.0.0.5:29400 --token-file PATH`; run it on each other machine
+        (the token is in a file only you can read, off the command line, where `ps` shows
+        it to everyone; where the file is not shared, copy it, or set ELASTIC_MAGIC_TOKEN
+        to `job.token` and leave --token-file out). A machine that joins or leaves, or a
+        resize here, makes every machine re-rendezvous (torch's waiting-node mechanism);
+        their ranks' output shows here.
 
         Sessions: `%elastic session start --nproc 2 [job flags]` starts workers that stay
         alive; while it is active, each %%elastic cell (no job flags) runs on every rank in
