@@ -227,6 +227,72 @@ def test_the_agents_word_between_a_commits_agreement_and_its_send_loses_no_commi
     assert [event.step for event in recorder.of(Committed)] == list(range(1, 9))
 
 
+# Rank 1 dies at step 3; rank 0's all-reduce fails at once, and the agent's word (Interrupt)
+# comes too. Rank 0 holds the word in its listener until its main thread, unwinding from
+# the failed collective, has reached rejoin and not yet paused: the word lands there.
+WORD_BEFORE_PAUSE = textwrap.dedent("""
+    import os, signal, threading, time, torch, torch.distributed as dist, elastic_magic
+    from elastic_magic.worker import leave
+    with open(os.path.join(OUT, f"top_{os.getpid()}"), "a") as f:
+        f.write("ran\\n")
+    model = torch.nn.Linear(4, 4)
+    state = elastic_magic.State(model=model, step=0)
+    if dist.get_rank() == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        failed = threading.Event()
+        agents_word, pause = leave.ask, leave.pause
+
+        def held_word():  # the listener: the agent's word waits for the failure
+            failed.wait(30)
+            agents_word()
+
+        def late_pause():  # the main thread, failed, on its way to pause
+            if not failed.is_set():
+                failed.set()
+                try:
+                    time.sleep(30)
+                    print("NO WORD", flush=True)
+                except KeyboardInterrupt:
+                    print("WORD BEFORE PAUSE", flush=True)
+                    raise
+            pause()
+
+        leave.ask, leave.pause = held_word, late_pause
+
+    @elastic_magic.run
+    def train(state):
+        rank = dist.get_rank()
+        if rank == 0:
+            print("ENTER", state.step, flush=True)
+        while state.step < 6:
+            if (os.environ["TORCHELASTIC_RESTART_COUNT"], state.step, rank) == ("0", 3, 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.all_reduce(torch.ones(1))
+            state.step += 1
+            state.commit()
+        return state.step
+
+    train(state)
+""")
+
+
+def test_the_agents_word_that_comes_as_a_survivor_leaves_its_failed_group_keeps_it_in_place(
+        tmp_path, log_dir, recorder):
+    """The word for the failure the survivor is already leaving for (it reaches a
+    collective and the agent at once) is taken as said: the survivor goes on in place
+    (before: the KeyboardInterrupt unwound the cell, which ran again from the top)."""
+    spec = JobSpec.create(2, log_dir=log_dir, max_restarts=1, survivors=True)
+    payload = build_payload(WORD_BEFORE_PAUSE, spec, namespace={"OUT": str(tmp_path)})
+    result = Job(spec, payload).start().wait(recorder)
+    lines = recorder.lines(0)
+    assert result.ok and result.restarts == 1 and result.values == {0: 6, 1: 6}, \
+        f"{result}\n{recorder.story()}"
+    assert "WORD BEFORE PAUSE" in lines, lines
+    assert_stayed(recorder, [(0,)])
+    assert [line for line in lines if line.startswith("ENTER")] == ["ENTER 0", "ENTER 3"]
+    tops = sorted(path.read_text().count("ran") for path in tmp_path.glob("top_*"))
+    assert tops == [1, 1, 1], tops  # rank 0 did not run the cell again
+
+
 # A sharded State cannot go on in place (its parameters are laid out over the old group):
 # the survivor stays in its process and runs the cell again from the top.
 SHARDED = textwrap.dedent("""

@@ -74,11 +74,24 @@ def run(function: Callable[P, R]) -> Callable[P, R]:
                         callback()
                 return function(*args, **kwargs)
             except BaseException as exc:
-                if not rejoin(exc, in_place=_can_go_back(state)):
+                if not _rejoin(exc, state):
                     raise
                 rejoined = True
 
     return in_place
+
+
+def _rejoin(exc: BaseException, state: State) -> bool:
+    """:func:`rejoin` after ``exc``. A peer's death reaches a collective and the agent at
+    once: the agent's word for it can come as a KeyboardInterrupt while the rank sets out to
+    leave, before it has paused to wait for the next group. That word asks for what the rank
+    is doing already, so it starts again (before any step it takes, it only looks)."""
+    try:
+        return rejoin(exc, in_place=_can_go_back(state))
+    except KeyboardInterrupt:
+        if not leave.asked():  # a user's interrupt
+            raise
+        return rejoin(exc, in_place=_can_go_back(state))
 
 
 def _can_go_back(state: State) -> bool:
