@@ -74,24 +74,32 @@ def run(function: Callable[P, R]) -> Callable[P, R]:
                         callback()
                 return function(*args, **kwargs)
             except BaseException as exc:
-                if not _rejoin(exc, state):
+                try:  # here, not in a function: the word could land at its entry
+                    went_on = rejoin(exc, in_place=_can_go_back(state))
+                except KeyboardInterrupt as word:
+                    went_on = _rejoin_after_word(word, exc, state)
+                if not went_on:
                     raise
                 rejoined = True
 
     return in_place
 
 
-def _rejoin(exc: BaseException, state: State) -> bool:
-    """:func:`rejoin` after ``exc``. A peer's death reaches a collective and the agent at
-    once: the agent's word for it can come as a KeyboardInterrupt while the rank sets out to
-    leave, before it has paused to wait for the next group. That word asks for what the rank
-    is doing already, so it starts again (before any step it takes, it only looks)."""
-    try:
-        return rejoin(exc, in_place=_can_go_back(state))
-    except KeyboardInterrupt:
-        if not leave.asked():  # a user's interrupt
-            raise
-        return rejoin(exc, in_place=_can_go_back(state))
+def _rejoin_after_word(word: KeyboardInterrupt, exc: BaseException, state: State) -> bool:
+    """:func:`rejoin` after ``exc``, when a KeyboardInterrupt (``word``) came as it began.
+    A peer's death reaches a collective and the agent at once, so the agent's word for it
+    can land while the rank sets out to leave: it asks for what the rank is doing already.
+    Until :func:`leave.pause`, ``rejoin`` only reads, so it starts over. After it, the word
+    is no longer signalled: a KeyboardInterrupt then is a stop or the user's, and is raised,
+    as is the word when ``exc`` is not an error to stay for."""
+    while leave.word_while_running():
+        try:
+            if rejoin(exc, in_place=_can_go_back(state)):
+                return True
+            break
+        except KeyboardInterrupt as again:  # another word (a later round's), still unpaused
+            word = again
+    raise word
 
 
 def _can_go_back(state: State) -> bool:

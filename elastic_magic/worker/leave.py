@@ -77,13 +77,21 @@ def pause() -> None:
     """A survivor left its payload's code and waits in it (``elastic_magic.run``): the
     agent's word is only recorded from now on; one already on its way is taken here."""
     global _busy
-    try:
-        with _lock:
-            _busy = False
-        signal.pthread_sigmask(signal.SIG_BLOCK, ())  # a call: a pending SIGINT raises here
-    except KeyboardInterrupt:
-        if not asked():  # a user's Ctrl-C, not the agent's word
-            raise
+    while True:
+        try:  # the word can land as the lock is waited for (ask() holds it): again then
+            with _lock:
+                _busy = False
+            signal.pthread_sigmask(signal.SIG_BLOCK, ())  # a call: a pending SIGINT raises
+            return
+        except KeyboardInterrupt:
+            if not asked():  # a user's Ctrl-C, not the agent's word
+                raise
+
+
+def word_while_running() -> bool:
+    """The agent's word came for the Run this rank acts on, and its payload's code still
+    counts as running (it has not paused): a KeyboardInterrupt now can be that word."""
+    return _busy and asked()
 
 
 def resume() -> None:
