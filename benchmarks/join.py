@@ -79,10 +79,9 @@ def elastic_join() -> tuple[float, float]:
     joiner: list[subprocess.Popen[bytes]] = []
 
     def render(events: list) -> None:
-        for event in events:
-            stamps.extend(ready_times([event], 2))
-            if isinstance(event, WorkersStarted) and started and event.time > started[0]:
-                regrouped.append(event.time)
+        stamps.extend(ready_times(events, 2))
+        regrouped.extend(event.time for event in events if isinstance(event, WorkersStarted)
+                         and started and event.time > started[0])
 
     def drive() -> None:
         command = job.wait_for_join_command(timeout=60)
