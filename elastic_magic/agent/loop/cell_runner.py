@@ -176,14 +176,8 @@ class CellRunner:
         the cell runs on it, rather than being sent to a dead rank and failing."""
         group = self.engine.group
         assert group is not None
-        gone = [w for w in group.workers if w.ended_at is None and w.process_gone()]
-        # its pipe's end comes at once; else its shepherd's exit counts after a grace
-        deadline = time.monotonic() + NOTICE_GRACE + CHANNEL_CLOSE_GRACE
-        while True:
-            group.poll()  # notes exits
-            if all(w.has_ended() for w in gone) or time.monotonic() > deadline:
-                return self.died()
-            self.engine.switchboard.next_action(0.02)
+        group.await_the_gone(self.engine.switchboard.next_action)
+        return self.died()
 
     def wait_idle(self) -> InboxItem | None:
         """The next inbox item while no cell runs (blocks). None once a grace has passed

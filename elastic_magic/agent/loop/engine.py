@@ -204,6 +204,7 @@ class Engine:
         group = self.group
         assert group is not None
         self.elastic_state.let_commit_land(self.switchboard.next_action)
+        group.await_the_gone(self.switchboard.next_action)  # a death is seen before it
         teardown_at = group.tear_down()
         self.switchboard.drain()
         return teardown_at, group.failures_before(teardown_at)

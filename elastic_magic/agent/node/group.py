@@ -31,7 +31,9 @@ from ..inbox import Inbox
 from ..policy import GroupStatus
 from .pool import warm_pool
 from .workers import (
+    CHANNEL_CLOSE_GRACE,
     INTERRUPT_ESCALATION,
+    NOTICE_GRACE,
     TEARDOWN_ESCALATION,
     Escalation,
     Worker,
@@ -215,6 +217,20 @@ class WorkerGroup:
             return True
         return self._exit_failed(worker) and worker.exited_at is not None \
             and worker.has_ended()
+
+    def await_the_gone(self, wait: Callable[[float], object]) -> None:
+        """Wait, briefly, for ranks whose process is gone but whose end is not yet seen (a
+        kill a moment ago: its report pipe's end and its shepherd's word are on their way;
+        ``wait(seconds)`` records what comes). A peer's "connection closed" can come first;
+        a teardown then would date the death after itself and take the peer for the cause."""
+        gone = [w for w in self.workers if w.ended_at is None and w.process_gone()]
+        # its pipe's end comes at once; else its shepherd's exit counts after a grace
+        deadline = time.monotonic() + NOTICE_GRACE + CHANNEL_CLOSE_GRACE
+        while gone and time.monotonic() < deadline:
+            self._note_exits()
+            if all(w.has_ended() and w.exit_code() is not None for w in gone):
+                return
+            wait(0.02)
 
     def tear_down(self) -> float:
         """Stop every worker at once (no waiting for collective timeouts); the time of the
