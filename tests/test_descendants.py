@@ -176,13 +176,18 @@ def test_the_workers_exit_passes_through_its_shepherd_though_seen_after_its_peer
             "dist.barrier()\n")
 
     def continue_the_shepherd():  # a stopped process cannot exit: its PID is still its own
-        while not shepherd_file.exists():
+        deadline = time.monotonic() + 60
+        while not shepherd_file.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         shepherd = int(shepherd_file.read_text())
-        while not _stopped(shepherd) or _living_children(shepherd):
-            time.sleep(0.01)
-        time.sleep(0.3)
-        os.kill(shepherd, signal.SIGCONT)
+        try:  # until the worker has died under it
+            while _state(shepherd) not in ("T", None) or _living_children(shepherd):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            time.sleep(0.3)
+        finally:
+            if _state(shepherd) == "T":
+                os.kill(shepherd, signal.SIGCONT)
 
     waker = threading.Thread(target=continue_the_shepherd, daemon=True)
     waker.start()
@@ -196,23 +201,22 @@ def test_the_workers_exit_passes_through_its_shepherd_though_seen_after_its_peer
     assert [f.rank for f in failures] == [1, 0]  # the peer's lost connection after it
 
 
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as file:
-        return file.read().rsplit(")", 1)[1].split()[0] == "T"
+def _state(pid: int) -> str | None:
+    """The process's state letter (T: stopped); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
-def _living_children(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/task/{pid}/children") as file:
-        children = file.read().split()
-    living = []
-    for child in children:
-        try:
-            with open(f"/proc/{child}/stat") as file:
-                if file.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    living.append(child)
-        except OSError:
-            pass
-    return living
+def _living_children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as file:
+            children = [int(child) for child in file.read().split()]
+    except OSError:
+        return []
+    return [child for child in children if _state(child) not in ("Z", "X", None)]
 
 
 SHEPHERDED = textwrap.dedent("""

@@ -246,9 +246,11 @@ class HangWatch:
 def _hang_failure(group: WorkerGroup) -> bool:
     """Every rank that failed so far reported a timeout or a lost peer: the cause is a rank
     still alive (stuck, or returned early), whose stacks tell. Not while a rank's report
-    pipe has closed without a word: it died, and its exit (seen moments later, from its
-    shepherd) names it; a peer that lost it may report first."""
-    if any(w.channel_closed_at is not None and w.result is None and w.error is None
+    pipe has closed without a word, or its process is gone before that shows: it died,
+    and its exit (seen moments later, from its shepherd) names it; a peer that lost it
+    may report first."""
+    if any(w.result is None and w.error is None and (
+            w.channel_closed_at is not None or (w.ended_at is None and w.process_gone()))
            for w in group.workers):
         return False
     failed = [w for w in group.workers if w.error is not None or (

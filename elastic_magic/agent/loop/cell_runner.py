@@ -214,6 +214,7 @@ class CellRunner:
         assert group is not None
         keep = keep and engine.survivors.on
         if keep:
+            group.await_the_gone(engine.switchboard.next_action)  # a death is seen before it
             teardown_at = time.time()
             left = engine.survivors.keep(group, engine.switchboard.next_action,
                                          engine.spec.link_timeout, session=True)

@@ -141,12 +141,15 @@ class JobLoop:
 
         When only lost peers had failed as the ranks were asked to leave, the rank that
         died may not have been seen yet: a peer's error can reach the agent before the dead
-        rank's report pipe closes and its shepherd exits. The survivors' leaving waits until
-        every rank parked or ended (bounded: the link timeout, or a second without one
-        leaving), so such a death is seen by its end: the failures are taken up to then,
-        less the ranks stopped there for not leaving (their exit is the agent's doing)."""
+        rank's report pipe closes and its shepherd exits. A rank whose process is gone is
+        waited for first (``await_the_gone``); one still dying then is seen as the
+        survivors leave: their leaving waits until every rank parked or ended (bounded:
+        the link timeout, or a second without one leaving), so such a death is seen by its
+        end: the failures are taken up to then, less the ranks stopped there for not
+        leaving (their exit is the agent's doing)."""
         engine, group = self.engine, self.engine.group
         assert group is not None
+        group.await_the_gone(engine.switchboard.next_action)  # a death is seen before it
         left_at = time.time()
         stuck = engine.survivors.keep(group, engine.switchboard.next_action,
                                       engine.spec.link_timeout)

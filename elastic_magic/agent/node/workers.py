@@ -42,6 +42,7 @@ from ...wire.messages import (
 from ...wire.protocol import Channel, ProtocolError, widen_pipe
 from ...worker.shepherd import END_ALL, NOTICE
 from ...worker.stdout import NONCE_BYTES
+from .proc import parent_pid, worker_gone
 
 if TYPE_CHECKING:
     from ...logs import RunFolder
@@ -156,14 +157,8 @@ class Worker:
 
     def process_gone(self) -> bool:
         """The rank's worker process has died though the end of its report pipe may not
-        have reached us yet (a kill a moment ago): its shepherd has no living child. False
-        when that cannot be read (then the pipe's end tells, as always)."""
-        try:
-            with open(f"/proc/{self.pid}/task/{self.pid}/children", "rb") as file:
-                children = file.read().split()
-        except OSError:
-            return False
-        return not any(_living(int(child)) for child in children)
+        have reached us yet (a kill a moment ago); see ``proc.worker_gone``."""
+        return worker_gone(self.pid)
 
     def send(self, message: Run | Reply | Exit | Interrupt) -> bool:
         """Send on the control pipe; False when the worker has already gone."""
@@ -314,7 +309,7 @@ def take_handoff(worker: Worker, offer: Handoff) -> int | None:
     """Open the anonymous memory file a worker wrote a snapshot into (its descriptor, seen
     through /proc while the worker waits for our reply): our own descriptor of it, or None
     where it cannot be opened."""
-    if _parent_pid(offer.pid) != worker.pid:  # the worker is the child of our shepherd
+    if parent_pid(offer.pid) != worker.pid:  # the worker is the child of our shepherd
         return None
     try:
         fd = os.open(offer.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -324,31 +319,6 @@ def take_handoff(worker: Worker, offer: Handoff) -> int | None:
         os.close(fd)
         return None
     return fd
-
-
-_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
-
-
-def _living(pid: int) -> bool:
-    """The process exists, is no zombie, and has no SIGKILL pending (one sent a moment ago
-    is pending until the process is scheduled to die)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as file:
-            fields = dict(line.split(b":", 1) for line in file.read().splitlines()
-                          if b":" in line)
-        state = fields[b"State"].split()[0]
-        pending = int(fields[b"SigPnd"], 16) | int(fields[b"ShdPnd"], 16)
-    except (OSError, KeyError, IndexError, ValueError):
-        return False
-    return state not in (b"Z", b"X") and not pending & _SIGKILL_BIT
-
-
-def _parent_pid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return int(stat.read().rpartition(b")")[2].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 # (signal to the shepherd, seconds to wait for its exit before the next step). It relays
