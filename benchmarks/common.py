@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 
 import elastic_magic
+from elastic_magic.agent.node.pool import warm_pool
 from elastic_magic.wire.events import Output
 
 
@@ -93,6 +94,25 @@ def kill_torchrun(proc: subprocess.Popen[Any]) -> None:
 
 def launch(cell: str, nproc: int, **options: object) -> elastic_magic.JobResult:
     return elastic_magic.launch(cell, nproc=nproc, render=lambda events: None, **options)
+
+
+POOL_SETTLES_WITHIN = 300.0  # a rebuild that imports Lightning or transformers, loaded
+
+
+def settle_pool() -> None:
+    """Wait until the warm pool builds no successor: a cell that taught it modules starts
+    one in the background. A timed run beside the build would share the CPUs with it
+    (whichever side runs then) and fork from the zygote that lacks them."""
+    if not warm_pool().wait_rebuilt(POOL_SETTLES_WITHIN):
+        raise RuntimeError(f"the warm pool's rebuild took over {POOL_SETTLES_WITHIN:.0f} s")
+
+
+def warm_up(cell: str, nproc: int, **options: object) -> elastic_magic.JobResult:
+    """Run ``cell`` once untimed, as a user's earlier cell (what is timed is a cell after
+    the first), and wait for what it taught the pool."""
+    result = launch(cell, nproc, **options)
+    settle_pool()
+    return result
 
 
 def now() -> float:

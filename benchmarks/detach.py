@@ -19,7 +19,7 @@ from elastic_magic.agent.handles import attached, detached_launch
 from elastic_magic.agent.handles.handle import next_batch
 from elastic_magic.ui.dashboard_state import DashboardState
 
-from .common import launch, now, scratch, stamps
+from .common import launch, now, scratch, stamps, warm_up
 from .launch import RECOVERY, USER_CODE, _torchrun
 
 # Prints its share of the lines, says so, then waits to be stopped (an attached kernel
@@ -42,7 +42,7 @@ def detach_launch(nproc: int, quick: bool) -> dict[str, float]:
     """Each side a cell after the first: the kernel's pool is warm, and the detached job's
     agent is the standby that the detached cell before left, torchrun's seconds earlier (a
     user's next cell does not come sooner)."""
-    launch("1", nproc)
+    warm_up("1", nproc)
     _detached("1", nproc)
     times = {}
     out = scratch()

@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 from . import cells
-from .common import launch, scratch, stamps
+from .common import launch, scratch, stamps, warm_up
 
 EVERY = 5
 KILL_AT = 13
@@ -118,9 +118,9 @@ def _figures(out: Path, nproc: int, side: str) -> dict[str, float]:
 def _recovery(ours: str, theirs: str, nproc: int, quick: bool) -> dict[str, float]:
     cells.set_env()
     values = _values(quick)
-    warm = scratch()  # the pool learns the cell's imports: the timed run forks from them
-    launch(cells.STAMP + ours, nproc, namespace=cells.namespace(warm, {**values,
-                                                                      "KILL_AT": -1}))
+    # the pool learns the cell's imports: the timed run forks from them
+    warm_up(cells.STAMP + ours, nproc, namespace=cells.namespace(scratch(), {**values,
+                                                                            "KILL_AT": -1}))
     out = scratch()
     launch(cells.STAMP + ours, nproc, namespace=cells.namespace(out, values), max_restarts=1)
     torchrun_out, _ = cells.run_torchrun(theirs, nproc, values, "--max-restarts=1",

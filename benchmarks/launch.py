@@ -20,7 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .common import free_port, launch, now, scratch, stamps, torchrun
+from .common import free_port, launch, now, scratch, stamps, torchrun, warm_up
 
 USER_CODE = textwrap.dedent("""
     import os, time
@@ -70,7 +70,7 @@ def _script(code: str) -> Path:
 
 
 def _ours_warm(nproc: int) -> float:
-    launch("1", nproc)  # a cell after the first: only the first pays for the pool
+    warm_up("1", nproc)  # a cell after the first: only the first pays for the pool
     out = scratch()
     started = now()
     launch(USER_CODE, nproc, namespace={"OUT": str(out)}, init_process_group=False)

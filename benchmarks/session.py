@@ -22,7 +22,7 @@ from typing import Any
 
 import elastic_magic
 
-from .common import free_port, launch
+from .common import free_port, launch, warm_up
 
 TRIVIAL = "x = 1"
 ALL_REDUCE = "t = torch.ones(1)\ndist.all_reduce(t)"
@@ -73,7 +73,7 @@ def session_cell(nproc: int, quick: bool) -> dict[str, float]:
     with cluster(nproc) as client:
         view = client[:]
         theirs = _median_ms(lambda: view.execute(TRIVIAL, block=True), cells)
-    launch(TRIVIAL, nproc)  # the pool is warm
+    warm_up(TRIVIAL, nproc)
     job = _median_ms(lambda: launch(TRIVIAL, nproc), 3 if quick else 10)
     return {"elastic_magic_session": ours, "ipyparallel_px": theirs,
             "one_shot_job": job}

@@ -41,7 +41,7 @@ from elastic_magic.wire.events import Committed
 from elastic_magic.wire.payload import build_payload
 
 from . import cells
-from .common import launch, scratch, torchrun
+from .common import launch, scratch, torchrun, warm_up
 from .training import _recovered
 
 # -- a survivor's recovery as the model grows --------------------------------------------
@@ -127,8 +127,8 @@ def _width(state_bytes: float) -> int:
 
 def survivors_model_size(nproc: int, quick: bool) -> dict[str, float]:
     cells.set_env()
-    launch(cells.STAMP + cells.MLP, nproc,  # the pool has started and seen a training cell
-           namespace=cells.namespace(scratch(), cells.params(quick)))
+    warm_up(cells.STAMP + cells.MLP, nproc,  # the pool has started and seen a training cell
+            namespace=cells.namespace(scratch(), cells.params(quick)))
     sides = {}
     for label, size in (("10mb", 10e6), ("100mb" if quick else "1gb", 1e8 if quick else 1e9)):
         for side, survivors, cell in (("in_place", True, SIZED_IN_PLACE),
@@ -334,8 +334,8 @@ def survivors_efficiency(nproc: int, quick: bool) -> dict[str, float]:
     # --quick keeps the period: at a failure every 5 s, torchrun's restarts (3-5 s here)
     # left it no step between failures
     duration, period = (30.0, 10.0) if quick else (300.0, 10.0)
-    launch(cells.STAMP + cells.MLP, nproc,  # the pool has started and seen the cell
-           namespace=cells.namespace(scratch(), cells.params(quick)))
+    warm_up(cells.STAMP + cells.MLP, nproc,  # the pool has started and seen the cell
+            namespace=cells.namespace(scratch(), cells.params(quick)))
     ours = _ours(nproc, duration, None, survivors=False)
     theirs = _torchrun(nproc, duration, None)
     return {"elastic_magic_in_place": _ours(nproc, duration, period, True,

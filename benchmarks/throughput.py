@@ -16,7 +16,7 @@ import itertools
 import textwrap
 from pathlib import Path
 
-from .common import launch, scratch, stamps, torchrun
+from .common import launch, scratch, stamps, torchrun, warm_up
 
 _log_runs = itertools.count()
 
@@ -76,6 +76,8 @@ def _script(code: str, **constants: object) -> str:
 def ddp(nproc: int, quick: bool) -> dict[str, float]:
     steps = 100 if quick else 400
     ours, theirs = scratch(), scratch()
+    warm_up(DDP, nproc, namespace={"OUT": str(scratch()), "STEPS": 1, "LOG": False},
+            init_process_group=False)  # what DDP imports is in the pool, as in a later cell
     launch(DDP, nproc, namespace={"OUT": str(ours), "STEPS": steps, "LOG": False},
            init_process_group=False)
     torchrun(Path(_script(DDP, STEPS=steps, LOG=False)), nproc, str(theirs))

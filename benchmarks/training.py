@@ -45,7 +45,7 @@ from elastic_magic.spec import JobSpec
 from elastic_magic.wire.payload import build_payload
 
 from . import cells
-from .common import free_port, launch, now, scratch, stamps
+from .common import free_port, launch, now, scratch, stamps, warm_up
 from .session import cluster
 
 
@@ -56,12 +56,17 @@ def _ours(code: str, nproc: int, values: dict[str, int], **options: Any) -> floa
     return cells.first_step(out, started, nproc)
 
 
+def _warm_up(code: str, nproc: int, values: dict[str, int]) -> None:
+    """The cell once, untimed: the pool has seen it (and built what it taught it)."""
+    warm_up(cells.STAMP + code, nproc, namespace=cells.namespace(scratch(), values))
+
+
 def _beside_torchrun(code: str, nproc: int, quick: bool,
                      launcher: bool = False) -> dict[str, float]:
     """Ours warm, beside torchrun (and with ``launcher``, notebook_launcher)."""
     cells.set_env()
     values = cells.params(quick)
-    _ours(code, nproc, values)  # the first run of the cell: warms (and teaches) the pool
+    _warm_up(code, nproc, values)
     out, started = cells.run_torchrun(code, nproc, values)
     theirs = {"torchrun": cells.first_step(out, started, nproc)}
     if launcher:
@@ -89,7 +94,7 @@ def _recovered(out: Any, nproc: int) -> float:
 def train_recovery(nproc: int, quick: bool) -> dict[str, float]:
     cells.set_env()
     values = cells.params(quick)
-    _ours(cells.MLP, nproc, values)  # the pool has seen the cell
+    _warm_up(cells.MLP, nproc, values)
     ours = scratch()
     launch(cells.STAMP + cells.MLP_KILLED, nproc, namespace=cells.namespace(ours, values),
            max_restarts=1)
@@ -105,7 +110,7 @@ STEADY = 40  # steps before the kill: about half a second of training here
 def train_recovery_survivors(nproc: int, quick: bool) -> dict[str, float]:
     cells.set_env()
     values = cells.params(quick)
-    _ours(cells.MLP, nproc, values)  # the pool has seen the cell
+    _warm_up(cells.MLP, nproc, values)
     sides = {}
     for side, survivors, cell, kill_at in (
             ("elastic_magic_in_place", True, cells.MLP_IN_PLACE, 1),
@@ -139,7 +144,7 @@ def _resize(nproc: int, quick: bool, survivors: bool, cell: str = cells.MLP_ELAS
     """2 -> 3 (``nproc`` -> ``nproc + 1``) at the next commit."""
     cells.set_env()
     values = {**cells.params(quick, SAMPLES=960), "STEPS": 100000, "KILL": 0, "RESIZE": 1}
-    _ours(cells.MLP, nproc, values)
+    _warm_up(cells.MLP, nproc, values)
     out, bigger = scratch(), nproc + 1
     spec = JobSpec.create(nproc, min_nproc=1, max_nproc=bigger, survivors=survivors)
     job = Job(spec, build_payload(cells.STAMP + cell, spec,
