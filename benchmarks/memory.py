@@ -28,7 +28,7 @@ import psutil
 from elastic_magic.agent.node.pool import warm_pool
 
 from . import cells
-from .common import launch, scratch, stamps, torchrun
+from .common import launch, scratch, settle_pool, stamps, torchrun, warm_up
 
 MB = 1 << 20
 RANK_MEMORY = textwrap.dedent("""
@@ -79,7 +79,9 @@ def memory(nproc: int, quick: bool) -> dict[str, float]:
         launch(RANK_MEMORY, nproc, namespace={"OUT": str(out), "HOLD": 1.0},
                init_process_group=False, **options)
 
-    ours(pooled)  # the pool is warm, torch's once-only state made
+    # the pool is warm (and has psutil, which the cell imports), torch's once-only state made
+    warm_up(RANK_MEMORY, nproc, namespace={"OUT": str(scratch()), "HOLD": 0.0},
+            init_process_group=False)
     before = psutil.Process().memory_info().rss
     peak = _peak_rss_during(lambda: ours(pooled))
     me, hold = psutil.Process(), scratch()
@@ -94,10 +96,12 @@ def memory(nproc: int, quick: bool) -> dict[str, float]:
     cells.set_env()
     values = cells.params(quick)
     trained, trained_torchrun = scratch(), scratch()
-    for _ in range(1 if quick else 2):  # a cell after the first (quick: the first)
-        launch(TRAINED_MEMORY, nproc, namespace=cells.namespace(trained, values))
+    if not quick:  # a cell after the first (quick: the first)
+        warm_up(TRAINED_MEMORY, nproc, namespace=cells.namespace(scratch(), values))
+    launch(TRAINED_MEMORY, nproc, namespace=cells.namespace(trained, values))
     torchrun(cells.script(TRAINED_MEMORY, values), nproc, str(trained_torchrun),
              env={**os.environ, **cells.ENV})
+    settle_pool()  # the zygote measured has what those cells taught it
     (zygote,) = [psutil.Process(pid) for pid in warm_pool().pids]
     idle = zygote.cpu_times()
     time.sleep(2.0)

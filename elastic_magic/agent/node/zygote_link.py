@@ -67,7 +67,10 @@ class Zygote:
         self._started = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
         self._error: BaseException | None = None
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as exc:  # out of descriptors
+            raise PoolError(f"the worker pool did not start: {exc}") from exc
         # PR_SET_PDEATHSIG fires when the spawning *thread* exits: this one lives as long
         # as the zygote should.
         self._keeper = threading.Thread(target=self._keep, args=(env, cwd, theirs),
@@ -86,7 +89,8 @@ class Zygote:
 
     def wait_ready(self) -> None:
         """Wait until it has imported everything; raises Tainted (a module it must not
-        have imported, or one it crashed or hung on) or PoolError. Either way it is then
+        have imported, or one it crashed or hung on) or PoolError (a rebuild's thread
+        ends on nothing else: the pool would wait for it forever). Either way it is then
         closed."""
         importing = None  # the module it said it imports now
         try:
@@ -109,9 +113,9 @@ class Zygote:
                 raise
             raise Tainted(importing, f"stopped the pool while it imported it ({exc})") \
                 from exc
-        except (KeyError, ValueError):
+        except (KeyError, ValueError) as exc:  # a reply it never sends: as if it failed
             self.close()
-            raise
+            raise PoolError(f"the worker pool answered out of protocol: {exc!r}") from exc
 
     def cancel(self) -> None:
         """End a zygote still importing (``wait_ready`` then raises PoolError)."""
