@@ -30,12 +30,11 @@ def _living(pid: int) -> bool:
     as its driver lets go, its sockets closed already) and has no SIGKILL pending (one
     sent a moment ago is pending until the process is scheduled to die)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            flags = int(file.read().rpartition(b")")[2].split()[6])
+        stat = _stat(pid)
+        state, flags = stat[0], int(stat[6])
         with open(f"/proc/{pid}/status", "rb") as file:
             fields = dict(line.split(b":", 1) for line in file.read().splitlines()
                           if b":" in line)
-        state = fields[b"State"].split()[0]
         pending = int(fields[b"SigPnd"], 16) | int(fields[b"ShdPnd"], 16)
     except (OSError, KeyError, IndexError, ValueError):
         return False
@@ -46,7 +45,13 @@ def _living(pid: int) -> bool:
 def parent_pid(pid: int) -> int | None:
     """The process's parent, or None when it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return int(stat.read().rpartition(b")")[2].split()[1])
+        return int(_stat(pid)[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _stat(pid: int) -> list[bytes]:
+    """/proc/PID/stat's fields after the name (which may hold spaces and parentheses):
+    state, parent, process group, session, terminal, its group, flags, ..."""
+    with open(f"/proc/{pid}/stat", "rb") as file:
+        return file.read().rpartition(b")")[2].split()
