@@ -192,7 +192,8 @@ def test_comm_offers_the_users_detached_jobs_that_this_kernel_does_not_follow(
         tmp_path, monkeypatch):
     """The panel's "Detached jobs" list: the user's live ones from the private runtime
     folder (never the token), less those this kernel follows; a job this kernel let go
-    (Ctrl-C detaches) moves from its list there, with no "finished" message."""
+    (Ctrl-C detaches) moves from its list there, with no "finished" message; one that ended
+    here is not listed while its agent winds down."""
     from elastic_magic.agent.handles import detached_folder
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -209,8 +210,10 @@ def test_comm_offers_the_users_detached_jobs_that_this_kernel_does_not_follow(
     odd.chmod(0o600)
 
     class Handle:  # what the channel reads of a followed or a let-go AttachedJob
-        def __init__(self, run_id: str, done: bool, detached: bool) -> None:
+        def __init__(self, run_id: str, done: bool, detached: bool,
+                     result: object = None) -> None:
             self.run_id, self.done, self.detached = run_id, done, detached
+            self.result = result
 
     channel = JobsChannel()
     comm = FakeComm()
@@ -222,6 +225,12 @@ def test_comm_offers_the_users_detached_jobs_that_this_kernel_does_not_follow(
     assert 0 <= listed[0]["elapsed"] <= time.time() - started
     assert "secret-token" not in repr(listed)
     assert not (folder / "em-killed.json").exists()  # a killed agent's file is cleared
+    # Followed: running; or ended here with its result while its agent winds down (its
+    # file is still there); not one whose link was lost, its agent maybe running on.
+    followed = [comm_module._followed(ListedJob(1, handle, None, True)) for handle in (
+        Handle("em-followed", False, False), Handle("em-followed", True, False, "a result"),
+        Handle("em-followed", True, False))]
+    assert followed == [True, True, False]
     channel._items["em-let-go"] = ListedJob(2, Handle("em-let-go", True, True), None, True)
     channel.update()  # as the ticker does
     (message,) = comm.sent  # the list, and no "finished": the let-go job did not end

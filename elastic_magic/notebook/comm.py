@@ -130,6 +130,13 @@ def _let_go(item: ListedJob) -> bool:
     return getattr(item.job, "detached", False) is True
 
 
+def _followed(item: ListedJob) -> bool:
+    """A job this kernel follows, or whose end it has: a detached agent keeps its connection
+    file while it winds down after the end, and that is not another job to attach to. A job
+    whose link was lost while its agent may run on is not followed: the panel offers Attach."""
+    return not item.job.done or item.job.result is not None
+
+
 def _busy(item: ListedJob) -> bool:
     """A job that has not ended, or a session's cell that runs (its elapsed time moves); or
     one whose view has not finished its chart yet (its last events still to come)."""
@@ -265,7 +272,7 @@ class JobsChannel:
             for run_id in [r for r, i in self._items.items() if _let_go(i)]:
                 del self._items[run_id]
             items = list(self._items.values())
-        followed = {i.job.run_id for i in items if not i.job.done}
+        followed = {i.job.run_id for i in items if _followed(i)}
         return {"type": "items", "items": [describe(i) for i in items],
                 "detached": detached_elsewhere(followed)}
 
