@@ -218,7 +218,8 @@ class JobResult:
 # peers too long: a consequence of another rank's failure, not a cause, unless nothing
 # else failed around it.
 _PEER_LOSS_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited",
-                      "Connection refused", "peer disconnected")
+                      "Connection refused", "peer disconnected",
+                      "Connection was likely closed")  # the store's (its host gone, or left)
 _TIMEOUT_MARKERS = ("timed out", "timeout")  # gloo "Timed out waiting", NCCL's watchdog
 # ...in torch.distributed, not a timeout of the user's own (a data server, a socket)
 _DISTRIBUTED_MARKERS = ("torch/distributed/", "gloo", "NCCL", "c10d")

@@ -221,6 +221,87 @@ def test_a_survivor_interrupted_while_making_its_group_joins_new_ranks(log_dir, 
     assert result.values == {0: 2.0, 1: 2.0}
 
 
+# The second group's new rank 1 dies before it makes the group, while the survivor waits
+# in the store for its address: a wait that neither errors nor returns on a signal. The
+# first group's rank 1 dies between two collectives, to leave a survivor.
+DIED_BEFORE_ITS_GROUP = textwrap.dedent("""
+    import os, signal, time, torch, torch.distributed as dist
+    import elastic_magic
+    restart, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+    if restart == 1 and rank == 1:
+        while not os.path.exists(MAKING):
+            time.sleep(0.01)
+        time.sleep(0.5)  # its peer is in the store by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    if restart == 1:
+        open(MAKING, "w").close()
+    state = elastic_magic.State(step=0)  # the group is made here: it restores a commit
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if restart == 0 and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(t)
+    t.item()
+""")
+
+
+def test_a_survivor_waiting_in_the_store_for_a_peer_that_died_leaves_and_stays(
+        log_dir, tmp_path, recorder):
+    """A rank that dies before it makes its group leaves its peers waiting in the store
+    for its address, which no signal interrupts: told to leave, the survivor shuts its
+    connection to that group's store, parks and stays (else it was stopped as stuck)."""
+    source = DIED_BEFORE_ITS_GROUP.replace("MAKING", repr(str(tmp_path / "making")))
+    result = run(log_dir, recorder, None, source=source, failures=2)
+    stayed = [s.stayed for s in recorder.of(WorkersStarted)[1:]]
+    assert stayed == [(0,), (0,)], timeline(recorder)
+    assert_stayed(recorder, stayed)  # in its process
+    assert not [e for e in recorder.of(WorkerFailed) if e.failure.reason == STUCK]
+    assert result.values == {0: 4.0, 1: 4.0}
+
+
+@pytest.mark.unit
+def test_leaving_a_group_ends_a_wait_in_its_store_and_no_other_connection(monkeypatch):
+    """What a rank told to leave does to its group's store (``MASTER_ADDR``, given as a
+    name, and ``MASTER_PORT``): a get that waits for a key never written errors at once;
+    a connection to another store goes on, and the store serves a new one."""
+    from datetime import timedelta
+
+    from torch.distributed import DistNetworkError, TCPStore
+
+    from elastic_magic.result import RankFailure, is_consequence
+    from elastic_magic.worker import group_store
+
+    def store(port: int = 0) -> TCPStore:
+        return TCPStore("127.0.0.1", port, is_master=not port, wait_for_workers=False,
+                        timeout=timedelta(seconds=60))
+
+    group_host, other_host = store(), store()
+    waiting, other = store(group_host.port), store(other_host.port)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(group_host.port))
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiting.get("a peer that died never writes this")
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    assert group_store.leave_store() >= 1
+    thread.join(timeout=30)
+    assert not thread.is_alive() and isinstance(raised[0], DistNetworkError), raised
+    failure = RankFailure(rank=0, local_rank=0, attempt=0, pid=1, time=0.0,
+                          exc_type="DistNetworkError", message=str(raised[0]))
+    assert is_consequence(failure), failure.message  # a lost peer's error: the rank stays
+    other.set("key", "value")
+    assert other.get("key") == b"value"
+    again = store(group_host.port)  # the store itself serves on (it is the agent's)
+    again.set("key", "value")
+    assert again.get("key") == b"value"
+
+
 WITHOUT_STATE = textwrap.dedent("""
     import os, torch, torch.distributed as dist
     t = torch.ones(1)

@@ -63,7 +63,11 @@ class DumpStacks:
 @dataclass(frozen=True)
 class Interrupt:
     """KeyboardInterrupt in the rank's running code (none when it is idle): a session's
-    cell, or a survivor's payload (it parks: the group re-forms); the worker lives on."""
+    cell, or a survivor's payload (it parks: the group re-forms); the worker lives on.
+    ``group_ends``: the rank leaves its group, whose store goes with it (a wait there for a
+    peer that died ends too)."""
+
+    group_ends: bool = False
 
 
 # -- worker -> agent ------------------------------------------------------------------

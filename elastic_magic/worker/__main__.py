@@ -20,7 +20,7 @@ import threading
 from elastic_magic.wire.messages import DumpStacks, Exit, Interrupt, Reply, Run
 from elastic_magic.wire.protocol import KEY_BYTES, Channel, ProtocolError
 from elastic_magic.worker import client as agent_client
-from elastic_magic.worker import leave, shepherd
+from elastic_magic.worker import group_store, leave, shepherd
 from elastic_magic.worker import session_cells as session
 from elastic_magic.worker.progress import answer_stacks, report_progress
 from elastic_magic.worker.runner import run_payload, shutdown_process_group
@@ -135,9 +135,11 @@ def serve_rank(control_fd: int, report_fd: int, shepherd_pid: int) -> None:
                     leave.receive(message)
                 case DumpStacks(request_id):
                     answer_stacks(client, request_id)
-                case Interrupt():  # a session's cell, or a survivor's payload
+                case Interrupt(group_ends):  # a session's cell, or a survivor's payload
                     leave.ask()  # noted first: a cell that begins after it sees it
                     session.interrupt_main()
+                    if group_ends:  # after the signal: the wait's error raises it
+                        group_store.leave_store()
 
     threading.Thread(target=listen, name="elastic-lifeline", daemon=True).start()
     buffer_stdout(nonce)

@@ -37,7 +37,7 @@ def ask_to_leave(group: WorkerGroup) -> None:
     """Every live rank that has not parked yet leaves its payload now."""
     for worker in group.workers:
         if not worker.parked and worker.alive():
-            worker.send(Interrupt())
+            worker.send(Interrupt(group_ends=True))
 
 
 def settled(group: WorkerGroup) -> bool:
