@@ -211,9 +211,9 @@ def test_comm_offers_the_users_detached_jobs_that_this_kernel_does_not_follow(
 
     class Handle:  # what the channel reads of a followed or a let-go AttachedJob
         def __init__(self, run_id: str, done: bool, detached: bool,
-                     result: object = None) -> None:
+                     link_lost: bool = False) -> None:
             self.run_id, self.done, self.detached = run_id, done, detached
-            self.result = result
+            self.link_lost = link_lost
 
     channel = JobsChannel()
     comm = FakeComm()
@@ -225,11 +225,12 @@ def test_comm_offers_the_users_detached_jobs_that_this_kernel_does_not_follow(
     assert 0 <= listed[0]["elapsed"] <= time.time() - started
     assert "secret-token" not in repr(listed)
     assert not (folder / "em-killed.json").exists()  # a killed agent's file is cleared
-    # Followed: running; or ended here with its result while its agent winds down (its
-    # file is still there); not one whose link was lost, its agent maybe running on.
+    # Followed: running; or told its end here (a result, or its agent's error) while its
+    # agent winds down (its file is still there); not one whose link was lost, its agent
+    # maybe running on.
     followed = [comm_module._followed(ListedJob(1, handle, None, True)) for handle in (
-        Handle("em-followed", False, False), Handle("em-followed", True, False, "a result"),
-        Handle("em-followed", True, False))]
+        Handle("em-followed", False, False), Handle("em-followed", True, False),
+        Handle("em-followed", True, False, link_lost=True))]
     assert followed == [True, True, False]
     channel._items["em-let-go"] = ListedJob(2, Handle("em-let-go", True, True), None, True)
     channel.update()  # as the ticker does

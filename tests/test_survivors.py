@@ -231,7 +231,7 @@ DIED_BEFORE_ITS_GROUP = textwrap.dedent("""
     if restart == 1 and rank == 1:
         while not os.path.exists(MAKING):
             time.sleep(0.01)
-        time.sleep(0.5)  # its peer is in the store by now
+        time.sleep(1.0)  # its peer waits in the store by now
         os.kill(os.getpid(), signal.SIGKILL)
     if restart == 1:
         open(MAKING, "w").close()
@@ -283,15 +283,21 @@ def test_leaving_a_group_ends_a_wait_in_its_store_and_no_other_connection(monkey
 
     def wait() -> None:
         try:
+            waiting.set("waiting", "")
             waiting.get("a peer that died never writes this")
         except BaseException as exc:
             raised.append(exc)
 
-    thread = threading.Thread(target=wait)
+    thread = threading.Thread(target=wait, daemon=True)
     thread.start()
+    watcher = store(group_host.port)
+    watcher.wait(["waiting"])
+    time.sleep(0.3)  # the get is sent: the next line is a wait that only the cut ends
+    assert thread.is_alive()
     assert group_store.leave_store() >= 1
     thread.join(timeout=30)
     assert not thread.is_alive() and isinstance(raised[0], DistNetworkError), raised
+    assert "Connection was likely closed" in str(raised[0])  # its recv, not its send
     failure = RankFailure(rank=0, local_rank=0, attempt=0, pid=1, time=0.0,
                           exc_type="DistNetworkError", message=str(raised[0]))
     assert is_consequence(failure), failure.message  # a lost peer's error: the rank stays

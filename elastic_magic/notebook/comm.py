@@ -131,10 +131,11 @@ def _let_go(item: ListedJob) -> bool:
 
 
 def _followed(item: ListedJob) -> bool:
-    """A job this kernel follows, or whose end it has: a detached agent keeps its connection
-    file while it winds down after the end, and that is not another job to attach to. A job
-    whose link was lost while its agent may run on is not followed: the panel offers Attach."""
-    return not item.job.done or item.job.result is not None
+    """A job this kernel follows, or whose end it was told (with a result or its agent's
+    error): a detached agent keeps its connection file while it winds down after the end,
+    and that is not another job to attach to. A job whose link was lost while its agent may
+    run on is not followed: the panel offers Attach."""
+    return not item.job.done or not getattr(item.job, "link_lost", False)
 
 
 def _busy(item: ListedJob) -> bool:

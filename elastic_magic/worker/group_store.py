@@ -30,8 +30,13 @@ def leave_store() -> int:
     cut = 0
     for fd in _socket_fds():
         try:
-            sock = socket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
         except OSError:  # closed meanwhile
+            continue
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:  # its number reused meanwhile, by something else than a socket
+            os.close(copy)
             continue
         with sock:
             if sock.family not in (socket.AF_INET, socket.AF_INET6) \

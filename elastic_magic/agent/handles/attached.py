@@ -45,6 +45,8 @@ class AttachedJob(Job):
             are in the run's logs, ``log_dir``).
         detached: Whether this kernel stopped following the job (Ctrl-C, ``detach()``)
             while it ran on.
+        link_lost: Whether the link to its agent failed before the agent told the job's end
+            (the job may run on: ``attach`` follows it again).
     """
 
     def __init__(self, connection: detached_folder.Connection) -> None:
@@ -77,6 +79,7 @@ class AttachedJob(Job):
         self.connection = connection
         self.lines_left_out = welcome.lines_left_out
         self.detached = False
+        self.link_lost = False
         self._board.publish(**welcome.status)
         for event in welcome.history:
             self.events.put(event)
@@ -122,6 +125,7 @@ class AttachedJob(Job):
                         return
         except Exception as exc:  # the agent is gone (killed) or the link failed
             if not self.detached:
+                self.link_lost = True
                 self.error = AgentError(self._lost(str(exc) or "its socket closed"))
         finally:
             self._done.set()

@@ -28,6 +28,7 @@ class EndedJob:
     log_dir: Path
     result: JobResult | None  # without values, pulled variables, snapshot, tails, metrics
     _status: dict[str, Any]
+    link_lost: bool = False  # a detached job's: see AttachedJob
 
     @classmethod
     def of(cls, job: Job) -> EndedJob:
@@ -36,7 +37,7 @@ class EndedJob:
             result = dataclasses.replace(result, values={}, pulled={}, snapshot_source=None,
                                          tails={}, metrics={})
         return cls(job.run_id, job.spec, job.status_snapshot, job.log_dir, result,
-                   job.status())
+                   job.status(), getattr(job, "link_lost", False))
 
     done = True
 
