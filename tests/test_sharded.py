@@ -127,7 +127,9 @@ def test_a_rank_killed_between_commits_replays_bit_for_bit(uninterrupted, log_di
     result = train(log_dir, recorder, every=5, kill_at=12, max_restarts=1,
                    survivors=survivors)
     assert_stayed(recorder, [(0,) if survivors else ()])  # rank 0 stays, in its process
-    assert "START step 10 world 2" in recorder.lines(0)  # the commit before the kill
+    # the commit before the kill
+    assert "START step 10 world 2" in recorder.lines(0), "\n".join(
+        [recorder.story(), "rank 0's output:", *recorder.lines(0)])
     assert done_steps(recorder) == list(range(1, 13)) + list(range(11, STEPS + 1))
     assert_same(result.values[0], uninterrupted.values[0], atol=0)
 
