@@ -35,7 +35,7 @@ TRAIN = textwrap.dedent("""
     import os, random, signal, time, numpy, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-    import elastic_magic
+    import elastic_magic, elastic_magic.worker.client
 
     torch.manual_seed(0); random.seed(0); numpy.random.seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -69,7 +69,11 @@ TRAIN = textwrap.dedent("""
         for micro, (x, y) in enumerate(loader):  # 2 micro-batches per optimizer step
             if (state.step == KILL_AT and micro % 2  # mid-accumulation
                     and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
-                dist.barrier()  # rank 0 has said its step is done before rank 1 dies
+                # The last commit is in the agent (it is sent behind the training, and two
+                # steps can be quicker than that on a loaded machine), and rank 0 has said
+                # its step is done, before rank 1 dies.
+                elastic_magic.worker.client.current().drain()
+                dist.barrier()
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
             weight = 1 + (torch.rand(()).item() + random.random() + numpy.random.rand()) / 10

@@ -28,7 +28,7 @@ from elastic_magic.wire.payload import build_payload
 TRAIN = textwrap.dedent("""
     import os, signal, time, torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    import elastic_magic
+    import elastic_magic, elastic_magic.worker.client
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(),
@@ -49,7 +49,11 @@ TRAIN = textwrap.dedent("""
         sampler.set_epoch(epoch)
         for indices in sampler:
             if state.step == KILL_AT and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-                dist.barrier()  # rank 0 has said its step is done before rank 1 dies
+                # The last commit is in the agent (it is sent behind the training, and two
+                # steps can be quicker than that on a loaded machine), and rank 0 has said
+                # its step is done, before rank 1 dies.
+                elastic_magic.worker.client.current().drain()
+                dist.barrier()
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
             noise = 1 + torch.rand(()) / 10  # the loop's RNG, restored with the commit
