@@ -530,7 +530,7 @@ def test_a_machine_that_comes_up_after_its_unconfirmed_cancel_is_sent_away(
     assert seen["reasons"] == [f"its allocation {seen['held']} was given back before it "
                                "came up"], seen
     # It never joined a round: the job ran on the kernel's machine alone throughout.
-    assert sizes == [1]
+    assert sizes == [1], recorder.story()
     assert recorder.lines(0) == ["world 1"]
     wait_until(lambda: slurm.queue() == [], f"left in the queue: {slurm.queue()}")
     assert list((tmp_path / "tokens").iterdir()) == []
