@@ -112,6 +112,24 @@ def test_only_a_machine_the_head_let_in_waiting_for_a_round_regroups_the_job(log
 
 
 @pytest.mark.unit
+def test_a_machine_sent_away_that_asks_to_leave_at_a_commit_changes_nothing(log_dir):
+    """Its allocation's cancel, asked again as it was sent away, goes through while its
+    agent still ends: the scheduler's SIGTERM has it ask to leave at the next commit. It
+    was never the job's: no regroup (CI once saw the job re-form for it), nothing marked."""
+    from elastic_magic.agent.inbox import FromLink, Inbox
+    from elastic_magic.agent.machines.head import Head
+    from elastic_magic.wire.link_messages import LeaveAtCommit
+
+    spec = em.JobSpec.create(1, nnodes="1:2", log_dir=log_dir)
+    head = Head(spec, "em-test", lambda event: None, token="t",
+                payload=build_payload("1", spec), inbox=Inbox())
+    head.sent_away[7] = ("10.0.0.7", 70)
+    leaving = FromLink(None, 7, LeaveAtCommit("preempted"))  # type: ignore[arg-type]
+    assert head.handle(leaving, None, None, 1) is None
+    assert not head.launched.released and not head.launched.take_due()
+
+
+@pytest.mark.unit
 def test_scaling_machines_needs_a_launcher_and_stays_within_nnodes(log_dir):
     job = Job(em.JobSpec.create(1, nnodes="1:3", log_dir=log_dir),
               build_payload("1", em.JobSpec.create(1, log_dir=log_dir)))

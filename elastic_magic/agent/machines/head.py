@@ -137,6 +137,9 @@ class Head(SingleMachine):
                 self.names[item.node], self.pids[item.node] = host, pid
                 self.greeted.add(item.node)
                 self.emit(NodeConnected(self.launched.name(item.node, host), nproc, True))
+            case message if message is not None and item.node in self.sent_away:
+                return None  # not the job's: what it says as it goes (a cancel's SIGTERM
+                # reaches it now, and it asks to leave at a commit) changes nothing here
             case RankEvents(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0
                 self.emit(dataclasses.replace(event, attempt=attempt)
