@@ -138,8 +138,7 @@ class Head(SingleMachine):
                 self.greeted.add(item.node)
                 self.emit(NodeConnected(self.launched.name(item.node, host), nproc, True))
             case message if message is not None and item.node in self.sent_away:
-                return None  # not the job's: what it says as it goes (a cancel's SIGTERM
-                # reaches it now, and it asks to leave at a commit) changes nothing here
+                return None  # not the job's (its leaving, as a cancel's SIGTERM comes)
             case RankEvents(event):  # its ranks' output belongs to our current attempt here
                 attempt = group.attempt if group else 0
                 self.emit(dataclasses.replace(event, attempt=attempt)
@@ -266,8 +265,7 @@ class Head(SingleMachine):
     def stopping_job(self, reason: str) -> None:
         self.launched.ending()  # before its machines go: none of them is replaced
         # Other machines hear first, so their ranks stop rather than fail on lost peers.
-        if self.hub is not None:
-            self.hub.broadcast(EndJob(reason))
+        self.broadcast(EndJob(reason))
 
     def regrouping(self, info: RoundInfo | None) -> None:
         # Their ranks lose peers now: a membership change there too, not a failure.
@@ -287,8 +285,7 @@ class Head(SingleMachine):
         return set(self.names) if self.hub is not None else set()
 
     def ask_peers_for_stacks(self, request_id: int) -> None:
-        if self.hub is not None:
-            self.hub.broadcast(StacksRequest(request_id))
+        self.broadcast(StacksRequest(request_id))
 
     def broadcast(self, message: LinkMessage) -> None:
         if self.hub is not None:
