@@ -135,7 +135,7 @@ def _followed(item: ListedJob) -> bool:
     error): a detached agent keeps its connection file while it winds down after the end,
     and that is not another job to attach to. A job whose link was lost while its agent may
     run on is not followed: the panel offers Attach."""
-    return not item.job.done or not getattr(item.job, "link_lost", False)
+    return not item.job.done or not item.job.link_lost
 
 
 def _busy(item: ListedJob) -> bool:

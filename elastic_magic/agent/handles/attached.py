@@ -79,7 +79,6 @@ class AttachedJob(Job):
         self.connection = connection
         self.lines_left_out = welcome.lines_left_out
         self.detached = False
-        self.link_lost = False
         self._board.publish(**welcome.status)
         for event in welcome.history:
             self.events.put(event)

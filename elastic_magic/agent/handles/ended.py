@@ -37,7 +37,7 @@ class EndedJob:
             result = dataclasses.replace(result, values={}, pulled={}, snapshot_source=None,
                                          tails={}, metrics={})
         return cls(job.run_id, job.spec, job.status_snapshot, job.log_dir, result,
-                   job.status(), getattr(job, "link_lost", False))
+                   job.status(), job.link_lost)
 
     done = True
 

@@ -69,6 +69,7 @@ class AgentThread:
 
     _agent: Loop | None
     _thread: threading.Thread
+    link_lost = False  # an attached job's link to its own agent failed (AttachedJob)
 
     def __init__(self, spec: JobSpec, run_id: str | None, *, hosts: bool) -> None:
         """``hosts``: this machine hosts the job (others join it, with the token)."""
