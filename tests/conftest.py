@@ -4,8 +4,10 @@ this run (and only from this run) can be found in the process table."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -136,6 +138,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.process)
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: in a file too
+
+
+# A test whose main thread is held in C code never runs pytest-timeout's SIGALRM handler:
+# 30 s after its limit, every thread's stack goes to the terminal and its process ends (an
+# xdist worker is replaced), so the run goes on and shows where the test was held. Armed
+# again for the teardown, as pytest disarms it when a test fails.
+HELD_GRACE_S = 30.0
+_terminal: list[int] = []  # stderr as it was before capture, duplicated at configure
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _terminal.append(os.dup(sys.__stderr__.fileno()))
+
+
+def _watch_for_held(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("timeout")
+    limit = (marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
+             if marker else None)
+    if limit is None:
+        limit = item.config.getoption("timeout", None) or item.config.getini("timeout")
+    faulthandler.dump_traceback_later(float(limit) + HELD_GRACE_S, exit=True,
+                                      file=_terminal[0])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _watch_for_held(item)
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    _watch_for_held(item)
 
 
 def _refuse_process(*args: object, **kwargs: object) -> None:

@@ -1,7 +1,7 @@
 """The GPU path: one worker per GPU, nccl, torch.cuda.set_device(LOCAL_RANK), elastic state
 on CUDA, and GPU memory released when a job is stopped. CI has no GPU, so these run on a
-GPU machine (docs/explanation/gpus.md: `python -m pytest -m gpu`); without CUDA they are reported as
-skipped."""
+GPU machine, one test at a time (`python -m pytest -m gpu -n 1`: one measures the GPU's
+free memory); without CUDA they are reported as skipped."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 generator, batches through elastic_magic.DataLoader (2 workers, pinned memory), commits
 every 4 steps. Killed between two commits it ends bit for bit at the uninterrupted run;
 resized 2 -> 3 -> 1 within 2e-3 (other world sizes round other partial gradient sums to
-fp16). CI has no GPU: run on a GPU machine with
-``python -m pytest tests/test_gpu_resume.py``; skipped without CUDA.
+fp16). CI has no GPU: run on a GPU machine with ``python -m pytest -m gpu -n 1`` (the GPU
+tests, one at a time); skipped without CUDA.
 
 The ranks share the machine's GPUs through gloo (which takes CUDA tensors), so one GPU is
 enough for three ranks."""
